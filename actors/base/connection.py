@@ -1,0 +1,85 @@
+"""Connecting to the bus: reconnect forever, pings, every disconnect logged."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
+from bus_schemas.codec import decode, encode
+from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
+
+
+async def connect(url: str, name: str, log: logging.Logger) -> NATS:
+    async def on_error(err: Exception) -> None:
+        log.warning("nats error: %s", err)
+
+    async def on_disconnect() -> None:
+        if not (nc.is_closed or nc.is_draining):
+            log.warning("disconnected from %s; reconnecting", url)
+
+    async def on_reconnect() -> None:
+        log.info("reconnected to %s", url)
+
+    nc = NATS()
+    await nc.connect(
+        url,
+        name=name,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,  # forever
+        reconnect_time_wait=0.25,
+        ping_interval=5,
+        max_outstanding_pings=3,
+        connect_timeout=5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+    return nc
+
+
+async def close(nc: NATS) -> None:
+    """Flush what was published, then close. (Not drain: pull subscriptions make drain wait
+    for its full timeout, and every piece of work has been acked or returned by now.)"""
+    if nc.is_connected:
+        try:
+            await nc.flush(timeout=2)
+        except Exception:  # a flush that fails at exit changes nothing: the close follows
+            pass
+    await nc.close()
+
+
+async def run_bucket(js: JetStreamContext):
+    try:
+        return await js.key_value(RUN_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(bucket=RUN_BUCKET, history=1)
+
+
+async def publish_origin(js: JetStreamContext, run_name: str, origin_wall_s: float | None = None) -> RunOrigin:
+    """Set model time 0 for a new run (the launcher does this before starting actors)."""
+    origin = RunOrigin(origin_wall_s=time.time() if origin_wall_s is None else origin_wall_s, run_name=run_name)
+    kv = await run_bucket(js)
+    await kv.put(ORIGIN_KEY, encode(origin))
+    return origin
+
+
+async def read_origin(js: JetStreamContext, run_name: str) -> RunOrigin:
+    """The run's origin; an actor started by hand on an empty bus sets it to now."""
+    kv = await run_bucket(js)
+    try:
+        entry = await kv.get(ORIGIN_KEY)
+        return decode(RunOrigin, entry.value)
+    except KeyNotFoundError:
+        origin = RunOrigin(origin_wall_s=time.time(), run_name=run_name)
+        try:
+            await kv.create(ORIGIN_KEY, encode(origin))
+            return origin
+        except KeyWrongLastSequenceError:  # another actor won the race
+            return decode(RunOrigin, (await kv.get(ORIGIN_KEY)).value)
+    except msgspec.DecodeError as err:
+        raise RuntimeError(f"run origin in bucket {RUN_BUCKET!r} is malformed: {err}") from err

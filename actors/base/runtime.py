@@ -1,0 +1,219 @@
+"""The actor base class and the shared ``__main__`` entry point.
+
+Shutdown is an explicit state (running → stopping); signal handlers only set it. ``run``
+sets up, serves until stopped (or, in burst mode, until there is nothing left to do),
+then tears down: background tasks stopped, lifecycle events flushed, the final counters
+published as an ActorReport, the connection drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from actors.base.clock import Clock, ScaledClock
+from actors.base.connection import close, connect, read_origin
+from actors.base.lifecycle import LifecyclePublisher
+from actors.config import Config, ConfigError, load_config
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.status import ActorReport
+from bus_schemas.streams import ensure_streams
+
+T = TypeVar("T")
+
+
+class Actor:
+    kind: ClassVar[str] = "actor"
+
+    def __init__(self, actor_id: str, config: Config, nc: NATS, clock: Clock) -> None:
+        self.actor_id = actor_id
+        self.config = config
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.clock = clock
+        self.counters: Counter[str] = Counter()
+        self.log = logging.getLogger(f"prorsa.{self.kind}.{actor_id}")
+        self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log)
+        self.stopping = asyncio.Event()
+        self.failure: BaseException | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- to override -------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Subscribe and create consumers. Runs before serve()."""
+
+    async def serve(self, burst: bool) -> None:
+        """The actor's work until `stopping` is set (or, in burst mode, until idle)."""
+        await self.stopping.wait()
+
+    async def teardown(self) -> None:
+        """Hand back in-flight work. Runs after serve(), before the final report."""
+
+    def heartbeat(self) -> msgspec.Struct | None:
+        """The status message published every heartbeat, or None for none."""
+        return None
+
+    # --- shared machinery --------------------------------------------------------------
+    async def run(self, burst: bool = False) -> None:
+        await ensure_streams(self.js)
+        self.lifecycle.start()
+        await self.setup()
+        self.spawn(self._heartbeats(), "heartbeats")
+        serving = asyncio.create_task(self.serve(burst), name="serve")
+        stopped = asyncio.create_task(self.stopping.wait(), name="stop-wait")
+        try:
+            done, _ = await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if serving in done:
+                serving.result()  # re-raise a crash of the serve loop
+            else:
+                self.log.info("stop requested")
+            self.stopping.set()
+            await asyncio.wait_for(asyncio.shield(serving), timeout=10)
+        finally:
+            stopped.cancel()
+            await self._shutdown_tasks()
+            await self.teardown()
+            await self.lifecycle.close()
+            await self._publish_report()
+        if self.failure is not None:
+            raise self.failure
+
+    def request_stop(self, reason: str = "") -> None:
+        if not self.stopping.is_set():
+            self.log.info("stopping: %s", reason or "requested")
+        self.stopping.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """A background task whose crash stops the actor instead of vanishing."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        self.log.error("task %s crashed: %r", task.get_name(), err, exc_info=err)
+        self.failure = self.failure or err
+        self.stopping.set()
+
+    async def _shutdown_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def decode_or_count(self, message_type: type[T], msg: Msg) -> T | None:
+        """Decode at the edge; a malformed message is logged in one line and counted."""
+        try:
+            return decode(message_type, msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            self.counters["invalid_messages"] += 1
+            self.log.error("rejected malformed %s on %s: %s", message_type.__name__, msg.subject, err)
+            return None
+
+    async def decode_work(self, message_type: type[T], msg: Msg) -> T | None:
+        """Like decode_or_count, for JetStream work: a malformed item is terminated (never redelivered)."""
+        item = self.decode_or_count(message_type, msg)
+        if item is None:
+            await msg.term()
+        return item
+
+    def event(self, kind, **fields: Any) -> LifecycleEvent:
+        """Build, emit and return a lifecycle event stamped with now."""
+        fields.setdefault("at_s", self.clock.now_s())
+        event = LifecycleEvent(event_id=uuid.uuid4().hex, kind=kind, actor_id=self.actor_id, **fields)
+        self.lifecycle.emit(event)
+        return event
+
+    async def _heartbeats(self) -> None:
+        period_s = self.config.run.heartbeat_wall_s
+        while True:
+            status = self.heartbeat()
+            if status is not None and self.nc.is_connected:
+                await self.nc.publish(subjects.status(self.kind, self.actor_id), encode(status))
+            await asyncio.sleep(period_s)
+
+    async def _publish_report(self) -> None:
+        report = ActorReport(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
+        try:
+            await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=5)
+        except Exception as err:  # the bus may be gone at shutdown; say so, do not hide it
+            self.log.error("could not publish the final report: %s", err)
+
+
+ActorFactory = Callable[[argparse.Namespace, Config, NATS, Clock], Actor | Awaitable[Actor]]
+
+
+def actor_main(
+    kind: str,
+    factory: ActorFactory,
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    argv: list[str] | None = None,
+) -> int:
+    """Parse the common flags, connect, run the actor until stopped; return the exit code."""
+    parser = argparse.ArgumentParser(prog=f"python -m actors.{kind}")
+    parser.add_argument("--config", required=True, help="run config (TOML)")
+    parser.add_argument("--id", required=True, help="this actor's id, e.g. e0 or env1")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--burst", action="store_true", help="exit once there is nothing left to do")
+    parser.add_argument("--log-level", default="INFO")
+    if add_args is not None:
+        add_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {kind}.{args.id} %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        subjects.status(kind, args.id)  # refuse ids that break the subject hierarchy
+    except ValueError as err:
+        print(f"error: --id: {err}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_amain(kind, factory, args, config))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        logging.getLogger(f"prorsa.{kind}").exception("actor failed: %s", err)
+        return 1
+    return 0
+
+
+async def _amain(kind: str, factory: ActorFactory, args: argparse.Namespace, config: Config) -> None:
+    log = logging.getLogger(f"prorsa.{kind}.{args.id}")
+    nc = await connect(args.nats_url, f"{kind}.{args.id}", log)
+    try:
+        origin = await read_origin(nc.jetstream(), config.run.name)
+        clock = ScaledClock(config.run.time_scale, origin.origin_wall_s)
+        actor = factory(args, config, nc, clock)
+        if asyncio.iscoroutine(actor):
+            actor = await actor
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, actor.request_stop, signal.Signals(sig).name)
+        await actor.run(burst=args.burst)
+    finally:
+        await close(nc)

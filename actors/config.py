@@ -1,0 +1,168 @@
+"""The run configuration: TOML decoded by msgspec into typed Structs.
+
+Unknown keys are errors (``forbid_unknown_fields``), so a typo fails before anything
+starts, with a message that names the key and the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from bus_schemas.control import Role
+
+Policy = Literal["colocated", "static"]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Section):
+    name: str = "prorsa"
+    seed: int = 0  # seeds every sampled length and latency
+    time_scale: float = 1.0  # model seconds per wall second (20: a 60 s rollout takes 3 s)
+    mode: Literal["sync"] = "sync"
+    policy: Policy = "colocated"  # overridden by `ops.launch --policy`
+    heartbeat_wall_s: float = 1.0  # status heartbeat period, wall seconds
+    ack_wait_wall_s: float = 30.0  # un-acked work is redelivered after this many wall seconds
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("run.time_scale must be > 0")
+        if self.ack_wait_wall_s <= 0 or self.heartbeat_wall_s <= 0:
+            raise ValueError("run.ack_wait_wall_s and run.heartbeat_wall_s must be > 0")
+
+
+class EngineSection(_Section):
+    count: int = 4
+    backend: Literal["emulated"] = "emulated"
+    preset: str = "h100-qwen3-8b"  # cost-model preset, see actors.engine.costmodel.PRESETS
+    link: str = "rdma-8x400g"  # KV transfer link preset, see actors.engine.costmodel.LINKS
+    prefill_engines: int = 1  # engines in the prefill role under the `static` policy
+    max_batch_tokens: int = 8192  # chunked-prefill token budget per iteration
+    max_decode_seqs: int = 256  # decode batch cap
+    max_waiting: int = 64  # admitted-but-unprefilled sequences before the engine stops pulling
+    kv_ttl_s: float = 120.0  # model seconds a prefill engine holds KV for a decode engine
+    decode_quantum_wall_s: float = 0.005  # wall time batched into one decode advance
+
+    def __post_init__(self) -> None:
+        from actors.engine.costmodel import LINKS, PRESETS
+
+        if self.count < 1:
+            raise ValueError("engines.count must be >= 1")
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown engines.preset {self.preset!r} (known: {', '.join(sorted(PRESETS))})")
+        if self.link not in LINKS:
+            raise ValueError(f"unknown engines.link {self.link!r} (known: {', '.join(sorted(LINKS))})")
+        if self.prefill_engines < 1:
+            raise ValueError("engines.prefill_engines must be >= 1")
+
+
+class EnvironmentSection(_Section):
+    count: int = 2
+    max_live_trajectories: int = 256  # trajectories one environment runs at once
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.max_live_trajectories < 1:
+            raise ValueError("environments.count and max_live_trajectories must be >= 1")
+
+
+class TrainerSection(_Section):
+    steps: int = 3
+    tasks_per_step: int = 8  # B
+    samples_per_task: int = 4  # G
+    train_s: float = 30.0  # modelled training time per step, model seconds
+    policy_ack_timeout_wall_s: float = 60.0  # engines must ack a new policy within this
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.tasks_per_step, self.samples_per_task) < 1:
+            raise ValueError("trainer.steps, tasks_per_step and samples_per_task must be >= 1")
+
+
+class FamilyOverride(_Section):
+    """Shrink a profile for demos and tests; the defaults leave it as published."""
+
+    turns_max: int | None = None  # clip turns per trajectory to this
+    gen_scale: float = 1.0  # multiply per-turn generation lengths
+    obs_scale: float = 1.0  # multiply observation lengths
+    tool_latency_scale: float = 1.0  # multiply tool latencies
+
+
+class WorkloadSection(_Section):
+    mix: dict[str, float] = msgspec.field(default_factory=lambda: {"swe": 0.5, "math": 0.5})  # family -> share
+    overrides: dict[str, FamilyOverride] = {}
+
+    def __post_init__(self) -> None:
+        from actors.environment.workloads import PROFILES  # profiles live with the environment
+
+        for family in [*self.mix, *self.overrides]:
+            if family not in PROFILES:
+                raise ValueError(f"unknown task family {family!r} (known: {', '.join(sorted(PROFILES))})")
+        if not self.mix or min(self.mix.values()) < 0 or sum(self.mix.values()) <= 0:
+            raise ValueError("workload.mix needs positive shares")
+
+
+class Config(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    engines: EngineSection = msgspec.field(default_factory=EngineSection)
+    environments: EnvironmentSection = msgspec.field(default_factory=EnvironmentSection)
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    workload: WorkloadSection = msgspec.field(default_factory=WorkloadSection)
+
+    def engine_ids(self) -> list[str]:
+        return [f"e{i}" for i in range(self.engines.count)]
+
+    def env_ids(self) -> list[str]:
+        return [f"env{i}" for i in range(self.environments.count)]
+
+    def trajectories_expected(self) -> int:
+        t = self.trainer
+        return t.steps * t.tasks_per_step * t.samples_per_task
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config; raise ConfigError naming the file and what is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        raw = msgspec.json.decode(text) if path.suffix == ".json" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (tomllib.TOMLDecodeError, msgspec.DecodeError) as err:
+        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'TOML'}: {err}") from None
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def with_policy(config: Config, policy: str | None) -> Config:
+    if policy is None:
+        return config
+    try:
+        run = msgspec.convert({**msgspec.to_builtins(config.run), "policy": policy}, RunSection)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"--policy: {err}") from None
+    return msgspec.structs.replace(config, run=run)
+
+
+def initial_roles(config: Config) -> dict[str, Role]:
+    """The role each engine starts in under the config's policy."""
+    ids = config.engine_ids()
+    if config.run.policy == "static" and config.engines.prefill_engines >= len(ids):
+        raise ConfigError(
+            f"static policy: engines.prefill_engines = {config.engines.prefill_engines} leaves no decode "
+            f"engine out of engines.count = {len(ids)}"
+        )
+    if config.run.policy == "colocated":
+        return {engine_id: Role.COLOCATED for engine_id in ids}
+    n_prefill = config.engines.prefill_engines
+    return {engine_id: Role.PREFILL if i < n_prefill else Role.DECODE for i, engine_id in enumerate(ids)}

@@ -1,0 +1,21 @@
+"""python -m actors.engine --config CONFIG.toml --id e0 [--role prefill|decode|colocated]"""
+
+import sys
+
+from actors.base import actor_main
+from actors.config import initial_roles
+from actors.engine.actor import EngineActor
+from bus_schemas.control import Role
+
+
+def _args(parser) -> None:
+    parser.add_argument("--role", choices=[r.value for r in Role], help="default: from the config's policy")
+
+
+def _build(args, config, nc, clock) -> EngineActor:
+    role = Role(args.role) if args.role else initial_roles(config).get(args.id, Role.COLOCATED)
+    return EngineActor(args.id, config, nc, clock, role)
+
+
+if __name__ == "__main__":
+    sys.exit(actor_main("engine", _build, _args))

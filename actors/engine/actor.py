@@ -1,0 +1,405 @@
+"""The engine's bus adapter: pulls work for its role, drives the scheduler core in model
+time, hands KV over, answers commands.
+
+Work messages stay un-acked until their effect is durable (a decode work item, or a turn
+result, stored in its stream), so an engine that dies loses nothing: JetStream redelivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from actors.base import Actor
+from actors.base.publish import PublishAborted, publish_durable
+from actors.engine.core import EngineCore, Seq
+from actors.engine.costmodel import LINKS, PRESETS, transfer_s
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.status import EngineStatus
+from bus_schemas.streams import decode_consumer, prefill_consumer, pull_subscription
+from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult, retry_work_id
+
+FETCH_BATCH = 16
+FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long; then the role is looked at again
+IDLE_WAKE_WALL_S = 0.1
+KV_REQUEST_TIMEOUT_WALL_S = 5.0
+MAX_LAG_WALL_S = 0.05  # the engine's model-time cursor may trail the clock by this much
+
+
+class EngineActor(Actor):
+    kind = "engine"
+
+    def __init__(self, actor_id, config, nc, clock, role: Role) -> None:
+        super().__init__(actor_id, config, nc, clock)
+        ec = config.engines
+        self.link = LINKS[ec.link]
+        self.core = EngineCore(actor_id, role, PRESETS[ec.preset], ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
+        self.epoch = 0
+        self.policy_version = 0
+        self._msgs: dict[str, Msg] = {}  # work key -> the JetStream message to ack when done
+        self._pending_transfers = 0
+        self._effects = 0  # result / decode-work publishes in flight
+        self._wake = asyncio.Event()  # new work admitted
+        self._room = asyncio.Event()  # capacity freed
+        self._progress = asyncio.Event()  # a step or transfer finished
+        self._pulling = True
+        self._queue_empty = False
+        self._last_heartbeat = (0.0, 0.0)  # (model time, busy time)
+
+    # --- setup and serving ---------------------------------------------------------------
+    async def setup(self) -> None:
+        ack_wait = self.config.run.ack_wait_wall_s
+        self._subs = {
+            "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait),
+            "decode": await pull_subscription(self.js, decode_consumer(), ack_wait),
+        }
+        await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
+        await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
+        self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
+
+    async def serve(self, burst: bool) -> None:
+        self.spawn(self._fetch_loop(), "fetch")
+        self.spawn(self._keep_alive(), "in-progress")
+        await self._step_loop(burst)
+
+    async def teardown(self) -> None:
+        for key, msg in list(self._msgs.items()):
+            self.counters["returned_on_shutdown"] += 1
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            del self._msgs[key]
+
+    def _drained(self) -> bool:
+        return self.core.idle and self._pending_transfers == 0 and self._effects == 0
+
+    # --- pulling work --------------------------------------------------------------------
+    def _queue(self) -> str:
+        return "decode" if self.core.role is Role.DECODE else "prefill"
+
+    async def _fetch_loop(self) -> None:
+        while not self.stopping.is_set():
+            room = self.core.room(self._pending_transfers) if self._pulling else 0
+            if room <= 0:
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
+                continue
+            queue = self._queue()
+            try:
+                msgs = await self._subs[queue].fetch(min(room, FETCH_BATCH), timeout=FETCH_WAIT_WALL_S)
+            except TimeoutError:
+                self._queue_empty = True
+                self._wake.set()
+                continue
+            self._queue_empty = False
+            for msg in msgs:
+                await self._admit(msg, queue)
+            self._wake.set()
+
+    async def _admit(self, msg: Msg, queue: str) -> None:
+        if queue == "prefill":
+            work = await self.decode_work(PrefillWork, msg)
+            if work is None:
+                return
+            if self.core.holds(work.work_id):  # redelivered while still in flight here
+                self._msgs[work.work_id] = msg
+                self.counters["redelivered_in_flight"] += 1
+                return
+            if work.policy_version > self.policy_version or self._queue() != queue:
+                self.counters["returned_not_ready"] += 1
+                await msg.nak(delay=0.1)
+                return
+            self.core.admit_prefill(work)
+            self._msgs[work.work_id] = msg
+            return
+        item = await self.decode_work(DecodeWork, msg)
+        if item is None:
+            return
+        self._pending_transfers += 1
+        self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
+
+    async def _keep_alive(self) -> None:
+        """Tell JetStream that long-running work is still being worked on."""
+        period_wall_s = self.config.run.ack_wait_wall_s / 3
+        while True:
+            await asyncio.sleep(period_wall_s)
+            for msg in list(self._msgs.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    # --- the scheduler loop in model time ------------------------------------------------
+    async def _step_loop(self, burst: bool) -> None:
+        scale = self.config.run.time_scale
+        quantum_s = self.config.engines.decode_quantum_wall_s * scale
+        cursor_s = self.clock.now_s()
+        while not self.stopping.is_set():
+            self._expire_held()
+            batch = self.core.plan(max_advance_s=quantum_s)
+            if batch is None:
+                if burst and self._queue_empty and self._drained() and not self.core.held:
+                    return
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=IDLE_WAKE_WALL_S)
+                cursor_s = self.clock.now_s()
+                continue
+            now_s = self.clock.now_s()
+            if now_s - cursor_s > MAX_LAG_WALL_S * scale:
+                self.counters["lag_resets"] += 1
+                self.counters["lag_ms"] += round((now_s - cursor_s) * 1e3)
+                cursor_s = now_s
+            for kind, seq in batch.started:
+                self._turn_event(EventKind(kind), seq, cursor_s)
+            cursor_s += batch.duration_s
+            await self.clock.sleep_until(cursor_s)
+            for kind, seq in self.core.complete(batch):
+                self._finish(kind, seq, cursor_s)
+            self._room.set()
+            self._progress.set()
+
+    def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, **extra) -> None:
+        w = seq.work
+        self.event(
+            kind,
+            at_s=at_s,
+            trajectory_id=w.trajectory_id,
+            turn=w.turn,
+            attempt=w.attempt,
+            task_family=w.task_family,
+            policy_version=w.policy_version,
+            step=w.policy_version,
+            engine_id=self.actor_id,
+            role=self.core.role.value,
+            new_tokens=w.new_tokens,
+            context_tokens=w.context_tokens,
+            cached_prefix_tokens=seq.cached_prefix_tokens,
+            **extra,
+        )
+
+    def _finish(self, kind: str, seq: Seq, at_s: float) -> None:
+        if kind == "prefill_done":
+            self._turn_event(EventKind.PREFILL_DONE, seq, at_s)
+            if seq.handoff:
+                self._effects += 1
+                self.spawn(self._hand_off(seq, at_s), f"handoff-{seq.key}")
+            return
+        self._turn_event(EventKind.DECODE_DONE, seq, at_s, generated_tokens=seq.generated)
+        self._effects += 1
+        self.spawn(self._return_result(seq, at_s), f"result-{seq.key}")
+
+    # --- effects -------------------------------------------------------------------------
+    async def _hand_off(self, seq: Seq, at_s: float) -> None:
+        """Hold the KV under a handle, queue the decode work, then ack the prefill work."""
+        try:
+            kv_tokens = seq.kv_tokens - seq.generated
+            handle = KvHandle(
+                engine_id=self.actor_id,
+                handle_id=seq.key,
+                tokens=kv_tokens,
+                kv_bytes=kv_tokens * self.core.preset.kv_bytes_per_token,
+                expires_at_s=at_s + self.config.engines.kv_ttl_s,
+            )
+            self.core.hold(seq, handle.handle_id, handle.expires_at_s)
+            item = DecodeWork(prefill=seq.work, kv=handle, cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s)
+            await self._publish(subjects.work_decode(), encode(item), seq.key)
+            self._turn_event(EventKind.DECODE_QUEUED, seq, self.clock.now_s())
+            await self._ack(seq.key)
+        finally:
+            self._effects -= 1
+
+    async def _return_result(self, seq: Seq, at_s: float) -> None:
+        try:
+            w = seq.work
+            result = TurnResult(
+                work_id=w.work_id,
+                trajectory_id=w.trajectory_id,
+                turn=w.turn,
+                policy_version=w.policy_version,
+                prefill_engine_id=seq.prefill_engine_id,
+                decode_engine_id=self.actor_id,
+                output_tokens=seq.generated,
+                cached_prefix_tokens=seq.cached_prefix_tokens,
+                finished_at_s=at_s,
+            )
+            await self._publish(subjects.result(w.env_id), encode(result), w.work_id)
+            await self._ack(seq.key)
+        finally:
+            self._effects -= 1
+
+    async def _publish(self, subject: str, data: bytes, msg_id: str) -> None:
+        try:
+            await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping)
+        except PublishAborted as err:  # input stays un-acked: teardown returns it to the queue
+            self.log.warning("%s", err)
+            raise asyncio.CancelledError from err
+
+    async def _ack(self, key: str) -> None:
+        msg = self._msgs.pop(key, None)
+        if msg is not None:
+            await msg.ack()
+
+    # --- KV hand-off, decode side ----------------------------------------------------------
+    async def _pull_kv(self, item: DecodeWork, msg: Msg) -> None:
+        try:
+            error, chunk = await self._request_kv(item.kv)
+            if error is not None:
+                await self._reprefill(item.prefill, error)
+                await msg.ack()
+                return
+            duration_s = transfer_s(self.link, chunk.kv_bytes)
+            await self.clock.sleep(duration_s)
+            seq = self.core.admit_decode(item)
+            self._msgs[seq.key] = msg
+            self._turn_event(EventKind.KV_TRANSFER_DONE, seq, self.clock.now_s(), kv_bytes=chunk.kv_bytes, duration_s=duration_s)
+        finally:
+            self._pending_transfers -= 1
+            self._wake.set()
+            self._progress.set()
+
+    async def _request_kv(self, handle: KvHandle) -> tuple[str | None, KvChunk | None]:
+        request = KvFetch(handle_id=handle.handle_id, requester_id=self.actor_id)
+        try:
+            reply = await self.nc.request(subjects.kv(handle.engine_id), encode(request), timeout=KV_REQUEST_TIMEOUT_WALL_S)
+        except (NoRespondersError, TimeoutError) as err:
+            return f"KV holder {handle.engine_id} unreachable: {err}", None
+        chunk = self.decode_or_count(KvChunk, reply)
+        if chunk is None:
+            return f"malformed KV reply from {handle.engine_id}", None
+        if not chunk.ok:
+            return f"KV holder {handle.engine_id}: {chunk.error}", None
+        return None, chunk
+
+    async def _reprefill(self, work: PrefillWork, why: str) -> None:
+        """The KV is gone: send the turn back to prefill, never continue on missing KV."""
+        again = msgspec.structs.replace(work, attempt=work.attempt + 1, work_id=retry_work_id(work.work_id, work.attempt + 1))
+        self.counters["reprefills"] += 1
+        self.log.warning("re-prefill %s: %s", work.work_id, why)
+        await publish_durable(self.js, subjects.work_prefill(), encode(again), again.work_id, self.counters, self.log, self.stopping)
+        self.event(
+            EventKind.REPREFILL,
+            trajectory_id=work.trajectory_id,
+            turn=work.turn,
+            attempt=again.attempt,
+            task_family=work.task_family,
+            policy_version=work.policy_version,
+            step=work.policy_version,
+            engine_id=self.actor_id,
+            detail=why,
+        )
+
+    # --- KV hand-off, prefill side ---------------------------------------------------------
+    async def _on_kv_fetch(self, msg: Msg) -> None:
+        request = self.decode_or_count(KvFetch, msg)
+        if request is None:
+            reply = KvChunk(handle_id="", ok=False, error="malformed KV fetch")
+        else:
+            seq = self.core.release(request.handle_id, self.clock.now_s())
+            if seq is None:
+                self.counters["kv_unknown_handle"] += 1
+                reply = KvChunk(handle_id=request.handle_id, ok=False, error="unknown or expired KV handle")
+            else:
+                tokens = seq.kv_tokens - seq.generated
+                reply = KvChunk(
+                    handle_id=request.handle_id,
+                    ok=True,
+                    tokens=tokens,
+                    kv_bytes=tokens * self.core.preset.kv_bytes_per_token,
+                )
+            self._room.set()
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    def _expire_held(self) -> None:
+        for seq in self.core.expire(self.clock.now_s()):
+            self.counters["kv_expired"] += 1
+            self.log.warning("KV of %s expired before a decode engine fetched it", seq.key)
+
+    # --- commands ------------------------------------------------------------------------
+    async def _on_command(self, msg: Msg) -> None:
+        command = self.decode_or_count(Command, msg)
+        if command is None:
+            await self._reply(msg, "invalid", ok=False, error="malformed command")
+            return
+        match command:
+            case LoadPolicy(version=version):
+                if version < self.policy_version:
+                    await self._reply(msg, "load_policy", ok=False, error=f"stale policy {version} < {self.policy_version}")
+                    return
+                if version > self.policy_version:
+                    self.policy_version = version
+                    self.event(EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id)
+                await self._reply(msg, "load_policy", ok=True)
+            case SetRole():
+                self.spawn(self._switch(command, msg), f"switch-{command.epoch}")
+            case Drain():
+                self._pulling = False
+                await self._reply(msg, "drain", ok=True)
+            case Shutdown(reason=reason):
+                await self._reply(msg, "shutdown", ok=True)
+                self.request_stop(reason or "shutdown command")
+
+    async def _switch(self, command: SetRole, msg: Msg) -> None:
+        if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.core.role):
+            self.counters["stale_commands"] += 1
+            await self._reply(msg, "set_role", ok=False, error=f"stale epoch {command.epoch} (engine is at {self.epoch})")
+            return
+        if command.epoch == self.epoch:  # the same command again: already done
+            await self._reply(msg, "set_role", ok=True)
+            return
+        started_s = self.clock.now_s()
+        self.epoch = command.epoch
+        self._pulling = False
+        deadline_s = started_s + command.drain_deadline_s
+        while not self._drained() and self.clock.now_s() < deadline_s:
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), timeout=IDLE_WAKE_WALL_S)
+        drain_s = self.clock.now_s() - started_s
+        self.core.role = command.role
+        self._pulling = True
+        self._room.set()
+        self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s)
+        await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
+
+    async def _reply(self, msg: Msg, command: str, ok: bool, error: str = "", drain_s: float = 0.0) -> None:
+        if not msg.reply:
+            return
+        ack = CommandAck(
+            engine_id=self.actor_id,
+            command=command,
+            ok=ok,
+            error=error,
+            role=self.core.role,
+            epoch=self.epoch,
+            policy_version=self.policy_version,
+            drain_s=drain_s,
+        )
+        await msg.respond(encode(ack))
+
+    # --- heartbeat -----------------------------------------------------------------------
+    def heartbeat(self) -> EngineStatus:
+        now_s = self.clock.now_s()
+        last_s, last_busy_s = self._last_heartbeat
+        busy = (self.core.busy_s - last_busy_s) / (now_s - last_s) if now_s > last_s else 0.0
+        self._last_heartbeat = (now_s, self.core.busy_s)
+        return EngineStatus(
+            engine_id=self.actor_id,
+            at_s=now_s,
+            role=self.core.role,
+            epoch=self.epoch,
+            policy_version=self.policy_version,
+            backend=self.config.engines.backend,
+            waiting_prefill=len(self.core.waiting),
+            running_decode=len(self.core.running),
+            kv_used_tokens=self.core.kv_used_tokens,
+            kv_capacity_tokens=self.core.kv_capacity_tokens,
+            held_kv_handles=len(self.core.held),
+            busy_fraction=min(1.0, busy),
+        )

@@ -1,0 +1,251 @@
+"""The engine's scheduler core (pure: no bus, no clock; times are passed in).
+
+One `plan` / `complete` pair is one scheduler step of continuous batching:
+
+  1. decode: every running sequence generates one token per iteration;
+  2. prefill: the waiting sequences' uncached tokens fill the rest of the token budget in
+     chunks (first come, first served);
+  3. a decode-only batch may advance several iterations at once, up to the next sequence
+     that finishes or `max_advance_s`, so a long decode costs few loop turns;
+  4. `complete` applies the step and returns what finished.
+
+Roles: `prefill` holds the KV of a prefilled turn for a decode engine (`hold` / `release`);
+`decode` admits prefilled turns whose KV arrived (`admit_decode`); `colocated` does both
+on one engine. A prefix cache (LRU, in the free part of the KV pool) keyed by trajectory
+and policy version turns a returning trajectory's history into cached-prefix tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from actors.engine.costmodel import CostPreset, decode_run_s, iteration_s
+from bus_schemas.control import Role
+from bus_schemas.work import DecodeWork, PrefillWork
+
+KV_HIGH_WATERMARK = 0.9  # stop admitting work above this share of the KV pool
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    work: PrefillWork
+    target_tokens: int  # tokens this turn generates (emulated: from the work item)
+    cached_prefix_tokens: int  # history found in the prefix cache
+    prefill_tokens: int  # tokens to compute: uncached history + the turn's new tokens
+    handoff: bool  # prefill role: stop after prefill and hand the KV over
+    prefill_done_tokens: int = 0
+    generated: int = 0
+    prefill_started: bool = False
+    decode_started: bool = False
+    prefill_engine_id: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.work.work_id
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV resident for this sequence now."""
+        return self.cached_prefix_tokens + self.prefill_done_tokens + self.generated
+
+    @property
+    def prefill_left(self) -> int:
+        return self.prefill_tokens - self.prefill_done_tokens
+
+    @property
+    def decode_left(self) -> int:
+        return self.target_tokens - self.generated
+
+
+@dataclass(slots=True)
+class Batch:
+    prefill: list[tuple[Seq, int]]  # (sequence, chunk tokens)
+    decode: list[Seq]
+    iterations: int  # decode iterations this step covers (1 whenever prefill is present)
+    duration_s: float  # modelled time of the step
+    started: list[tuple[str, Seq]] = field(default_factory=list)  # ("prefill_started" | "decode_started", seq)
+
+
+@dataclass(slots=True)
+class Held:
+    seq: Seq
+    expires_at_s: float
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine_id: str,
+        role: Role,
+        preset: CostPreset,
+        max_batch_tokens: int,
+        max_decode_seqs: int,
+        max_waiting: int,
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.preset = preset
+        self.max_batch_tokens = max_batch_tokens
+        self.max_decode_seqs = max_decode_seqs
+        self.max_waiting = max_waiting
+        self.waiting: deque[Seq] = deque()
+        self.running: dict[str, Seq] = {}
+        self.held: dict[str, Held] = {}
+        self._cache: OrderedDict[str, int] = OrderedDict()
+        self._cache_tokens = 0
+        self.busy_s = 0.0  # modelled time spent in steps, for utilisation
+
+    # --- capacity ------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.preset.kv_capacity_tokens
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return (
+            sum(s.kv_tokens for s in self.waiting)
+            + sum(s.kv_tokens for s in self.running.values())
+            + sum(h.seq.kv_tokens for h in self.held.values())
+        )
+
+    def room(self, pending: int = 0) -> int:
+        """Sequences this engine may pull now (`pending`: admitted elsewhere, not yet here)."""
+        if self.kv_used_tokens >= KV_HIGH_WATERMARK * self.kv_capacity_tokens:
+            return 0
+        if self.role is Role.PREFILL:
+            return self.max_waiting - len(self.waiting) - pending
+        if self.role is Role.DECODE:
+            return self.max_decode_seqs - len(self.running) - pending
+        return min(self.max_waiting - len(self.waiting), self.max_decode_seqs - len(self.running) - len(self.waiting)) - pending
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def holds(self, key: str) -> bool:
+        return key in self.running or key in self.held or any(s.key == key for s in self.waiting)
+
+    # --- admission -----------------------------------------------------------------------
+    def admit_prefill(self, work: PrefillWork) -> Seq:
+        cached = min(self._cache_take(work.trajectory_id, work.policy_version), work.context_tokens)
+        seq = Seq(
+            work=work,
+            target_tokens=max(1, work.target_output_tokens),
+            cached_prefix_tokens=cached,
+            prefill_tokens=work.context_tokens - cached + work.new_tokens,
+            handoff=self.role is Role.PREFILL,
+            prefill_engine_id=self.engine_id,
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def admit_decode(self, item: DecodeWork) -> Seq:
+        """A prefilled turn whose KV has arrived: all of its context is resident."""
+        work = item.prefill
+        self._cache_take(work.trajectory_id, work.policy_version)
+        seq = Seq(
+            work=work,
+            target_tokens=max(1, work.target_output_tokens),
+            cached_prefix_tokens=item.cached_prefix_tokens,
+            prefill_tokens=work.context_tokens - item.cached_prefix_tokens + work.new_tokens,
+            handoff=False,
+            prefill_done_tokens=work.context_tokens - item.cached_prefix_tokens + work.new_tokens,
+            generated=1,  # the first token was sampled at the end of prefill
+            prefill_started=True,
+            prefill_engine_id=item.kv.engine_id,
+        )
+        self.running[seq.key] = seq
+        return seq
+
+    # --- one scheduler step --------------------------------------------------------------
+    def plan(self, max_advance_s: float) -> Batch | None:
+        decode = list(self.running.values())
+        budget = self.max_batch_tokens - len(decode)
+        chunks: list[tuple[Seq, int]] = []
+        for seq in self.waiting:
+            if budget <= 0:
+                break
+            n = min(budget, seq.prefill_left)
+            chunks.append((seq, n))
+            budget -= n
+        if not chunks and not decode:
+            return None
+        context = sum(s.kv_tokens for s in decode)
+        prefill_pairs = [(n, s.cached_prefix_tokens + s.prefill_done_tokens) for s, n in chunks]
+        if chunks:
+            iterations, duration_s = 1, iteration_s(self.preset, prefill_pairs, len(decode), context)
+        else:
+            one_s = iteration_s(self.preset, (), len(decode), context)
+            fit = int(max_advance_s // one_s) if one_s > 0 else 1
+            iterations = max(1, min(fit, min(max(1, s.decode_left) for s in decode)))
+            duration_s = decode_run_s(self.preset, len(decode), context, iterations)
+        started: list[tuple[str, Seq]] = []
+        for seq, _ in chunks:
+            if not seq.prefill_started:
+                seq.prefill_started = True
+                started.append(("prefill_started", seq))
+        for seq in decode:
+            if not seq.decode_started:
+                seq.decode_started = True
+                started.append(("decode_started", seq))
+        return Batch(chunks, decode, iterations, duration_s, started)
+
+    def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
+        """Apply a planned step; return ("prefill_done" | "decode_done", seq) in order."""
+        self.busy_s += batch.duration_s
+        done: list[tuple[str, Seq]] = []
+        for seq in batch.decode:
+            seq.generated = min(seq.target_tokens, seq.generated + batch.iterations)
+            if seq.decode_left <= 0:
+                del self.running[seq.key]
+                self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
+                done.append(("decode_done", seq))
+        for seq, n in batch.prefill:
+            seq.prefill_done_tokens += n
+            if seq.prefill_left > 0:
+                continue
+            self.waiting.remove(seq)
+            seq.generated = 1  # first token sampled at the end of prefill
+            done.append(("prefill_done", seq))
+            if not seq.handoff:
+                self.running[seq.key] = seq
+        return done
+
+    # --- KV hand-off (prefill role) ------------------------------------------------------
+    def hold(self, seq: Seq, handle_id: str, expires_at_s: float) -> None:
+        self.held[handle_id] = Held(seq, expires_at_s)
+
+    def release(self, handle_id: str, now_s: float) -> Seq | None:
+        """A decode engine took the KV; keep the prefix cached. None if unknown or expired."""
+        held = self.held.pop(handle_id, None)
+        if held is None:
+            return None
+        seq = held.seq
+        self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens - seq.generated)
+        if held.expires_at_s < now_s:
+            return None
+        return seq
+
+    def expire(self, now_s: float) -> list[Seq]:
+        gone = [h for h in self.held if self.held[h].expires_at_s < now_s]
+        return [self.held.pop(h).seq for h in gone]
+
+    # --- prefix cache --------------------------------------------------------------------
+    def _cache_take(self, trajectory_id: str, policy_version: int) -> int:
+        tokens = self._cache.pop(f"{trajectory_id}@{policy_version}", 0)
+        self._cache_tokens -= tokens
+        return tokens
+
+    def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int) -> None:
+        self._cache_take(trajectory_id, policy_version)
+        self._cache[f"{trajectory_id}@{policy_version}"] = tokens
+        self._cache_tokens += tokens
+        free = self.kv_capacity_tokens - self.kv_used_tokens
+        while self._cache and self._cache_tokens > free:
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_tokens -= evicted
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cache_tokens

@@ -1,0 +1,1 @@
+"""The environment actor: owns trajectories, runs their agent loops, calls (modelled) tools."""

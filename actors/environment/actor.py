@@ -1,0 +1,228 @@
+"""The environment actor: runs agent loops for the trajectories it is assigned.
+
+Per trajectory: submit the prompt for prefill → receive the turn's result → call the tool
+(a modelled latency) → submit the observation as the next turn … → compute the reward and
+hand the finished trajectory to the trainer. The task assignment stays un-acked (kept alive
+with in-progress acks) until the finished trajectory is stored, so an environment that dies
+mid-trajectory has the trajectory redelivered and rerun elsewhere — never silently lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from actors.base import Actor
+from actors.base.publish import publish_durable
+from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.status import ActorStatus
+from bus_schemas.streams import pull_subscription, results_consumer, tasks_consumer
+from bus_schemas.train import FinishedTrajectory, TaskAssignment
+from bus_schemas.work import PrefillWork, TurnResult, make_work_id
+
+FETCH_BATCH = 32
+FETCH_WAIT_WALL_S = 0.2
+
+
+@dataclass(slots=True)
+class Trajectory:
+    assignment: TaskAssignment
+    task_msg: Msg
+    plan: TrajectoryPlan
+    started_at_s: float
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this rollout of the trajectory
+    turn: int = 0
+    context_tokens: int = 0  # history before the current turn
+    new_tokens: int = 0  # what the current turn appends
+    versions: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    awaiting_result: bool = False
+
+
+class EnvironmentActor(Actor):
+    kind = "environment"
+
+    def __init__(self, actor_id, config, nc, clock) -> None:
+        super().__init__(actor_id, config, nc, clock)
+        self.live: dict[str, Trajectory] = {}
+        self._tasks_empty = False
+        self._room = asyncio.Event()
+
+    async def setup(self) -> None:
+        ack_wait = self.config.run.ack_wait_wall_s
+        self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
+        self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
+
+    async def serve(self, burst: bool) -> None:
+        self.spawn(self._result_loop(), "results")
+        self.spawn(self._keep_alive(), "in-progress")
+        await self._task_loop(burst)
+
+    async def teardown(self) -> None:
+        for trajectory in self.live.values():  # hand unfinished trajectories back at once
+            self.counters["returned_on_shutdown"] += 1
+            with contextlib.suppress(Exception):
+                await trajectory.task_msg.nak()
+
+    def heartbeat(self) -> ActorStatus:
+        return ActorStatus(
+            actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), live_trajectories=len(self.live)
+        )
+
+    # --- taking assignments ----------------------------------------------------------------
+    async def _task_loop(self, burst: bool) -> None:
+        cap = self.config.environments.max_live_trajectories
+        while not self.stopping.is_set():
+            room = cap - len(self.live)
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                msgs = await self._task_sub.fetch(min(room, FETCH_BATCH), timeout=FETCH_WAIT_WALL_S)
+            except TimeoutError:
+                if burst and not self.live:
+                    return
+                continue
+            for msg in msgs:
+                assignment = await self.decode_work(TaskAssignment, msg)
+                if assignment is not None:
+                    await self._start(assignment, msg)
+
+    async def _start(self, a: TaskAssignment, msg: Msg) -> None:
+        if a.trajectory_id in self.live:  # redelivered while we still run it
+            self.live[a.trajectory_id].task_msg = msg
+            self.counters["redelivered_in_flight"] += 1
+            return
+        if a.task_family not in PROFILES:
+            self.counters["invalid_messages"] += 1
+            self.log.error("rejected task %s: unknown task family %r", a.trajectory_id, a.task_family)
+            await msg.term()
+            return
+        override = self.config.workload.overrides.get(a.task_family)
+        kwargs = {} if override is None else dict(
+            turns_max=override.turns_max,
+            gen_scale=override.gen_scale,
+            obs_scale=override.obs_scale,
+            tool_latency_scale=override.tool_latency_scale,
+        )
+        plan = plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
+        t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), new_tokens=plan.prompt_tokens)
+        self.live[a.trajectory_id] = t
+        self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens)
+        await self._submit(t)
+
+    async def _keep_alive(self) -> None:
+        period_wall_s = self.config.run.ack_wait_wall_s / 3
+        while True:
+            await asyncio.sleep(period_wall_s)
+            for t in list(self.live.values()):
+                with contextlib.suppress(Exception):
+                    await t.task_msg.in_progress()
+
+    # --- the agent loop ----------------------------------------------------------------------
+    async def _submit(self, t: Trajectory) -> None:
+        a = t.assignment
+        work = PrefillWork(
+            work_id=make_work_id(a.trajectory_id, t.nonce, t.turn, 0),
+            trajectory_id=a.trajectory_id,
+            turn=t.turn,
+            env_id=self.actor_id,
+            task_family=a.task_family,
+            policy_version=a.policy_version,
+            context_tokens=t.context_tokens,
+            new_tokens=t.new_tokens,
+            max_output_tokens=t.plan.profile.gen_tokens.hi,  # type: ignore[attr-defined]
+            target_output_tokens=t.plan.gen_tokens(),
+            queued_at_s=self.clock.now_s(),
+        )
+        t.awaiting_result = True
+        await publish_durable(self.js, subjects.work_prefill(), encode(work), work.work_id, self.counters, self.log, self.stopping)
+        self._event(t, EventKind.PREFILL_QUEUED, new_tokens=t.new_tokens, context_tokens=t.context_tokens)
+
+    async def _result_loop(self) -> None:
+        while True:
+            try:
+                msgs = await self._result_sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_WALL_S)
+            except TimeoutError:
+                continue
+            for msg in msgs:
+                result = await self.decode_work(TurnResult, msg)
+                if result is not None:
+                    self._on_result(result)
+                    await msg.ack()
+
+    def _on_result(self, r: TurnResult) -> None:
+        t = self.live.get(r.trajectory_id)
+        if t is None or r.turn != t.turn or not t.awaiting_result:
+            self.counters["stale_results"] += 1  # a duplicate from a redelivered turn
+            return
+        t.awaiting_result = False
+        t.versions.append(r.policy_version)
+        t.generated_tokens += r.output_tokens
+        t.context_tokens += t.new_tokens + r.output_tokens
+        cap = t.plan.profile.context_cap_tokens
+        if t.turn + 1 >= t.plan.turns or t.context_tokens >= cap:
+            self.spawn(self._finish(t, truncated=t.context_tokens >= cap), f"finish-{r.trajectory_id}")
+        else:
+            self.spawn(self._tool_call(t), f"tool-{r.trajectory_id}-{t.turn}")
+
+    async def _tool_call(self, t: Trajectory) -> None:
+        latency_s = t.plan.tool_latency_s()
+        self._event(t, EventKind.TOOL_STARTED)
+        await self.clock.sleep(latency_s)
+        obs = t.plan.obs_tokens()
+        t.observation_tokens += obs
+        self._event(t, EventKind.TOOL_DONE, duration_s=latency_s, new_tokens=obs)
+        t.turn += 1
+        t.new_tokens = obs
+        await self._submit(t)
+
+    async def _finish(self, t: Trajectory, truncated: bool) -> None:
+        a = t.assignment
+        reward = t.plan.reward()
+        now_s = self.clock.now_s()
+        done = FinishedTrajectory(
+            trajectory_id=a.trajectory_id,
+            task_id=a.task_id,
+            task_family=a.task_family,
+            env_id=self.actor_id,
+            step=a.step,
+            policy_versions=t.versions,
+            turns=t.turn + 1,
+            reward=reward,
+            truncated=truncated,
+            prompt_tokens=t.plan.prompt_tokens,
+            generated_tokens=t.generated_tokens,
+            observation_tokens=t.observation_tokens,
+            started_at_s=t.started_at_s,
+            finished_at_s=now_s,
+        )
+        await publish_durable(
+            self.js, subjects.train_finished(), encode(done), a.trajectory_id, self.counters, self.log, self.stopping
+        )
+        self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=reward, at_s=now_s)
+        await t.task_msg.ack()
+        del self.live[a.trajectory_id]
+        self.counters["finished"] += 1
+        self._room.set()
+
+    def _event(self, t: Trajectory, kind: EventKind, **fields) -> None:
+        a = t.assignment
+        self.event(
+            kind,
+            trajectory_id=a.trajectory_id,
+            turn=t.turn,
+            task_family=a.task_family,
+            policy_version=a.policy_version,
+            step=a.step,
+            **fields,
+        )

@@ -1,0 +1,186 @@
+"""Agentic task families as seeded samplers (pure; no bus, no clock).
+
+Parameters follow ``shared/reference/workloads.md``; LN(m, s) is a lognormal with median m
+and log-sd s, truncated at the stated caps. Every trajectory gets its own numpy Generator
+seeded from (run seed, trajectory seed), so a run is reproducible whatever the order in
+which environments pick up trajectories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    median: float
+    sigma: float
+    lo: float = 0.0
+    hi: float = float("inf")
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(np.clip(self.median * np.exp(self.sigma * rng.standard_normal()), self.lo, self.hi))
+
+
+@dataclass(frozen=True, slots=True)
+class Normal:
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(np.clip(rng.normal(self.mean, self.sd), self.lo, self.hi))
+
+
+@dataclass(frozen=True, slots=True)
+class Uniform:
+    lo: float
+    hi: float
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(rng.uniform(self.lo, self.hi))
+
+
+@dataclass(frozen=True, slots=True)
+class GeometricPlusOne:
+    p: float
+    lo: int
+    hi: int
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(np.clip(rng.geometric(self.p), self.lo, self.hi))
+
+
+@dataclass(frozen=True, slots=True)
+class Categorical:
+    values: tuple[float, ...]
+    probs: tuple[float, ...]
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(rng.choice(self.values, p=self.probs))
+
+
+@dataclass(frozen=True, slots=True)
+class Mixture:
+    parts: tuple[object, ...]
+    weights: tuple[float, ...]
+
+    def sample(self, rng: np.random.Generator) -> float:
+        k = rng.choice(len(self.parts), p=self.weights)
+        return self.parts[k].sample(rng)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One task family. Token counts in tokens, latencies in model seconds."""
+
+    name: str
+    turns: object
+    prompt_tokens: object
+    gen_tokens: object
+    obs_tokens: object
+    tool_latency_s: object
+    context_cap_tokens: int
+    solve_rate: float  # probability a trajectory earns reward 1 (modelled policy)
+    source: str = field(default="shared/reference/workloads.md")
+
+
+PROFILES: dict[str, Profile] = {
+    # Profile A: SWE coding agent (DeepSWE / SkyRL / OpenHands-like), thinking on.
+    "swe": Profile(
+        name="swe",
+        turns=LogNormal(20, 0.6, 3, 50),
+        prompt_tokens=Normal(3000, 600, 1500, 4096),
+        gen_tokens=LogNormal(600, 0.8, 1, 4096),
+        obs_tokens=LogNormal(400, 1.2, 1, 8000),
+        tool_latency_s=Mixture((LogNormal(0.8, 1.0, 0, 300), LogNormal(15, 0.9, 0, 300)), (0.85, 0.15)),
+        context_cap_tokens=65536,
+        solve_rate=0.3,
+    ),
+    # Profile B: search agent, Search-R1 mode.
+    "search": Profile(
+        name="search",
+        turns=Categorical((1, 2, 3, 4), (0.35, 0.35, 0.2, 0.1)),
+        prompt_tokens=LogNormal(250, 0.4, 1, 4096),
+        gen_tokens=LogNormal(150, 0.6, 1, 500),
+        obs_tokens=Uniform(250, 500),
+        tool_latency_s=LogNormal(1.5, 0.8, 0, 30),
+        context_cap_tokens=4096,
+        solve_rate=0.5,
+    ),
+    # Profile C: math + code interpreter (ReTool / SimpleTIR).
+    "math": Profile(
+        name="math",
+        turns=GeometricPlusOne(0.35, 1, 10),
+        prompt_tokens=LogNormal(200, 0.5, 1, 4096),
+        gen_tokens=LogNormal(1500, 1.0, 1, 16384),
+        obs_tokens=LogNormal(60, 1.2, 1, 1024),
+        tool_latency_s=LogNormal(0.4, 0.9, 0, 30),
+        context_cap_tokens=28672,
+        solve_rate=0.6,
+    ),
+    # Profile D: terminal / OS agent (Terminal-Bench style).
+    "terminal": Profile(
+        name="terminal",
+        turns=LogNormal(18, 0.7, 2, 50),
+        prompt_tokens=LogNormal(2500, 0.5, 1, 8192),
+        gen_tokens=LogNormal(400, 0.8, 1, 4096),
+        obs_tokens=LogNormal(300, 1.4, 1, 8000),
+        tool_latency_s=Mixture((LogNormal(0.5, 1.0, 0, 300), LogNormal(20, 1.2, 0, 300)), (0.8, 0.2)),
+        context_cap_tokens=65536,
+        solve_rate=0.4,
+    ),
+}
+
+
+@dataclass(slots=True)
+class TrajectoryPlan:
+    """The sampled shape of one trajectory; drawn lazily turn by turn from its own RNG."""
+
+    profile: Profile
+    rng: np.random.Generator
+    turns: int
+    prompt_tokens: int
+    gen_scale: float = 1.0
+    obs_scale: float = 1.0
+    tool_latency_scale: float = 1.0
+
+    def gen_tokens(self) -> int:
+        return max(1, round(self.profile.gen_tokens.sample(self.rng) * self.gen_scale))  # type: ignore[attr-defined]
+
+    def obs_tokens(self) -> int:
+        return max(1, round(self.profile.obs_tokens.sample(self.rng) * self.obs_scale))  # type: ignore[attr-defined]
+
+    def tool_latency_s(self) -> float:
+        return self.profile.tool_latency_s.sample(self.rng) * self.tool_latency_scale  # type: ignore[attr-defined]
+
+    def reward(self) -> float:
+        return float(self.rng.random() < self.profile.solve_rate)
+
+
+def plan_trajectory(
+    profile: Profile,
+    run_seed: int,
+    trajectory_seed: int,
+    turns_max: int | None = None,
+    gen_scale: float = 1.0,
+    obs_scale: float = 1.0,
+    tool_latency_scale: float = 1.0,
+) -> TrajectoryPlan:
+    rng = np.random.default_rng([run_seed, trajectory_seed])
+    turns = max(1, round(profile.turns.sample(rng)))  # type: ignore[attr-defined]
+    if turns_max is not None:
+        turns = min(turns, turns_max)
+    prompt = max(1, round(profile.prompt_tokens.sample(rng)))  # type: ignore[attr-defined]
+    return TrajectoryPlan(profile, rng, turns, prompt, gen_scale, obs_scale, tool_latency_scale)
+
+
+def choose_family(mix: dict[str, float], run_seed: int, step: int, task_index: int) -> str:
+    """Deterministic family for a task, by the mix shares."""
+    families = sorted(mix)
+    shares = np.array([mix[f] for f in families], dtype=float)
+    rng = np.random.default_rng([run_seed, step, task_index, 7])
+    return families[int(rng.choice(len(families), p=shares / shares.sum()))]

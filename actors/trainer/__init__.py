@@ -1,0 +1,1 @@
+"""The trainer actor: drives RL steps, collects finished trajectories, publishes policies."""

@@ -1,0 +1,159 @@
+"""Sync-mode trainer.
+
+Each step: (1) every engine confirms the step's policy version; (2) B tasks x G samples are
+assigned; (3) finished trajectories are collected until every one of the step is in;
+(4) training runs for its modelled duration; (5) version v+1 is published; repeat.
+The actor exits when the last step is done; ``ops.launch`` takes that as the run's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.errors import NoRespondersError
+
+from actors.base import Actor
+from actors.base.publish import publish_durable
+from actors.environment.workloads import choose_family
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import CommandAck, LoadPolicy
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.status import ActorStatus
+from bus_schemas.streams import finished_consumer, pull_subscription
+from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, TaskAssignment
+
+FETCH_BATCH = 256
+FETCH_WAIT_WALL_S = 0.2
+COMMAND_TIMEOUT_WALL_S = 2.0
+
+
+class TrainerActor(Actor):
+    kind = "trainer"
+
+    def __init__(self, actor_id, config, nc, clock) -> None:
+        super().__init__(actor_id, config, nc, clock)
+        self.policy_version = 0
+        self.finished: dict[str, FinishedTrajectory] = {}
+        self.reports: list[StepReport] = []
+
+    async def setup(self) -> None:
+        self._finished_sub = await pull_subscription(self.js, finished_consumer(), self.config.run.ack_wait_wall_s)
+
+    def heartbeat(self) -> ActorStatus:
+        return ActorStatus(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
+
+    async def serve(self, burst: bool) -> None:
+        await self._load_policy_everywhere(self.policy_version)
+        for step in range(self.config.trainer.steps):
+            report = await self._run_step(step)
+            self.reports.append(report)
+            self.log.info(
+                "step %d: rollout %.1f s, %d trajectories, mean reward %.3f",
+                step, report.rollout_s, report.trajectories, report.mean_reward,
+            )
+        self.log.info("all %d steps done", self.config.trainer.steps)
+
+    async def _run_step(self, step: int) -> StepReport:
+        tc = self.config.trainer
+        version = self.policy_version
+        started_s = self.clock.now_s()
+        self.event(EventKind.STEP_STARTED, step=step, policy_version=version)
+        wanted = await self._assign(step, version, started_s)
+        batch = await self._collect(wanted)
+        rollout_done_s = max(f.finished_at_s for f in batch)
+        self.event(EventKind.ROLLOUT_DONE, step=step, policy_version=version, at_s=rollout_done_s)
+        await self.clock.sleep(tc.train_s)  # modelled training
+        self.policy_version = version + 1
+        published = PolicyVersion(version=self.policy_version, published_at_s=self.clock.now_s(), train_s=tc.train_s)
+        await self._durable(subjects.train_policy(), encode(published), f"policy-{self.policy_version}")
+        self.event(EventKind.POLICY_PUBLISHED, step=step, policy_version=self.policy_version, duration_s=tc.train_s)
+        await self._load_policy_everywhere(self.policy_version)
+        report = StepReport(
+            step=step,
+            policy_version=version,
+            started_at_s=started_s,
+            rollout_done_at_s=rollout_done_s,
+            rollout_s=rollout_done_s - started_s,
+            train_s=tc.train_s,
+            trajectories=len(batch),
+            mean_reward=sum(f.reward for f in batch) / len(batch),
+        )
+        await self._durable(subjects.train_step(), encode(report), f"step-{step}")
+        return report
+
+    async def _assign(self, step: int, version: int, now_s: float) -> set[str]:
+        tc, run = self.config.trainer, self.config.run
+        wanted: set[str] = set()
+        for k in range(tc.tasks_per_step):
+            family = choose_family(self.config.workload.mix, run.seed, step, k)
+            for g in range(tc.samples_per_task):
+                trajectory_id = f"s{step}-k{k}-g{g}"
+                assignment = TaskAssignment(
+                    trajectory_id=trajectory_id,
+                    task_id=f"s{step}-k{k}",
+                    task_family=family,
+                    sample_index=g,
+                    step=step,
+                    policy_version=version,
+                    seed=(step * tc.tasks_per_step + k) * tc.samples_per_task + g,
+                    assigned_at_s=now_s,
+                )
+                await self._durable(subjects.train_tasks(), encode(assignment), trajectory_id)
+                wanted.add(trajectory_id)
+        return wanted
+
+    async def _collect(self, wanted: set[str]) -> list[FinishedTrajectory]:
+        missing = set(wanted) - set(self.finished)
+        while missing:
+            if self.stopping.is_set():
+                raise asyncio.CancelledError
+            try:
+                msgs = await self._finished_sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_WALL_S)
+            except TimeoutError:
+                continue
+            for msg in msgs:
+                done = await self.decode_work(FinishedTrajectory, msg)
+                if done is None:
+                    continue
+                if done.trajectory_id in self.finished:
+                    self.counters["duplicate_finished"] += 1
+                elif done.trajectory_id not in wanted:
+                    self.counters["unexpected_finished"] += 1
+                    self.log.warning("finished trajectory %s is not part of this step", done.trajectory_id)
+                else:
+                    self.finished[done.trajectory_id] = done
+                    missing.discard(done.trajectory_id)
+                await msg.ack()
+        return [self.finished[t] for t in sorted(wanted)]
+
+    async def _load_policy_everywhere(self, version: int) -> None:
+        """Every engine must confirm the version before the step's work is assigned."""
+        waiting = set(self.config.engine_ids())
+        deadline = asyncio.get_running_loop().time() + self.config.trainer.policy_ack_timeout_wall_s
+        while waiting:
+            for engine_id in sorted(waiting):
+                if await self._send_load_policy(engine_id, version):
+                    waiting.discard(engine_id)
+            if waiting:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"engines {sorted(waiting)} did not confirm policy {version} in time")
+                if self.stopping.is_set():
+                    raise asyncio.CancelledError
+                await asyncio.sleep(0.1)  # engines still starting up: ask again
+
+    async def _send_load_policy(self, engine_id: str, version: int) -> bool:
+        try:
+            reply = await self.nc.request(
+                subjects.ctl_engine(engine_id), encode(LoadPolicy(version=version)), timeout=COMMAND_TIMEOUT_WALL_S
+            )
+        except (NoRespondersError, TimeoutError):
+            self.counters["policy_load_retries"] += 1
+            return False
+        ack = decode(CommandAck, reply.data)
+        if not ack.ok:
+            raise RuntimeError(f"engine {engine_id} refused policy {version}: {ack.error}")
+        return ack.policy_version >= version
+
+    async def _durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping)

@@ -1,0 +1,55 @@
+"""Engine commands (a tagged union, dispatched explicitly) and their acks."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class SetRole(msgspec.Struct, frozen=True, kw_only=True, tag="set_role"):
+    """Switch role. Idempotent for the same epoch; an epoch below the engine's is refused."""
+
+    role: Role
+    epoch: int  # allocator's decision counter; strictly increasing per engine
+    drain_deadline_s: float = 30.0  # model seconds allowed to finish in-flight work
+
+
+class LoadPolicy(msgspec.Struct, frozen=True, kw_only=True, tag="load_policy"):
+    """Load a policy version before serving work that needs it."""
+
+    version: int
+
+
+class Drain(msgspec.Struct, frozen=True, kw_only=True, tag="drain"):
+    """Stop pulling work; finish what is in flight; keep running."""
+
+    reason: str = ""
+
+
+class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown"):
+    """Drain, then exit."""
+
+    reason: str = ""
+
+
+Command = SetRole | LoadPolicy | Drain | Shutdown
+
+
+class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply to every command."""
+
+    engine_id: str
+    command: str  # the command's tag
+    ok: bool
+    error: str = ""  # why ok is False, in one line
+    role: Role  # role after the command
+    epoch: int  # epoch after the command
+    policy_version: int  # policy loaded after the command
+    drain_s: float = 0.0  # model seconds spent finishing in-flight work (the switch's cost)

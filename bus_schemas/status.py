@@ -1,0 +1,43 @@
+"""Heartbeats and final reports of actors."""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus_schemas.control import Role
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Published on subjects.status("engine", id) every heartbeat."""
+
+    engine_id: str
+    at_s: float  # model time of the heartbeat
+    role: Role
+    epoch: int
+    policy_version: int
+    backend: str  # "emulated", "torch", "vllm"
+    waiting_prefill: int  # sequences admitted but not yet fully prefilled
+    running_decode: int  # sequences decoding
+    kv_used_tokens: int  # tokens of KV resident (running + held for hand-off)
+    kv_capacity_tokens: int
+    held_kv_handles: int  # prefilled KV waiting for a decode engine to fetch it
+    busy_fraction: float  # share of model time since the last heartbeat spent in iterations
+
+
+class ActorStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Heartbeat of a non-engine actor (environment, trainer)."""
+
+    actor_id: str
+    kind: str
+    at_s: float
+    live_trajectories: int = 0
+    counters: dict[str, int] = {}
+
+
+class ActorReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Published on subjects.report(id) (JetStream) when an actor stops: its counters."""
+
+    actor_id: str
+    kind: str
+    at_s: float
+    counters: dict[str, int]  # e.g. invalid_messages, reprefills, redelivered

@@ -1,0 +1,107 @@
+"""Every NATS subject Prorsa uses, built in one place.
+
+Hierarchy: ``prorsa.<area>.<endpoint>[.<instance>]``. Nothing else in the code base writes
+a subject string by hand; grep for a function here to find every producer and consumer.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "prorsa"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _token(value: str, what: str) -> str:
+    """Refuse ids that would break the subject hierarchy (dots, wildcards, spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token (use letters, digits, _ or -)")
+    return value
+
+
+# --- work queues (JetStream, work-queue retention) -------------------------------------
+def work_prefill(engine_id: str | None = None) -> str:
+    """Turns waiting for prefill; with an engine id, the queue only that engine pulls."""
+    base = f"{PREFIX}.work.prefill"
+    return base if engine_id is None else f"{base}.{_token(engine_id, 'engine id')}"
+
+
+def work_decode(engine_id: str | None = None) -> str:
+    """Prefilled turns waiting for decode; with an engine id, that engine's own queue."""
+    base = f"{PREFIX}.work.decode"
+    return base if engine_id is None else f"{base}.{_token(engine_id, 'engine id')}"
+
+
+# --- request/reply ----------------------------------------------------------------------
+def kv(engine_id: str) -> str:
+    """KV fetches served by the engine that holds the KV."""
+    return f"{PREFIX}.kv.{_token(engine_id, 'engine id')}"
+
+
+def ctl_engine(engine_id: str) -> str:
+    """Commands (role changes, policy loads, shutdown) for one engine."""
+    return f"{PREFIX}.ctl.engine.{_token(engine_id, 'engine id')}"
+
+
+# --- results ----------------------------------------------------------------------------
+def result(env_id: str) -> str:
+    """Finished turns returned to the environment that owns the trajectory."""
+    return f"{PREFIX}.result.{_token(env_id, 'environment id')}"
+
+
+def result_all() -> str:
+    return f"{PREFIX}.result.*"
+
+
+# --- lifecycle log ----------------------------------------------------------------------
+def lifecycle(kind: str) -> str:
+    """One lifecycle event kind, e.g. ``prorsa.lc.prefill_done``."""
+    return f"{PREFIX}.lc.{_token(kind, 'event kind')}"
+
+
+def lifecycle_all() -> str:
+    return f"{PREFIX}.lc.*"
+
+
+def forecast() -> str:
+    return f"{PREFIX}.forecast"
+
+
+# --- status and reports -----------------------------------------------------------------
+def status(actor_kind: str, actor_id: str) -> str:
+    """Heartbeats of one actor, e.g. ``prorsa.status.engine.e3``."""
+    return f"{PREFIX}.status.{_token(actor_kind, 'actor kind')}.{_token(actor_id, 'actor id')}"
+
+
+def status_all() -> str:
+    return f"{PREFIX}.status.>"
+
+
+def report(actor_id: str) -> str:
+    """The final counters an actor publishes when it stops."""
+    return f"{PREFIX}.report.{_token(actor_id, 'actor id')}"
+
+
+def report_all() -> str:
+    return f"{PREFIX}.report.*"
+
+
+# --- training ---------------------------------------------------------------------------
+def train_tasks() -> str:
+    """Trajectory assignments from the trainer to the environments (work queue)."""
+    return f"{PREFIX}.train.tasks"
+
+
+def train_finished() -> str:
+    """Finished trajectories from the environments to the trainer."""
+    return f"{PREFIX}.train.finished"
+
+
+def train_policy() -> str:
+    """Published policy versions."""
+    return f"{PREFIX}.train.policy"
+
+
+def train_step() -> str:
+    """One report per finished RL step."""
+    return f"{PREFIX}.train.step"

@@ -1,0 +1,1 @@
+"""Operating Prorsa: the launcher, the embedded nats-server, exporting the event log."""

@@ -1,0 +1,161 @@
+"""Reading a run's history off the bus: the lifecycle log to Parquet, and the run summary.
+
+`events.parquet` has one row per lifecycle event, one column per LifecycleEvent field (kind
+as text) plus `schema_version`. `python -m ops.export --nats-url URL --out DIR` exports a
+live run at any time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import polars as pl
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode
+from bus_schemas.lifecycle import SCHEMA_VERSION, LifecycleEvent
+from bus_schemas.status import ActorReport
+from bus_schemas.train import FinishedTrajectory, StepReport
+
+T = TypeVar("T")
+
+_FETCH_BATCH = 2000
+
+
+async def read_stream(js: JetStreamContext, stream: streams.StreamDef, subject: str, message_type: type[T]) -> list[T]:
+    """Every message of `subject` in `stream`, in stream order, decoded (malformed ones skipped and counted)."""
+    sub = await js.pull_subscribe(
+        subject,
+        stream=stream.name,
+        config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=30.0),
+    )
+    expected = (await sub.consumer_info()).num_pending or 0
+    out: list[T] = []
+    seen = 0
+    try:
+        while seen < expected:
+            try:
+                msgs = await sub.fetch(min(_FETCH_BATCH, expected - seen), timeout=5)
+            except TimeoutError:
+                break  # the stream shrank (work queue drained) while we read
+            for msg in msgs:
+                seen += 1
+                try:
+                    out.append(decode(message_type, msg.data))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass  # counted by the actors that saw it first; the log keeps only valid events
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+EVENT_COLUMNS = set(LifecycleEvent.__struct_fields__)
+
+
+def events_frame(events: list[LifecycleEvent]) -> pl.DataFrame:
+    rows = msgspec.to_builtins(events)
+    schema = {
+        "event_id": pl.String, "kind": pl.String, "at_s": pl.Float64, "actor_id": pl.String,
+        "trajectory_id": pl.String, "turn": pl.Int64, "attempt": pl.Int64, "task_family": pl.String,
+        "policy_version": pl.Int64, "step": pl.Int64, "engine_id": pl.String, "role": pl.String,
+        "new_tokens": pl.Int64, "cached_prefix_tokens": pl.Int64, "context_tokens": pl.Int64,
+        "generated_tokens": pl.Int64, "kv_bytes": pl.Int64, "duration_s": pl.Float64,
+        "reward": pl.Float64, "detail": pl.String,
+    }  # fmt: skip
+    assert set(schema) == set(EVENT_COLUMNS), "events_frame schema out of date with LifecycleEvent"
+    frame = pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(schema=schema)
+    return frame.sort("at_s", "event_id").with_columns(pl.lit(SCHEMA_VERSION, pl.Int64).alias("schema_version"))
+
+
+def step_token_totals(events: pl.DataFrame) -> dict[int, dict[str, int]]:
+    """Per step: prefill tokens computed (uncached), new tokens, and decode tokens generated."""
+    prefill = (
+        events.filter(pl.col("kind") == "prefill_done")
+        .group_by("step")
+        .agg(
+            (pl.col("context_tokens") - pl.col("cached_prefix_tokens") + pl.col("new_tokens")).sum().alias("prefill_tokens"),
+            pl.col("cached_prefix_tokens").sum().alias("cached_prefix_tokens"),
+        )
+    )
+    decode_ = events.filter(pl.col("kind") == "decode_done").group_by("step").agg(pl.col("generated_tokens").sum().alias("decode_tokens"))
+    totals: dict[int, dict[str, int]] = {}
+    for row in prefill.join(decode_, on="step", how="full", coalesce=True).fill_null(0).iter_rows(named=True):
+        totals[int(row["step"])] = {k: int(v) for k, v in row.items() if k != "step"}
+    return totals
+
+
+class RunRecord(msgspec.Struct, kw_only=True):
+    events: list[LifecycleEvent]
+    finished: list[FinishedTrajectory]
+    steps: list[StepReport]
+    reports: list[ActorReport]
+
+
+async def read_run(js: JetStreamContext) -> RunRecord:
+    return RunRecord(
+        events=await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent),
+        finished=await read_stream(js, streams.TRAIN, subjects.train_finished(), FinishedTrajectory),
+        steps=await read_stream(js, streams.TRAIN, subjects.train_step(), StepReport),
+        reports=await read_stream(js, streams.REPORTS, subjects.report_all(), ActorReport),
+    )
+
+
+def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str, backend: str, expected: int) -> dict:
+    finished_ids = {f.trajectory_id for f in record.finished}
+    totals = step_token_totals(events)
+    counters: dict[str, dict[str, int]] = {r.actor_id: r.counters for r in record.reports}
+    steps = []
+    for report in sorted(record.steps, key=lambda r: r.step):
+        tokens = totals.get(report.step, {})
+        steps.append(
+            {
+                "step": report.step,
+                "rollout_s": round(report.rollout_s, 3),
+                "train_s": report.train_s,
+                "trajectories": report.trajectories,
+                "mean_reward": report.mean_reward,
+                "prefill_tokens": tokens.get("prefill_tokens", 0),
+                "cached_prefix_tokens": tokens.get("cached_prefix_tokens", 0),
+                "decode_tokens": tokens.get("decode_tokens", 0),
+            }
+        )
+    return {
+        "policy": policy,
+        "mode": mode,
+        "backend": backend,
+        "trajectories_expected": expected,
+        "trajectories_finished": len(finished_ids),
+        "trajectories_lost": expected - len(finished_ids),
+        "invalid_messages": sum(c.get("invalid_messages", 0) for c in counters.values()),
+        "events": events.height,
+        "steps": steps,
+        "actors": counters,
+    }
+
+
+async def _main(url: str, out: Path) -> None:
+    from actors.base.connection import close, connect  # late: keeps this module import-light
+    import logging
+
+    nc = await connect(url, "export", logging.getLogger("prorsa.export"))
+    try:
+        record = await read_run(nc.jetstream())
+    finally:
+        await close(nc)
+    out.mkdir(parents=True, exist_ok=True)
+    events_frame(record.events).write_parquet(out / "events.parquet")
+    print(f"wrote {len(record.events)} events to {out / 'events.parquet'}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m ops.export")
+    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    asyncio.run(_main(args.nats_url, args.out))

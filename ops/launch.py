@@ -1,0 +1,249 @@
+"""Launch a Prorsa run: one process per actor, over an embedded (or given) NATS server.
+
+    python -m ops.launch CONFIG.toml [--policy colocated|static] [--out DIR] [--nats-url URL]
+
+1. Validate the config (a typo fails here, before anything starts).
+2. Start an embedded nats-server under DIR (unless --nats-url), create the streams, set the
+   run's time origin.
+3. Spawn every actor as `python -m actors.<kind> --config DIR/config.json --id <id>`; each
+   dies with the launcher (PR_SET_PDEATHSIG), and each can be started by hand the same way.
+4. Watch: the run ends when the trainer finishes its steps. An actor that dies first is
+   reported (which one, its exit code, the end of its log) and stops the run with exit 1.
+5. Stop every actor with SIGTERM (SIGKILL after a grace period), export the lifecycle log
+   to DIR/events.parquet and write DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from actors.base.connection import close, connect, publish_origin
+from actors.config import Config, ConfigError, initial_roles, load_config, with_policy
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode
+from bus_schemas.lifecycle import LifecycleEvent
+from ops.export import events_frame, read_run, summarize
+from ops.natsserver import EmbeddedNats
+from ops.procs import die_with_parent
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STOP_GRACE_WALL_S = 15.0
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorSpec:
+    kind: str  # engine | environment | trainer
+    actor_id: str
+    extra: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.actor_id}"
+
+
+def actor_specs(config: Config) -> list[ActorSpec]:
+    roles = initial_roles(config)
+    specs = [ActorSpec("engine", e, ("--role", roles[e].value)) for e in config.engine_ids()]
+    specs += [ActorSpec("environment", env) for env in config.env_ids()]
+    specs.append(ActorSpec("trainer", "trainer"))
+    return specs
+
+
+async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
+    import logging
+
+    nc = await connect(url, "launcher", logging.getLogger("prorsa.launch"))
+    try:
+        js = nc.jetstream()
+        await streams.ensure_streams(js)
+        if shared_server:  # a server we did not start may hold an earlier run
+            for stream in streams.ALL_STREAMS:
+                await js.purge_stream(stream.name)
+        await publish_origin(js, config.run.name)
+    finally:
+        await close(nc)
+
+
+async def spawn(spec: ActorSpec, config_path: Path, url: str, logs: Path) -> asyncio.subprocess.Process:
+    log = open(logs / f"{spec.kind}-{spec.actor_id}.log", "ab")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", f"actors.{spec.kind}", "--config", str(config_path), "--id", spec.actor_id,
+            "--nats-url", url, *spec.extra,
+            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+            env=env, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    finally:
+        log.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+async def supervise(procs: dict[ActorSpec, asyncio.subprocess.Process], logs: Path, url: str, expected: int) -> str:
+    """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'."""
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
+    stop_wait = asyncio.create_task(interrupted.wait())
+    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
+    bar = progress.add_task("trajectories", total=expected)
+    import logging
+
+    nc = await connect(url, "launcher-watch", logging.getLogger("prorsa.launch"))
+
+    async def on_finished(msg) -> None:
+        try:
+            decode(LifecycleEvent, msg.data)
+        except msgspec.MsgspecError:
+            return
+        progress.advance(bar)
+
+    await nc.subscribe(subjects.lifecycle("finished"), cb=on_finished)
+    try:
+        with progress:
+            while True:
+                done, _ = await asyncio.wait({*waits, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if stop_wait in done:
+                    console.print("[yellow]interrupted: stopping every actor")
+                    return "interrupted"
+                for task in done:
+                    spec = waits.pop(task)
+                    code = task.result()
+                    if spec.kind == "trainer" and code == 0:
+                        return "completed"
+                    log = logs / f"{spec.kind}-{spec.actor_id}.log"
+                    console.print(f"[red]error: {spec.name} died with exit code {code}; last lines of {log}:[/red]\n{tail(log)}")
+                    return "failed"
+    finally:
+        stop_wait.cancel()
+        for task in waits:
+            task.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await close(nc)
+
+
+async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[str]:
+    """SIGTERM every live actor, SIGKILL what is left after the grace period; name those."""
+    live = {spec: p for spec, p in procs.items() if p.returncode is None}
+    for p in live.values():
+        p.send_signal(signal.SIGTERM)
+    killed = []
+    for spec, p in live.items():
+        try:
+            await asyncio.wait_for(p.wait(), timeout=STOP_GRACE_WALL_S)
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+            killed.append(spec.name)
+    return killed
+
+
+async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str]) -> dict:
+    import logging
+
+    nc = await connect(url, "launcher-export", logging.getLogger("prorsa.launch"))
+    try:
+        record = await read_run(nc.jetstream())
+    finally:
+        await close(nc)
+    events = events_frame(record.events)
+    events.write_parquet(out / "events.parquet")
+    summary = summarize(
+        record,
+        events,
+        policy=config.run.policy,
+        mode=config.run.mode,
+        backend=config.engines.backend,
+        expected=config.trajectories_expected(),
+    )
+    summary = {"status": status, "wall_s": round(wall_s, 2), "time_scale": config.run.time_scale, **summary, "killed_at_stop": killed}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    console.print(
+        f"[bold]{summary['status']}[/bold]: policy={summary['policy']} backend={summary['backend']} "
+        f"finished {summary['trajectories_finished']}/{summary['trajectories_expected']} trajectories, "
+        f"lost {summary['trajectories_lost']}, invalid messages {summary['invalid_messages']}, "
+        f"{summary['events']} events, {summary['wall_s']} s wall"
+    )
+    for s in summary["steps"]:
+        console.print(
+            f"  step {s['step']}: rollout {s['rollout_s']:.1f} s (model), {s['trajectories']} trajectories, "
+            f"prefill {s['prefill_tokens']} tok, decode {s['decode_tokens']} tok, reward {s['mean_reward']:.2f}"
+        )
+    console.print(f"  wrote {out / 'summary.json'} and {out / 'events.parquet'}")
+
+
+async def launch(config: Config, out: Path, nats_url: str | None) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    config_path = out / "config.json"
+    config_path.write_bytes(msgspec.json.format(msgspec.json.encode(config)))
+    server = None if nats_url else EmbeddedNats(out / "nats")
+    procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
+    started = time.monotonic()
+    try:
+        url = nats_url or server.start()
+        await prepare_bus(url, config, shared_server=nats_url is not None)
+        for spec in actor_specs(config):
+            procs[spec] = await spawn(spec, config_path, url, logs)
+            console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
+        status = await supervise(procs, logs, url, config.trajectories_expected())
+        killed = await stop_all(procs)
+        for name in killed:
+            console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
+        summary = await export(url, out, config, status, time.monotonic() - started, killed)
+        print_summary(summary, out)
+    finally:
+        await stop_all(procs)
+        if server is not None:
+            server.stop()
+    if status == "interrupted":
+        return 130
+    return 0 if status == "completed" and not killed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--policy", choices=["colocated", "static"], help="overrides run.policy")
+    parser.add_argument("--out", type=Path, help="run folder (default runs/<name>-<policy>-<time>)")
+    parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    args = parser.parse_args(argv)
+    try:
+        config = with_policy(load_config(args.config), args.policy)
+        actor_specs(config)  # policy-level checks (e.g. a static split with no decode engine)
+    except ConfigError as err:
+        console.print(f"error: {err}", highlight=False, markup=False)
+        return 2
+    out = args.out or Path("runs") / f"{config.run.name}-{config.run.policy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return asyncio.run(launch(config, out, args.nats_url))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

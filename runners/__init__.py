@@ -1,0 +1,1 @@
+"""Offline runners: replay of recorded logs and benchmarks (see DESIGN.md sections 5 and 7)."""
