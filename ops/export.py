@@ -16,6 +16,7 @@ import msgspec
 import polars as pl
 from nats.js import api
 from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
@@ -29,30 +30,53 @@ _FETCH_BATCH = 2000
 
 
 async def read_stream(js: JetStreamContext, stream: streams.StreamDef, subject: str, message_type: type[T]) -> list[T]:
-    """Every message of `subject` in `stream`, in stream order, decoded (malformed ones skipped and counted)."""
+    """Every message of `subject` in `stream`, in stream order, decoded; malformed ones skipped
+    (the actors that received them counted them). Reading changes nothing in the stream."""
+    if stream.work_queue:
+        raw = await _read_by_sequence(js, stream, subject)
+    else:
+        raw = await _read_by_consumer(js, stream, subject)
+    out: list[T] = []
+    for data in raw:
+        try:
+            out.append(decode(message_type, data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    return out
+
+
+async def _read_by_consumer(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[bytes]:
+    """An ephemeral no-ack consumer: the fast way through a large limits stream (the log)."""
     sub = await js.pull_subscribe(
         subject,
         stream=stream.name,
         config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=30.0),
     )
     expected = (await sub.consumer_info()).num_pending or 0
-    out: list[T] = []
-    seen = 0
+    out: list[bytes] = []
     try:
-        while seen < expected:
+        while len(out) < expected:
             try:
-                msgs = await sub.fetch(min(_FETCH_BATCH, expected - seen), timeout=5)
+                msgs = await sub.fetch(min(_FETCH_BATCH, expected - len(out)), timeout=5)
             except TimeoutError:
-                break  # the stream shrank (work queue drained) while we read
-            for msg in msgs:
-                seen += 1
-                try:
-                    out.append(decode(message_type, msg.data))
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    pass  # counted by the actors that saw it first; the log keeps only valid events
+                break
+            out += [m.data for m in msgs]
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def _read_by_sequence(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[bytes]:
+    """Work-queue streams allow no second consumer on a subject: read message by message."""
+    out: list[bytes] = []
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(stream.name, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return out
+        out.append(raw.data or b"")
+        seq = raw.seq + 1
 
 
 EVENT_COLUMNS = set(LifecycleEvent.__struct_fields__)

@@ -34,6 +34,7 @@ from actors.config import Config, ConfigError, initial_roles, load_config, with_
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
+from ops.checks import incomplete_trajectories
 from ops.export import events_frame, read_run, summarize
 from ops.natsserver import EmbeddedNats
 from ops.procs import die_with_parent
@@ -98,12 +99,10 @@ def tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-async def supervise(procs: dict[ActorSpec, asyncio.subprocess.Process], logs: Path, url: str, expected: int) -> str:
+async def supervise(
+    procs: dict[ActorSpec, asyncio.subprocess.Process], logs: Path, url: str, expected: int, interrupted: asyncio.Event
+) -> str:
     """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'."""
-    interrupted = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted.set)
     waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
     stop_wait = asyncio.create_task(interrupted.wait())
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
@@ -139,8 +138,6 @@ async def supervise(procs: dict[ActorSpec, asyncio.subprocess.Process], logs: Pa
         stop_wait.cancel()
         for task in waits:
             task.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await close(nc)
 
 
@@ -178,6 +175,11 @@ async def export(url: str, out: Path, config: Config, status: str, wall_s: float
         backend=config.engines.backend,
         expected=config.trajectories_expected(),
     )
+    finished_ids = {f.trajectory_id for f in record.finished}
+    incomplete = incomplete_trajectories(events, finished_ids, disaggregated=config.run.policy != "colocated")
+    for trajectory_id, missing in list(incomplete.items())[:5]:
+        console.print(f"[red]error: trajectory {trajectory_id} is missing events: {', '.join(missing[:6])}")
+    summary["incomplete_trajectories"] = len(incomplete)
     summary = {"status": status, "wall_s": round(wall_s, 2), "time_scale": config.run.time_scale, **summary, "killed_at_stop": killed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -207,13 +209,23 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     server = None if nats_url else EmbeddedNats(out / "nats")
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
+    interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    status = "interrupted"
     try:
         url = nats_url or server.start()
+        if server is not None:
+            console.print(f"started nats-server pid {server.proc.pid} at {url}", highlight=False)
         await prepare_bus(url, config, shared_server=nats_url is not None)
         for spec in actor_specs(config):
+            if interrupted.is_set():
+                break
             procs[spec] = await spawn(spec, config_path, url, logs)
             console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
-        status = await supervise(procs, logs, url, config.trajectories_expected())
+        if not interrupted.is_set():
+            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")

@@ -72,6 +72,7 @@ class EmbeddedNats:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C must not kill the bus before the export
         )
         log.close()
         self._wait_ready()

@@ -48,6 +48,7 @@ class Actor:
         self.log = logging.getLogger(f"prorsa.{self.kind}.{actor_id}")
         self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log)
         self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()  # set once setup() is done: subscriptions are live
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -71,6 +72,8 @@ class Actor:
         await ensure_streams(self.js)
         self.lifecycle.start()
         await self.setup()
+        await self.nc.flush()  # the server has our subscriptions before anyone is told we are up
+        self.ready.set()
         self.spawn(self._heartbeats(), "heartbeats")
         serving = asyncio.create_task(self.serve(burst), name="serve")
         stopped = asyncio.create_task(self.stopping.wait(), name="stop-wait")
@@ -124,7 +127,8 @@ class Actor:
             return decode(message_type, msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             self.counters["invalid_messages"] += 1
-            self.log.error("rejected malformed %s on %s: %s", message_type.__name__, msg.subject, err)
+            name = getattr(message_type, "__name__", str(message_type))
+            self.log.error("rejected malformed %s on %s: %s", name, msg.subject, err)
             return None
 
     async def decode_work(self, message_type: type[T], msg: Msg) -> T | None:

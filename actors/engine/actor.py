@@ -30,7 +30,7 @@ FETCH_BATCH = 16
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long; then the role is looked at again
 IDLE_WAKE_WALL_S = 0.1
 KV_REQUEST_TIMEOUT_WALL_S = 5.0
-MAX_LAG_WALL_S = 0.05  # the engine's model-time cursor may trail the clock by this much
+MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
 class EngineActor(Actor):

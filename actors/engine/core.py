@@ -50,6 +50,11 @@ class Seq:
         return self.cached_prefix_tokens + self.prefill_done_tokens + self.generated
 
     @property
+    def kv_reserved_tokens(self) -> int:
+        """KV this sequence occupies once its prefill is through (admission reserves it)."""
+        return self.cached_prefix_tokens + self.prefill_tokens + self.generated
+
+    @property
     def prefill_left(self) -> int:
         return self.prefill_tokens - self.prefill_done_tokens
 
@@ -104,7 +109,7 @@ class EngineCore:
     @property
     def kv_used_tokens(self) -> int:
         return (
-            sum(s.kv_tokens for s in self.waiting)
+            sum(s.kv_reserved_tokens for s in self.waiting)
             + sum(s.kv_tokens for s in self.running.values())
             + sum(h.seq.kv_tokens for h in self.held.values())
         )

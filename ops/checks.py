@@ -1,0 +1,45 @@
+"""Completeness of a lifecycle log: does every trajectory show every transition?
+
+Used by the launcher (the count goes into summary.json) and by the tests.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from bus_schemas.lifecycle import TOOL_KINDS, TURN_KINDS_COLOCATED, TURN_KINDS_PD, EventKind
+
+
+def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disaggregated: bool) -> dict[str, list[str]]:
+    """trajectory id -> what is missing (empty dict: every trajectory is complete).
+
+    A complete trajectory has one `started`, one `finished` (whose `turn` is its last turn),
+    every turn kind for each turn 0..last (PD or colocated), and a tool call between turns.
+    """
+    turn_kinds = {k.value for k in (TURN_KINDS_PD if disaggregated else TURN_KINDS_COLOCATED)}
+    tool_kinds = {k.value for k in TOOL_KINDS}
+    per_traj = (
+        events.filter(pl.col("trajectory_id").is_in(list(trajectory_ids)))
+        .group_by("trajectory_id", "turn")
+        .agg(pl.col("kind").unique())
+    )
+    kinds: dict[str, dict[int, set[str]]] = {}
+    for row in per_traj.iter_rows(named=True):
+        kinds.setdefault(row["trajectory_id"], {})[row["turn"]] = set(row["kind"])
+    problems: dict[str, list[str]] = {}
+    for trajectory_id in sorted(trajectory_ids):
+        turns = kinds.get(trajectory_id, {})
+        missing: list[str] = []
+        finished_turn = next((t for t, k in turns.items() if EventKind.FINISHED.value in k), None)
+        if finished_turn is None:
+            missing.append("finished")
+            finished_turn = max(turns, default=-1)
+        if EventKind.STARTED.value not in turns.get(0, set()):
+            missing.append("started")
+        for turn in range(finished_turn + 1):
+            have = turns.get(turn, set())
+            want = turn_kinds | (tool_kinds if turn < finished_turn else set())
+            missing += [f"turn {turn}: {k}" for k in sorted(want - have)]
+        if missing:
+            problems[trajectory_id] = missing
+    return problems

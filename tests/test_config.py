@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.config import ConfigError, initial_roles, load_config, with_policy
+from bus_schemas.control import Role
+from tests.conftest import REPO, write_tiny_config
+
+
+def test_demo_configs_load():
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        config = load_config(path)
+        assert config.trajectories_expected() > 0
+
+
+def test_typo_names_the_key_and_the_file(tmp_path: Path):
+    path = write_tiny_config(tmp_path / "typo.toml")
+    path.write_text(path.read_text().replace("tasks_per_step", "task_per_step"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "typo.toml" in str(err.value) and "task_per_step" in str(err.value)
+
+
+def test_unknown_section_is_an_error(tmp_path: Path):
+    path = write_tiny_config(tmp_path / "c.toml")
+    path.write_text(path.read_text() + "\n[engnies]\ncount = 3\n")
+    with pytest.raises(ConfigError, match="engnies"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ('mix = { swe = 0.5, math = 0.5 }', 'mix = { swe = 0.5, maths = 0.5 }', "maths"),
+        ("count = 2\nprefill", "count = 0\nprefill", "engines.count"),
+        ("time_scale = 50.0", "time_scale = -1.0", "time_scale"),
+        ("time_scale = 50.0", 'time_scale = "fast"', "time_scale"),
+    ],
+)
+def test_bad_values_are_named(tmp_path: Path, old, new, says):
+    path = write_tiny_config(tmp_path / "c.toml")
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+    with pytest.raises(ConfigError, match=says):
+        load_config(path)
+
+
+def test_static_split_needs_a_decode_engine(tiny_config):
+    config = with_policy(tiny_config, "static")
+    assert initial_roles(config) == {"e0": Role.PREFILL, "e1": Role.DECODE}
+    import msgspec
+
+    no_decode = msgspec.structs.replace(config, engines=msgspec.structs.replace(config.engines, prefill_engines=2))
+    with pytest.raises(ConfigError, match="leaves no decode engine"):
+        initial_roles(no_decode)
+
+
+def test_colocated_roles(tiny_config):
+    assert set(initial_roles(tiny_config).values()) == {Role.COLOCATED}
+
+
+def test_launcher_rejects_a_typo_before_starting_anything(tmp_path: Path):
+    path = write_tiny_config(tmp_path / "typo.toml")
+    path.write_text(path.read_text().replace("samples_per_task", "samples_per_tsak"))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.launch", str(path), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "samples_per_tsak" in proc.stderr and "typo.toml" in proc.stderr
+    assert not out.exists()  # nothing started, nothing written

@@ -1,0 +1,122 @@
+"""The scheduler core on hand-built work: no bus, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine.core import EngineCore
+from actors.engine.costmodel import PRESETS, decode_run_s, iteration_s
+from bus_schemas.control import Role
+from bus_schemas.work import DecodeWork, KvHandle, PrefillWork
+
+PRESET = PRESETS["h100-qwen3-8b"]
+
+
+def work(traj="t0", turn=0, context=0, new=1000, out=50, version=0) -> PrefillWork:
+    return PrefillWork(
+        work_id=f"{traj}/n/t{turn}/a0", trajectory_id=traj, turn=turn, env_id="env0", task_family="swe",
+        policy_version=version, context_tokens=context, new_tokens=new, max_output_tokens=4096,
+        target_output_tokens=out, queued_at_s=0.0,
+    )  # fmt: skip
+
+
+def core(role=Role.COLOCATED, budget=2048, max_waiting=8, max_decode=16) -> EngineCore:
+    return EngineCore("e0", role, PRESET, budget, max_decode, max_waiting)
+
+
+def run_to_idle(c: EngineCore, max_advance_s=1.0):
+    done, steps = [], 0
+    while (batch := c.plan(max_advance_s)) is not None:
+        done += c.complete(batch)
+        steps += 1
+    return done, steps
+
+
+def test_prefill_is_chunked_under_the_token_budget():
+    c = core(budget=2048)
+    c.admit_prefill(work("a", new=3000))
+    c.admit_prefill(work("b", new=500))
+    first = c.plan(1.0)
+    assert [(s.work.trajectory_id, n) for s, n in first.prefill] == [("a", 2048)]
+    assert [k for k, _ in first.started] == ["prefill_started"]
+    c.complete(first)
+    second = c.plan(1.0)
+    assert [(s.work.trajectory_id, n) for s, n in second.prefill] == [("a", 952), ("b", 500)]
+
+
+def test_colocated_turn_goes_prefill_then_decode_to_its_target():
+    c = core()
+    c.admit_prefill(work(out=40))
+    done, _ = run_to_idle(c)
+    assert [k for k, _ in done] == ["prefill_done", "decode_done"]
+    assert done[-1][1].generated == 40 and c.idle
+
+
+def test_decode_only_steps_advance_to_the_next_finish_in_one_go():
+    c = core()
+    c.admit_prefill(work("a", new=100, out=30))
+    c.admit_prefill(work("b", new=100, out=300))
+    c.complete(c.plan(10.0))  # both prefilled in one step
+    batch = c.plan(10.0)
+    assert batch.prefill == [] and batch.iterations == 29  # "a" finishes; "b" keeps going
+    assert batch.duration_s == pytest.approx(decode_run_s(PRESET, 2, 200 + 2, 29))
+    done = c.complete(batch)
+    assert [(k, s.work.trajectory_id) for k, s in done] == [("decode_done", "a")]
+
+
+def test_max_advance_bounds_a_decode_step():
+    c = core()
+    c.admit_prefill(work(new=100, out=10_000))
+    c.complete(c.plan(1.0))
+    one_s = iteration_s(PRESET, (), 1, 101)
+    assert c.plan(max_advance_s=10 * one_s).iterations == 10
+
+
+def test_returning_trajectory_hits_the_prefix_cache():
+    c = core()
+    c.admit_prefill(work("a", turn=0, new=2000, out=100))
+    run_to_idle(c)
+    seq = c.admit_prefill(work("a", turn=1, context=2100, new=300, out=10))
+    assert seq.cached_prefix_tokens == 2100 and seq.prefill_tokens == 300
+    other_version = c.admit_prefill(work("a", turn=1, context=2100, new=300, version=1))
+    assert other_version.cached_prefix_tokens == 0  # stale-policy KV is never reused
+
+
+def test_prefill_role_holds_kv_until_released_or_expired():
+    c = core(role=Role.PREFILL)
+    c.admit_prefill(work("a", new=1000))
+    c.admit_prefill(work("b", new=1000))
+    done, _ = run_to_idle(c)
+    assert [k for k, _ in done] == ["prefill_done", "prefill_done"]
+    for _, seq in done:
+        c.hold(seq, seq.key, expires_at_s=10.0)
+    assert c.kv_used_tokens == 2 * 1001
+    assert c.release("a/n/t0/a0", now_s=5.0).work.trajectory_id == "a"
+    assert c.release("a/n/t0/a0", now_s=5.0) is None  # a handle is fetched once
+    assert [s.work.trajectory_id for s in c.expire(now_s=11.0)] == ["b"]
+    assert c.kv_used_tokens == 0 and not c.held
+
+
+def test_decode_role_admits_prefilled_work_with_its_first_token():
+    c = core(role=Role.DECODE)
+    w = work("a", context=500, new=100, out=20)
+    handle = KvHandle(engine_id="e9", handle_id=w.work_id, tokens=600, kv_bytes=1, expires_at_s=1.0)
+    seq = c.admit_decode(DecodeWork(prefill=w, kv=handle, prefilled_at_s=0.0))
+    assert seq.generated == 1 and seq.kv_tokens == 601
+    done, _ = run_to_idle(c)
+    assert [k for k, _ in done] == ["decode_done"] and done[0][1].prefill_engine_id == "e9"
+
+
+def test_room_respects_queue_and_kv_limits():
+    c = core(max_waiting=2)
+    assert c.room() == 2
+    c.admit_prefill(work("a", new=PRESET.kv_capacity_tokens))  # fills the KV pool
+    assert c.room() == 0
+
+
+def test_iteration_time_grows_with_work():
+    base = iteration_s(PRESET, [(512, 0)], 8, 8000)
+    assert iteration_s(PRESET, [(1024, 0)], 8, 8000) > base
+    assert iteration_s(PRESET, [(512, 4000)], 8, 8000) > base
+    assert iteration_s(PRESET, [(512, 0)], 16, 16000) > base
+    assert iteration_s(PRESET, [], 0, 0) == 0.0

@@ -1,0 +1,111 @@
+"""End to end: `python -m ops.launch` with every actor in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import psutil
+import pytest
+
+from ops.checks import incomplete_trajectories
+from tests.conftest import REPO, write_tiny_config
+
+pytestmark = pytest.mark.e2e
+
+
+def start_launcher(config: Path, out: Path, *extra: str) -> subprocess.Popen:
+    """In its own process group, like a command typed at a terminal."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out), *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"}, start_new_session=True,
+    )  # fmt: skip
+
+
+def read_until_started(proc: subprocess.Popen) -> tuple[dict[str, int], list[str]]:
+    """Launcher output up to the trainer's start: {'engine e0': pid, ..., 'nats-server': pid}."""
+    pids, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"started (.+?) pid (\d+)", line):
+            pids[m.group(1)] = int(m.group(2))
+            if m.group(1) == "trainer trainer":
+                return pids, lines
+    raise AssertionError("launcher ended before starting the trainer:\n" + "".join(lines))
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    alive = []
+    for name, pid in pids.items():
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(name)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"left behind: {alive}"
+
+
+@pytest.mark.parametrize("policy", ["colocated", "static"])
+def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path: Path, policy: str):
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=2)
+    out = tmp_path / "run"
+    proc = start_launcher(config, out, "--policy", policy)
+    pids, lines = read_until_started(proc)
+    rest, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert_all_gone(pids)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["policy"] == policy
+    assert summary["trajectories_expected"] == summary["trajectories_finished"] == 8
+    assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0
+    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert all(s["rollout_s"] > 0 and s["prefill_tokens"] > 0 and s["decode_tokens"] > 0 for s in summary["steps"])
+
+    events = pl.read_parquet(out / "events.parquet")
+    assert {"event_id", "kind", "trajectory_id", "turn", "at_s"} <= set(events.columns)
+    assert events["event_id"].n_unique() == events.height
+    finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
+    assert len(finished) == summary["trajectories_finished"]
+    disaggregated = policy == "static"
+    assert incomplete_trajectories(events, finished, disaggregated) == {}
+    assert summary["incomplete_trajectories"] == 0
+    per_kind = dict(events["kind"].value_counts().iter_rows())
+    if disaggregated:  # every turn crossed from e0 (prefill) to e1 (decode)
+        assert per_kind["kv_transfer_done"] == per_kind["decode_done"]
+        assert set(events.filter(pl.col("kind") == "prefill_done")["engine_id"]) == {"e0"}
+        assert set(events.filter(pl.col("kind") == "decode_done")["engine_id"]) == {"e1"}
+    else:
+        assert "kv_transfer_done" not in per_kind
+    decode_tokens = events.filter(pl.col("kind") == "decode_done")["generated_tokens"].sum()
+    assert decode_tokens == sum(s["decode_tokens"] for s in summary["steps"])
+
+
+def test_a_dead_actor_stops_the_run_with_its_name(tmp_path: Path):
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=3, time_scale=5.0)
+    proc = start_launcher(config, tmp_path / "run")
+    pids, _ = read_until_started(proc)
+    os.kill(pids["engine e1"], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "engine e1 died with exit code -9" in output
+    assert_all_gone(pids)
+
+
+def test_ctrl_c_stops_everything_and_leaves_no_process(tmp_path: Path):
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=3, time_scale=5.0)
+    out = tmp_path / "run"
+    proc = start_launcher(config, out)
+    pids, _ = read_until_started(proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group gets it
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert_all_gone(pids)
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
