@@ -96,18 +96,39 @@ class FamilyOverride(_Section):
     tool_latency_scale: float = 1.0  # multiply tool latencies
 
 
+class WorkloadPhase(_Section):
+    """From RL step `from_step` on, tasks follow `mix` (a task mix that shifts mid-run)."""
+
+    from_step: int
+    mix: dict[str, float]
+
+
 class WorkloadSection(_Section):
     mix: dict[str, float] = msgspec.field(default_factory=lambda: {"swe": 0.5, "math": 0.5})  # family -> share
+    phases: list[WorkloadPhase] = []  # later steps' mixes, in increasing from_step
     overrides: dict[str, FamilyOverride] = {}
 
     def __post_init__(self) -> None:
         from actors.environment.workloads import PROFILES  # profiles live with the environment
 
-        for family in [*self.mix, *self.overrides]:
+        mixes = [self.mix, *(p.mix for p in self.phases)]
+        for family in [*(f for m in mixes for f in m), *self.overrides]:
             if family not in PROFILES:
                 raise ValueError(f"unknown task family {family!r} (known: {', '.join(sorted(PROFILES))})")
-        if not self.mix or min(self.mix.values()) < 0 or sum(self.mix.values()) <= 0:
-            raise ValueError("workload.mix needs positive shares")
+        for mix in mixes:
+            if not mix or min(mix.values()) < 0 or sum(mix.values()) <= 0:
+                raise ValueError("every workload mix needs positive shares")
+        starts = [p.from_step for p in self.phases]
+        if starts != sorted(set(starts)) or any(s < 1 for s in starts):
+            raise ValueError("workload.phases need strictly increasing from_step values >= 1")
+
+    def mix_at(self, step: int) -> dict[str, float]:
+        """The task mix of RL step `step`."""
+        mix = self.mix
+        for phase in self.phases:
+            if phase.from_step <= step:
+                mix = phase.mix
+        return mix
 
 
 class Config(_Section):

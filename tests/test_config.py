@@ -73,3 +73,18 @@ def test_launcher_rejects_a_typo_before_starting_anything(tmp_path: Path):
     assert proc.returncode == 2
     assert "samples_per_tsak" in proc.stderr and "typo.toml" in proc.stderr
     assert not out.exists()  # nothing started, nothing written
+
+
+def test_workload_phases_shift_the_mix(tmp_path: Path):
+    path = write_tiny_config(tmp_path / "c.toml")
+    path.write_text(path.read_text() + """
+[[workload.phases]]
+from_step = 2
+mix = { search = 1.0 }
+""")
+    workload = load_config(path).workload
+    assert workload.mix_at(0) == workload.mix_at(1) == {"swe": 0.5, "math": 0.5}
+    assert workload.mix_at(2) == workload.mix_at(9) == {"search": 1.0}
+    path.write_text(path.read_text().replace("from_step = 2", "from_step = 0"))
+    with pytest.raises(ConfigError, match="from_step"):
+        load_config(path)
