@@ -41,6 +41,18 @@ class RunSection(_Section):
             raise ValueError("run.ack_wait_wall_s and run.heartbeat_wall_s must be > 0")
 
 
+class LayoutSection(_Section):
+    """Parallel layout of an engine (see actors.engine.costmodel.Layout)."""
+
+    tp: int = 1  # tensor parallel GPUs per rank
+    dp: int = 1  # DP-attention ranks per engine
+    ep: int = 1  # expert-parallel GPUs (MoE)
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.dp, self.ep) < 1:
+            raise ValueError("layout tp, dp and ep must be >= 1")
+
+
 class EngineSection(_Section):
     count: int = 4
     backend: Literal["emulated"] = "emulated"
@@ -52,6 +64,10 @@ class EngineSection(_Section):
     max_waiting: int = 64  # admitted-but-unprefilled sequences before the engine stops pulling
     kv_ttl_s: float = 120.0  # model seconds a prefill engine holds KV for a decode engine
     decode_quantum_wall_s: float = 0.005  # wall time batched into one decode advance
+    layout: LayoutSection = msgspec.field(default_factory=LayoutSection)  # every role, unless overridden
+    prefill_layout: LayoutSection | None = None  # stage-specific parallelism for prefill engines
+    decode_layout: LayoutSection | None = None  # ... and for decode engines
+    switch_regime: Literal["instant", "sleep-wake", "restart"] = "instant"  # reconfiguration cost of a role switch
 
     def __post_init__(self) -> None:
         from actors.engine.costmodel import LINKS, PRESETS
@@ -62,6 +78,27 @@ class EngineSection(_Section):
             raise ValueError(f"unknown engines.preset {self.preset!r} (known: {', '.join(sorted(PRESETS))})")
         if self.link not in LINKS:
             raise ValueError(f"unknown engines.link {self.link!r} (known: {', '.join(sorted(LINKS))})")
+        for role in Role:
+            self.cost_preset(role)  # a layout the model does not fit raises here, naming it
+
+    def layout_for(self, role: Role) -> LayoutSection:
+        if role is Role.PREFILL and self.prefill_layout is not None:
+            return self.prefill_layout
+        if role is Role.DECODE and self.decode_layout is not None:
+            return self.decode_layout
+        return self.layout
+
+    def cost_preset(self, role: Role):
+        """The cost-model preset an engine in `role` runs with (its layout applied)."""
+        from actors.engine.costmodel import PRESETS, Layout, with_layout
+
+        layout = self.layout_for(role)
+        if (layout.tp, layout.dp, layout.ep) == (1, 1, 1):  # the preset's own layout
+            return PRESETS[self.preset]
+        try:
+            return with_layout(self.preset, Layout(layout.tp, layout.dp, layout.ep))
+        except ValueError as err:
+            raise ValueError(f"engines layout for {role.value}: {err}") from None
         if self.prefill_engines < 1:
             raise ValueError("engines.prefill_engines must be >= 1")
 

@@ -17,7 +17,7 @@ from nats.errors import NoRespondersError
 from actors.base import Actor
 from actors.base.publish import PublishAborted, publish_durable
 from actors.engine.core import EngineCore, Seq
-from actors.engine.costmodel import LINKS, PRESETS, transfer_s
+from actors.engine.costmodel import LINKS, switch_reconfig_s, transfer_s
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
@@ -40,7 +40,7 @@ class EngineActor(Actor):
         super().__init__(actor_id, config, nc, clock)
         ec = config.engines
         self.link = LINKS[ec.link]
-        self.core = EngineCore(actor_id, role, PRESETS[ec.preset], ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
+        self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
         self.epoch = 0
         self.policy_version = 0
         self._msgs: dict[str, Msg] = {}  # work key -> the JetStream message to ack when done
@@ -362,10 +362,13 @@ class EngineActor(Actor):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), timeout=IDLE_WAKE_WALL_S)
         drain_s = self.clock.now_s() - started_s
+        reconfig_s = switch_reconfig_s(self.config.engines, self.core.role, command.role)
+        await self.clock.sleep(reconfig_s)
+        self.core.preset = self.config.engines.cost_preset(command.role)
         self.core.role = command.role
         self._pulling = True
         self._room.set()
-        self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s)
+        self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
 
     async def _reply(self, msg: Msg, command: str, ok: bool, error: str = "", drain_s: float = 0.0) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from actors.engine.costmodel import CostPreset, decode_run_s, iteration_s
+from actors.engine.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
@@ -36,6 +36,8 @@ class Seq:
     handoff: bool  # prefill role: stop after prefill and hand the KV over
     prefill_done_tokens: int = 0
     generated: int = 0
+    generated_before_prefill: int = 0  # > 0 after a preemption: those tokens are recomputed as prompt
+    rank: int = 0  # DP-attention rank the sequence lives on
     prefill_started: bool = False
     decode_started: bool = False
     prefill_engine_id: str = ""
@@ -47,12 +49,16 @@ class Seq:
     @property
     def kv_tokens(self) -> int:
         """KV resident for this sequence now."""
-        return self.cached_prefix_tokens + self.prefill_done_tokens + self.generated
+        return self.cached_prefix_tokens + self.prefill_done_tokens + self.generated - self.generated_before_prefill
 
     @property
     def kv_reserved_tokens(self) -> int:
         """KV this sequence occupies once its prefill is through (admission reserves it)."""
-        return self.cached_prefix_tokens + self.prefill_tokens + self.generated
+        return self.cached_prefix_tokens + self.prefill_tokens + self.generated - self.generated_before_prefill
+
+    @property
+    def preempted(self) -> bool:
+        return self.generated_before_prefill > 0
 
     @property
     def prefill_left(self) -> int:
@@ -100,6 +106,9 @@ class EngineCore:
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_tokens = 0
         self.busy_s = 0.0  # modelled time spent in steps, for utilisation
+        self.preemptions = 0
+        self._admitted = 0  # admission counter: newest sequences are preempted first
+        self._order: dict[str, int] = {}
 
     # --- capacity ------------------------------------------------------------------------
     @property
@@ -118,11 +127,13 @@ class EngineCore:
         """Sequences this engine may pull now (`pending`: admitted elsewhere, not yet here)."""
         if self.kv_used_tokens >= KV_HIGH_WATERMARK * self.kv_capacity_tokens:
             return 0
+        max_waiting = self.max_waiting * self.preset.dp_ranks
+        max_decode = self.max_decode_seqs * self.preset.dp_ranks
         if self.role is Role.PREFILL:
-            return self.max_waiting - len(self.waiting) - pending
+            return max_waiting - len(self.waiting) - pending
         if self.role is Role.DECODE:
-            return self.max_decode_seqs - len(self.running) - pending
-        return min(self.max_waiting - len(self.waiting), self.max_decode_seqs - len(self.running) - len(self.waiting)) - pending
+            return max_decode - len(self.running) - pending
+        return min(max_waiting - len(self.waiting), max_decode - len(self.running) - len(self.waiting)) - pending
 
     @property
     def idle(self) -> bool:
@@ -141,9 +152,21 @@ class EngineCore:
             prefill_tokens=work.context_tokens - cached + work.new_tokens,
             handoff=self.role is Role.PREFILL,
             prefill_engine_id=self.engine_id,
+            rank=self._least_loaded_rank(),
         )
+        self._note_admission(seq)
         self.waiting.append(seq)
         return seq
+
+    def _least_loaded_rank(self) -> int:
+        load = [0] * self.preset.dp_ranks
+        for s in [*self.waiting, *self.running.values()]:
+            load[s.rank] += s.kv_reserved_tokens
+        return min(range(len(load)), key=load.__getitem__)
+
+    def _note_admission(self, seq: Seq) -> None:
+        self._admitted += 1
+        self._order[seq.key] = self._admitted
 
     def admit_decode(self, item: DecodeWork) -> Seq:
         """A prefilled turn whose KV has arrived: all of its context is resident."""
@@ -159,32 +182,37 @@ class EngineCore:
             generated=1,  # the first token was sampled at the end of prefill
             prefill_started=True,
             prefill_engine_id=item.kv.engine_id,
+            rank=self._least_loaded_rank(),
         )
+        self._note_admission(seq)
         self.running[seq.key] = seq
         return seq
 
     # --- one scheduler step --------------------------------------------------------------
     def plan(self, max_advance_s: float) -> Batch | None:
+        self._preempt_to_fit(1)
         decode = list(self.running.values())
-        budget = self.max_batch_tokens - len(decode)
+        ranks = self.preset.dp_ranks
+        budget = [self.max_batch_tokens] * ranks
+        for seq in decode:
+            budget[seq.rank] -= 1
         chunks: list[tuple[Seq, int]] = []
         for seq in self.waiting:
-            if budget <= 0:
-                break
-            n = min(budget, seq.prefill_left)
-            chunks.append((seq, n))
-            budget -= n
+            n = min(budget[seq.rank], seq.prefill_left)
+            if n > 0:
+                chunks.append((seq, n))
+                budget[seq.rank] -= n
         if not chunks and not decode:
             return None
-        context = sum(s.kv_tokens for s in decode)
-        prefill_pairs = [(n, s.cached_prefix_tokens + s.prefill_done_tokens) for s, n in chunks]
         if chunks:
-            iterations, duration_s = 1, iteration_s(self.preset, prefill_pairs, len(decode), context)
+            iterations, duration_s = 1, group_iteration_s(self.preset, self._loads(chunks, decode))
         else:
-            one_s = iteration_s(self.preset, (), len(decode), context)
+            loads = self._loads([], decode)
+            one_s = group_iteration_s(self.preset, loads)
             fit = int(max_advance_s // one_s) if one_s > 0 else 1
-            iterations = max(1, min(fit, min(max(1, s.decode_left) for s in decode)))
-            duration_s = decode_run_s(self.preset, len(decode), context, iterations)
+            free = self.kv_capacity_tokens - self.kv_used_tokens
+            iterations = max(1, min(fit, free // len(decode), min(max(1, s.decode_left) for s in decode)))
+            duration_s = group_decode_run_s(self.preset, loads, iterations)
         started: list[tuple[str, Seq]] = []
         for seq, _ in chunks:
             if not seq.prefill_started:
@@ -196,6 +224,29 @@ class EngineCore:
                 started.append(("decode_started", seq))
         return Batch(chunks, decode, iterations, duration_s, started)
 
+    def _loads(self, chunks: list[tuple[Seq, int]], decode: list[Seq]) -> list[RankLoad]:
+        prefill: list[list[tuple[int, int]]] = [[] for _ in range(self.preset.dp_ranks)]
+        seqs, context = [0] * self.preset.dp_ranks, [0] * self.preset.dp_ranks
+        for seq, n in chunks:
+            prefill[seq.rank].append((n, seq.cached_prefix_tokens + seq.prefill_done_tokens))
+        for seq in decode:
+            seqs[seq.rank] += 1
+            context[seq.rank] += seq.kv_tokens
+        return [RankLoad(tuple(prefill[r]), seqs[r], context[r]) for r in range(self.preset.dp_ranks)]
+
+    def _preempt_to_fit(self, iterations: int) -> None:
+        """Free KV for `iterations` of decode growth by recomputing the newest sequences later."""
+        while self.running and self.kv_used_tokens + len(self.running) * iterations > self.kv_capacity_tokens:
+            newest = max(self.running.values(), key=lambda s: self._order.get(s.key, 0))
+            del self.running[newest.key]
+            total = newest.kv_tokens
+            newest.generated_before_prefill = newest.generated
+            newest.cached_prefix_tokens = 0
+            newest.prefill_tokens = total
+            newest.prefill_done_tokens = 0
+            self.waiting.appendleft(newest)
+            self.preemptions += 1
+
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
         """Apply a planned step; return ("prefill_done" | "decode_done", seq) in order."""
         self.busy_s += batch.duration_s
@@ -204,6 +255,7 @@ class EngineCore:
             seq.generated = min(seq.target_tokens, seq.generated + batch.iterations)
             if seq.decode_left <= 0:
                 del self.running[seq.key]
+                self._order.pop(seq.key, None)
                 self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
                 done.append(("decode_done", seq))
         for seq, n in batch.prefill:
@@ -211,6 +263,12 @@ class EngineCore:
             if seq.prefill_left > 0:
                 continue
             self.waiting.remove(seq)
+            if seq.preempted:  # recomputed after a preemption: back to decoding, no new turn event
+                seq.prefill_tokens -= seq.generated_before_prefill
+                seq.prefill_done_tokens = seq.prefill_tokens
+                seq.generated_before_prefill = 0
+                self.running[seq.key] = seq
+                continue
             seq.generated = 1  # first token sampled at the end of prefill
             done.append(("prefill_done", seq))
             if not seq.handoff:

@@ -1,67 +1,200 @@
 """Iteration-time model of the emulated backend (pure).
 
-    T_iter = c0 + max(T_w(N), t_tok * N) + c_attn * Σ L_i (p_i + L_i / 2) + c_kv * Σ C_j + c_seq * B
+For one rank (a TP group) executing one scheduler iteration (calibration.md, "Iteration-time model"):
 
-with N the new tokens of the iteration (prefill chunk tokens + decode sequences), L_i / p_i
-a prefill chunk's new tokens and the prefix already in KV, C_j a decode sequence's context.
-Constants come from ``shared/reference/calibration.md`` (section 7.1, "Default constants");
-their fidelity to real GPUs, DP-attention groups and MoE detail belong to the cost-model
-issue. KV transfer: ``t0 + bytes / bandwidth`` (calibration.md section 3.2).
+    T_r = max(T_w(N), t_tok * Np_r + t_dec * B_r) + c_attn * Σ L_i (p_i + L_i / 2) + c_kv * Σ C_j + c_seq * B_r
+
+N: new tokens of the iteration (prefill chunk tokens + decode sequences), L_i / p_i: a prefill
+chunk's new tokens and the prefix already in KV, C_j: a decode sequence's context. An engine
+with DP attention is a group of ranks synchronised at every MoE layer, so
+
+    T_iter = c0 + T_a2a(N_group) + max_r T_r
+
+— one rank that prefills stalls every rank's decode, the interference PD disaggregation
+removes. With one rank this is the single-instance formula. Per-iteration constants are
+derived from `hardware.py` specs (roofline formulas of calibration.md), except DeepSeek-V3's
+DP-attention + EP deployment, whose per-GPU figures are taken as measured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from actors.engine import hardware as hw
+from actors.engine.hardware import LINKS, Link  # re-exported: the engine imports links from here
+
+__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s"]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Parallel layout of one engine: TP inside a rank, DP-attention ranks, expert parallelism."""
+
+    tp: int = 1
+    dp: int = 1  # DP-attention ranks in the engine (each rank has tp GPUs)
+    ep: int = 1  # experts split over this many GPUs (MoE only)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
 
 
 @dataclass(frozen=True, slots=True)
 class CostPreset:
     name: str
-    c0_s: float  # per-iteration overhead
-    t_w_base_s: float  # weight-streaming floor (dense: all of it)
-    t_w_moe_s: float  # MoE: extra weight bytes touched, scaled by 1 - (1 - 1/16)^N
-    t_tok_s: float  # GEMM time per new token
+    c0_s: float  # per-iteration overhead (group-wide)
+    t_w_base_s: float  # weight-streaming floor (dense: all of it; MoE: the always-read part)
+    t_w_moe_s: float  # MoE: expert bytes per GPU, scaled by the share of experts touched
+    moe_touch_share: float  # top_k / n_experts
+    t_tok_s: float  # GEMM time per prefill token
+    t_dec_s: float  # GEMM time per decode sequence (0 where c_seq already holds it)
     c_attn_s: float  # prefill attention per (new token x context token)
     c_kv_s: float  # decode attention per context token read
-    c_seq_s: float  # per-sequence overhead (sampling, bookkeeping)
+    c_seq_s: float  # per decode sequence (sampling, bookkeeping; MoE per-seq cost for EP groups)
     kv_bytes_per_token: int
-    kv_capacity_tokens: int  # KV pool: ~0.9 HBM minus weights
+    kv_capacity_tokens: int  # whole engine (all ranks)
+    dp_ranks: int = 1
+    a2a_latency_s: float = 0.0  # per iteration: all-to-all dispatch + combine latency, all layers
+    a2a_s_per_token: float = 0.0  # per token of the group (bytes moved / link bandwidth)
+    gpus: int = 1
 
     def weight_s(self, new_tokens: int) -> float:
         if self.t_w_moe_s == 0.0:
             return self.t_w_base_s
-        return self.t_w_base_s + self.t_w_moe_s * (1.0 - (15.0 / 16.0) ** new_tokens)
-
-
-PRESETS: dict[str, CostPreset] = {
-    # Qwen3-8B BF16, TP1. calibration.md 7.1: c0 1.0 ms (from gpustack TPOT), T_w 6.05 ms
-    # (15.2 GB / (0.75 x 3.35 TB/s)), t_tok 30.5 us, c_attn 1.19 ns, c_kv 58.7 ns (144 KiB/token),
-    # c_seq 0.01 ms [A], KV capacity ~380k tokens.
-    "h100-qwen3-8b": CostPreset("h100-qwen3-8b", 1.0e-3, 6.05e-3, 0.0, 30.5e-6, 1.19e-9, 58.7e-9, 1.0e-5, 147_456, 380_000),
-    # Same model on H200: 4.8 TB/s HBM -> T_w 4.22 ms, c_kv 41.0 ns; KV capacity ~750k tokens.
-    "h200-qwen3-8b": CostPreset("h200-qwen3-8b", 1.0e-3, 4.22e-3, 0.0, 30.5e-6, 1.19e-9, 41.0e-9, 1.0e-5, 147_456, 750_000),
-    # Qwen3-30B-A3B BF16, TP1 on H200: c0 1.5 ms [A], T_w 0.67 + 16.1 f(N) ms [D], t_tok 20 us [A],
-    # c_attn 1.59 ns, c_kv 27.3 ns (96 KiB/token), KV capacity ~670k tokens.
-    "h200-qwen3-30b-a3b": CostPreset(
-        "h200-qwen3-30b-a3b", 1.5e-3, 0.67e-3, 16.1e-3, 20e-6, 1.59e-9, 27.3e-9, 1.0e-5, 98_304, 670_000
-    ),
-}
+        return self.t_w_base_s + self.t_w_moe_s * (1.0 - (1.0 - self.moe_touch_share) ** new_tokens)
 
 
 @dataclass(frozen=True, slots=True)
-class Link:
-    name: str
-    t0_s: float  # fixed cost of one transfer
-    bytes_per_s: float  # effective bandwidth
+class RankLoad:
+    """What one DP rank runs in an iteration."""
+
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (new tokens, prefix tokens)
+    decode_seqs: int = 0
+    decode_context_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(n for n, _ in self.prefill_chunks) + self.decode_seqs
 
 
-LINKS: dict[str, Link] = {
-    # calibration.md 3.2: fit to Mooncake vLLM-v1 1P1D, 8x400G RoCE: 0.4 ms + bytes / 150 GB/s.
-    "rdma-8x400g": Link("rdma-8x400g", 0.4e-3, 150e9),
-    "nic-400g": Link("nic-400g", 0.4e-3, 40e9),  # single 400G NIC [A]
-    "nvlink": Link("nvlink", 0.4e-3, 300e9),  # intra-node NVLink, effective [A]
-}
+def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = Layout()) -> CostPreset:
+    """Per-iteration constants from specs (calibration.md formulas); FP8 halves weight bytes and GEMM time."""
+    gpu, model = hw.GPUS[gpu_name], hw.MODELS[model_name]
+    name = f"{gpu_name}-{model_name}{'-fp8' if fp8 else ''}"
+    if model_name == "deepseek-v3":
+        return _deepseek_ep(gpu, name, layout)
+    scale = 0.5 if fp8 else 1.0
+    bw = hw.ETA_BW * gpu.hbm_bytes_per_s
+    moe = model.moe_expert_bytes_bf16 > 0
+    eta_f = hw.ETA_FLOPS_MOE if moe else hw.ETA_FLOPS_DENSE
+    t_tok = 2 * model.active_nonembed_params / (eta_f * (gpu.fp8_flops if fp8 else gpu.bf16_flops)) / layout.tp
+    if moe:
+        dense_bytes = model.moe_dense_bytes_bf16 * scale / layout.tp
+        expert_bytes = model.moe_expert_bytes_bf16 * scale / (layout.tp * layout.ep)
+    else:
+        dense_bytes, expert_bytes = model.weight_bytes_bf16 * scale / layout.tp, 0.0
+    free_bytes = hw.KV_POOL_SHARE * gpu.hbm_bytes - dense_bytes - expert_bytes
+    if free_bytes <= 0:
+        raise ValueError(f"{name} with {layout} does not fit: weights exceed {hw.KV_POOL_SHARE:.0%} of HBM per GPU")
+    allreduce_s = 2 * model.n_layers * hw.TP_ALLREDUCE_LATENCY_S if layout.tp > 1 else 0.0
+    a2a_latency_s, a2a_per_token = 0.0, 0.0
+    if layout.dp > 1:  # dispatch + combine per MoE layer: 2 small collectives, bf16 activations [A]
+        a2a_latency_s = 2 * model.n_layers * hw.TP_ALLREDUCE_LATENCY_S
+        a2a_per_token = 2 * model.n_layers * model.hidden * 2 / (gpu.nvlink_bytes_per_s * layout.dp)
+    return CostPreset(
+        name=name,
+        c0_s=(1.5e-3 if moe else 1.0e-3) + allreduce_s,  # dense 1.0 ms [D from gpustack TPOT]; MoE 1.5 ms [A]
+        t_w_base_s=dense_bytes / bw,
+        t_w_moe_s=expert_bytes / bw,
+        moe_touch_share=model.moe_touch_share,
+        t_tok_s=t_tok,
+        t_dec_s=t_tok,
+        c_attn_s=4 * model.n_layers * model.n_q_heads * model.head_dim / (hw.ETA_ATTN * gpu.bf16_flops) / layout.tp,
+        c_kv_s=model.kv_bytes_per_token / bw / layout.tp,
+        c_seq_s=1.0e-5,  # 0.01 ms [A]
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_capacity_tokens=int(free_bytes * layout.tp / model.kv_bytes_per_token) * layout.dp,
+        dp_ranks=layout.dp,
+        a2a_latency_s=a2a_latency_s,
+        a2a_s_per_token=a2a_per_token,
+        gpus=layout.gpus,
+    )
+
+
+def _deepseek_ep(gpu: hw.GpuSpec, name: str, layout: Layout) -> CostPreset:
+    """DeepSeek-V3 FP8 with DP attention + EP: measured per-GPU constants (hardware.DEEPSEEK_V3_EP)."""
+    if layout.tp != 1 or layout.ep < 2:
+        raise ValueError(f"{name}: DeepSeek-V3 presets model DP attention + EP (tp=1, ep>=2), got {layout}")
+    k = hw.DEEPSEEK_V3_EP[gpu.name]
+    model = hw.MODELS["deepseek-v3"]
+    weights_per_gpu = model.weight_bytes_bf16 * 0.5 / layout.ep  # FP8 weights spread over the EP group
+    free_bytes = hw.KV_POOL_SHARE * gpu.hbm_bytes - weights_per_gpu
+    if free_bytes <= 0:
+        raise ValueError(f"{name} with {layout} does not fit: {weights_per_gpu / 1e9:.0f} GB of weights per GPU")
+    return CostPreset(
+        name=name if name.endswith("-fp8") else name + "-fp8",
+        c0_s=k.c0_s,  # includes the EP all-to-all
+        t_w_base_s=0.0,
+        t_w_moe_s=0.0,
+        moe_touch_share=0.0,
+        t_tok_s=k.prefill_per_token_s,
+        t_dec_s=0.0,  # in c_seq (c_b)
+        c_attn_s=k.c_attn_s,
+        c_kv_s=k.c_kv_s,
+        c_seq_s=k.per_seq_s,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_capacity_tokens=int(free_bytes / model.kv_bytes_per_token) * layout.dp,
+        dp_ranks=layout.dp,
+        gpus=layout.gpus,
+    )
+
+
+def _presets() -> dict[str, CostPreset]:
+    out: dict[str, CostPreset] = {}
+    for gpu in ("h100", "h200"):
+        for fp8 in (False, True):
+            p = derive(gpu, "qwen3-8b", fp8)
+            out[p.name] = p
+            p = derive(gpu, "qwen3-30b-a3b", fp8)
+            out[p.name] = p
+    out["h200-deepseek-v3-fp8"] = derive("h200", "deepseek-v3", True, Layout(dp=8, ep=8))
+    out["h100-deepseek-v3-fp8"] = derive("h100", "deepseek-v3", True, Layout(dp=16, ep=16))
+    return out
+
+
+PRESETS: dict[str, CostPreset] = _presets()
+
+
+def with_layout(preset_name: str, layout: Layout) -> CostPreset:
+    """A named preset re-derived for another parallel layout."""
+    base = PRESETS[preset_name]
+    gpu, rest = preset_name.split("-", 1)
+    fp8 = rest.endswith("-fp8")
+    model = rest.removesuffix("-fp8")
+    return replace(derive(gpu, model, fp8, layout), name=base.name + f"@tp{layout.tp}dp{layout.dp}ep{layout.ep}")
+
+
+def _rank_s(preset: CostPreset, load: RankLoad, weight_s: float) -> float:
+    prefill_tokens = sum(n for n, _ in load.prefill_chunks)
+    gemm = preset.t_tok_s * prefill_tokens + preset.t_dec_s * load.decode_seqs
+    attn = sum(n * (p + n / 2.0) for n, p in load.prefill_chunks)
+    return (
+        max(weight_s, gemm)
+        + preset.c_attn_s * attn
+        + preset.c_kv_s * load.decode_context_tokens
+        + preset.c_seq_s * load.decode_seqs
+    )
+
+
+def group_iteration_s(preset: CostPreset, ranks: Sequence[RankLoad]) -> float:
+    """One iteration of an engine whose ranks run `ranks` (idle ranks still wait for the slowest)."""
+    new_tokens = sum(r.new_tokens for r in ranks)
+    if new_tokens == 0:
+        return 0.0
+    weight_s = preset.weight_s(new_tokens)
+    a2a_s = preset.a2a_latency_s + preset.a2a_s_per_token * new_tokens if preset.dp_ranks > 1 else 0.0
+    return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
 
 
 def iteration_s(
@@ -70,27 +203,35 @@ def iteration_s(
     decode_seqs: int,
     decode_context_tokens: int,
 ) -> float:
-    """One iteration: prefill chunks as (new tokens, prefix tokens), plus a decode batch."""
-    new_tokens = sum(n for n, _ in prefill_chunks) + decode_seqs
-    if new_tokens == 0:
+    """One iteration of a single-rank engine."""
+    return group_iteration_s(preset, [RankLoad(tuple(prefill_chunks), decode_seqs, decode_context_tokens)])
+
+
+def group_decode_run_s(preset: CostPreset, ranks: Sequence[RankLoad], iterations: int) -> float:
+    """`iterations` decode-only iterations of a fixed batch whose contexts grow by one token per step."""
+    if iterations <= 0 or not any(r.decode_seqs for r in ranks):
         return 0.0
-    attn = sum(n * (p + n / 2.0) for n, p in prefill_chunks)
-    return (
-        preset.c0_s
-        + max(preset.weight_s(new_tokens), preset.t_tok_s * new_tokens)
-        + preset.c_attn_s * attn
-        + preset.c_kv_s * decode_context_tokens
-        + preset.c_seq_s * decode_seqs
-    )
+    mean = [RankLoad((), r.decode_seqs, round(r.decode_context_tokens + r.decode_seqs * (iterations - 1) / 2.0)) for r in ranks]
+    return iterations * group_iteration_s(preset, mean)
 
 
 def decode_run_s(preset: CostPreset, decode_seqs: int, decode_context_tokens: int, iterations: int) -> float:
-    """``iterations`` decode-only iterations of a fixed batch whose context grows by one per step."""
-    if iterations <= 0 or decode_seqs == 0:
-        return 0.0
-    mean_context = decode_context_tokens + decode_seqs * (iterations - 1) / 2.0
-    return iterations * iteration_s(preset, (), decode_seqs, round(mean_context))
+    return group_decode_run_s(preset, [RankLoad((), decode_seqs, decode_context_tokens)], iterations)
 
 
 def transfer_s(link: Link, kv_bytes: int) -> float:
     return link.t0_s + kv_bytes / link.bytes_per_s
+
+
+def prefill_s(preset: CostPreset, new_tokens: int, prefix_tokens: int = 0) -> float:
+    """A lone prefill of `new_tokens` on top of `prefix_tokens` of cached KV, in one iteration."""
+    return iteration_s(preset, [(new_tokens, prefix_tokens)], 0, 0)
+
+
+def switch_reconfig_s(engines, old_role, new_role) -> float:
+    """Reconfiguration time of a role switch (after draining): the configured regime, and at
+    least a sleep/wake-like reload when the switch changes the engine's parallel layout."""
+    regime_s = hw.SWITCH_REGIMES[engines.switch_regime]
+    if engines.layout_for(old_role) != engines.layout_for(new_role):
+        return max(regime_s, hw.SWITCH_REGIMES["sleep-wake"])
+    return regime_s
