@@ -55,7 +55,7 @@ class LayoutSection(_Section):
 
 class EngineSection(_Section):
     count: int = 4
-    backend: Literal["emulated"] = "emulated"
+    backend: Literal["emulated", "torch"] = "emulated"  # torch: real compute, see [model]
     preset: str = "h100-qwen3-8b"  # cost-model preset, see actors.engine.costmodel.PRESETS
     link: str = "rdma-8x400g"  # KV transfer link preset, see actors.engine.costmodel.LINKS
     prefill_engines: int = 1  # engines in the prefill role under the `static` policy
@@ -168,12 +168,70 @@ class WorkloadSection(_Section):
         return mix
 
 
+class ModelSection(_Section):
+    """The real model of the `torch` backend and its training (ignored by `emulated`)."""
+
+    checkpoint: str = ""  # local HF checkpoint dir; empty: ops.launch builds the tiny model into <run>/model
+    architecture: Literal["qwen2", "llama"] = "qwen2"  # the tiny model (built when checkpoint is empty)
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 2048
+    seed: int = 0  # initialises the tiny model's weights
+    temperature: float = 1.0  # sampling temperature; logprobs are of the tempered distribution
+    stop_at_eos: bool = True  # False: every turn generates max_output_tokens (benchmarks)
+    prefix_cache_tokens: int = 65536  # per-engine prefix cache (trajectory@version), LRU, in tokens
+    decode_chunk_tokens: int = 8  # decode iterations one scheduler step runs on a fixed batch
+    kv_chunk_bytes: int = 4 * 1024 * 1024  # KV and weights travel in chunks of this size
+    threads: int = 1  # torch intra-op threads per process
+    learning_rate: float = 3e-3  # Adam
+    clip_eps: float = 0.2  # GRPO ratio clip
+    epochs: int = 2  # optimisation passes over one step's trajectories
+    verify_trainer: bool = True  # engines compare their model/tokenizer with the trainer's at start
+    trainer_wait_wall_s: float = 120.0  # how long an engine waits for the trainer's model spec
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or self.learning_rate <= 0 or self.clip_eps <= 0:
+            raise ValueError("model.temperature, learning_rate and clip_eps must be > 0")
+        if min(self.hidden_size, self.layers, self.heads, self.kv_heads, self.decode_chunk_tokens, self.epochs) < 1:
+            raise ValueError("model sizes, decode_chunk_tokens and epochs must be >= 1")
+        if self.kv_chunk_bytes < 1024 or self.kv_chunk_bytes > 7 * 1024 * 1024:
+            raise ValueError("model.kv_chunk_bytes must be in [1 KiB, 7 MiB] (the server's max_payload is 8 MiB)")
+
+
+class ForecasterSection(_Section):
+    """The forecaster actor: one model, ticking every `tick_s` model seconds."""
+
+    enabled: bool = False  # ops.launch starts the forecaster actor only when enabled
+    model: str = "lifecycle"  # a name in forecasting.models.REGISTRY
+    bin_s: float = 1.0  # width of one series bin, model seconds
+    tick_s: float = 1.0  # forecast period, a multiple of bin_s
+    horizons_s: list[float] = msgspec.field(default_factory=lambda: [1.0, 5.0, 10.0, 20.0, 30.0])
+    watermark_s: float = 2.0  # wait this long past a tick for its late events, model seconds
+
+    def __post_init__(self) -> None:
+        from forecasting.models import REGISTRY  # the registry lives with the models
+
+        if self.model not in REGISTRY:
+            raise ValueError(f"unknown forecaster.model {self.model!r} (known: {', '.join(sorted(REGISTRY))})")
+        if self.bin_s <= 0 or self.watermark_s < 0 or not self.horizons_s:
+            raise ValueError("forecaster.bin_s must be > 0, watermark_s >= 0, horizons_s non-empty")
+        for value, what in [(self.tick_s, "tick_s"), *((h, "horizons_s") for h in self.horizons_s)]:
+            ratio = value / self.bin_s
+            if value <= 0 or abs(ratio - round(ratio)) > 1e-9:
+                raise ValueError(f"forecaster.{what} = {value} is not a positive multiple of bin_s = {self.bin_s}")
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     engines: EngineSection = msgspec.field(default_factory=EngineSection)
     environments: EnvironmentSection = msgspec.field(default_factory=EnvironmentSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     workload: WorkloadSection = msgspec.field(default_factory=WorkloadSection)
+    forecaster: ForecasterSection = msgspec.field(default_factory=ForecasterSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
 
     def engine_ids(self) -> list[str]:
         return [f"e{i}" for i in range(self.engines.count)]

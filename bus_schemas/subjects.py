@@ -77,6 +77,11 @@ def status_all() -> str:
     return f"{PREFIX}.status.>"
 
 
+def status_of_kind(actor_kind: str) -> str:
+    """Heartbeats of every actor of one kind, e.g. ``prorsa.status.environment.*``."""
+    return f"{PREFIX}.status.{_token(actor_kind, 'actor kind')}.*"
+
+
 def report(actor_id: str) -> str:
     """The final counters an actor publishes when it stops."""
     return f"{PREFIX}.report.{_token(actor_id, 'actor id')}"
@@ -105,3 +110,13 @@ def train_policy() -> str:
 def train_step() -> str:
     """One report per finished RL step."""
     return f"{PREFIX}.train.step"
+
+
+def train_model() -> str:
+    """Request/reply: the trainer's model spec, which engines check theirs against at start."""
+    return f"{PREFIX}.train.model"
+
+
+def train_weights() -> str:
+    """Request/reply: chunks of a policy version's weights, served by the trainer."""
+    return f"{PREFIX}.train.weights"

@@ -35,6 +35,11 @@ class FinishedTrajectory(msgspec.Struct, frozen=True, kw_only=True):
     observation_tokens: int  # summed over turns
     started_at_s: float
     finished_at_s: float
+    # real backends: the whole trajectory as the policy saw it (prompt, generations, observations),
+    # a 0/1 mask of the tokens the policy generated, and their rollout log-probabilities (0.0 elsewhere)
+    token_ids: list[int] = []
+    generated_mask: list[int] = []
+    logprobs: list[float] = []
 
 
 class PolicyVersion(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,3 +60,37 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     train_s: float
     trajectories: int
     mean_reward: float
+
+
+class ModelSpecRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine asks the trainer for its model spec (request/reply on subjects.train_model())."""
+
+    requester_id: str
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What must be identical between trainer and engines: model config and tokenizer."""
+
+    model_config: dict[str, str]  # HF config fields, values JSON-encoded (private fields left out)
+    tokenizer: dict[str, str]  # tokenizer kind, vocabulary size, special ids, vocabulary digest
+
+
+class WeightsFetch(msgspec.Struct, frozen=True, kw_only=True):
+    """Request for one chunk of a policy version's weights (request/reply on subjects.train_weights())."""
+
+    version: int
+    chunk: int = 0
+    requester_id: str
+
+
+class WeightsChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply to a WeightsFetch: one chunk of the safetensors-serialised state dict, or why none."""
+
+    version: int
+    ok: bool  # False: the trainer does not serve this version (any more)
+    error: str = ""
+    chunk: int = 0
+    n_chunks: int = 1
+    total_bytes: int = 0
+    checksum: str = ""  # blake2b of the whole payload, checked after the last chunk
+    data: bytes = b""

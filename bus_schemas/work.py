@@ -34,6 +34,9 @@ class PrefillWork(msgspec.Struct, frozen=True, kw_only=True):
     target_output_tokens: int = 0  # emulated backend only: where the modelled policy stops
     queued_at_s: float  # when the environment submitted the turn
     token_ids: list[int] = []  # real backends: the new tokens themselves (empty when emulated)
+    # real backends: the trajectory's whole history before this turn (len == context_tokens), so an
+    # engine whose prefix cache misses recomputes it; the full sequence is context_token_ids + token_ids
+    context_token_ids: list[int] = []
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +55,7 @@ class DecodeWork(msgspec.Struct, frozen=True, kw_only=True):
     prefill: PrefillWork  # the turn as submitted
     kv: KvHandle  # where to fetch its KV
     first_token_id: int = -1  # token sampled at the end of prefill (-1 when emulated)
+    first_logprob: float = 0.0  # its log-probability under the (tempered) policy
     cached_prefix_tokens: int = 0  # context tokens the prefill engine found in its cache
     prefilled_at_s: float  # when prefill finished
 
@@ -62,6 +66,9 @@ class KvFetch(msgspec.Struct, frozen=True, kw_only=True):
     handle_id: str
     chunk: int = 0  # 0-based chunk index
     requester_id: str  # engine asking, for logs and counters
+    # KV tokens the requester already holds for this trajectory and version (the first have_tokens of
+    # context_token_ids + token_ids): the holder sends only positions have_tokens.. (real backends)
+    have_tokens: int = 0
 
 
 class KvChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +83,7 @@ class KvChunk(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes: int = 0  # bytes of the whole transfer (emulated: what the modelled wait moves)
     checksum: str = ""  # digest of the whole KV, checked after the last chunk (real backends)
     data: bytes = b""  # the chunk's payload (empty when emulated)
+    start_tokens: int = 0  # first token position the transfer covers (== the request's have_tokens)
 
 
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):

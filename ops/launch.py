@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -57,10 +58,40 @@ class ActorSpec:
 
 def actor_specs(config: Config) -> list[ActorSpec]:
     roles = initial_roles(config)
+    check_real_tasks(config)
     specs = [ActorSpec("engine", e, ("--role", roles[e].value)) for e in config.engine_ids()]
     specs += [ActorSpec("environment", env) for env in config.env_ids()]
+    if config.forecaster.enabled:
+        specs.append(ActorSpec("forecaster", "forecaster"))
     specs.append(ActorSpec("trainer", "trainer"))
     return specs
+
+
+def check_real_tasks(config: Config) -> None:
+    """The torch backend runs real tasks only (actors/environment/tasks.py)."""
+    if config.engines.backend != "torch":
+        return
+    from actors.environment.tasks import TASKS
+
+    wl = config.workload
+    families = {f for mix in [wl.mix, *(p.mix for p in wl.phases)] for f, share in mix.items() if share > 0}
+    if families - set(TASKS):
+        raise ConfigError(
+            f"engines.backend = 'torch' runs real tasks only: {', '.join(sorted(families - set(TASKS)))} "
+            f"in workload.mix is modelled (real tasks: {', '.join(sorted(TASKS))})"
+        )
+
+
+def prepare_model(config: Config, out: Path) -> Config:
+    """torch backend without a checkpoint: build the tiny model once into DIR/model, so every
+    process loads identical weights, and point the run's config at it."""
+    if config.engines.backend != "torch" or config.model.checkpoint:
+        return config
+    from actors.engine.torch_model import build_tiny  # late: emulated runs never import torch
+
+    path = build_tiny(config.model, out / "model")
+    console.print(f"built the tiny {config.model.architecture} model into {path}", highlight=False)
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, checkpoint=str(path.resolve())))
 
 
 async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
@@ -205,7 +236,11 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     config_path = out / "config.json"
+    config = prepare_model(config, out)
     config_path.write_bytes(msgspec.json.format(msgspec.json.encode(config)))
+    if not nats_url and (out / "nats").exists():  # the folder held an earlier run: start clean
+        console.print(f"replacing the earlier run in {out}", highlight=False)
+        shutil.rmtree(out / "nats")
     server = None if nats_url else EmbeddedNats(out / "nats")
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()

@@ -109,3 +109,44 @@ def test_ctrl_c_stops_everything_and_leaves_no_process(tmp_path: Path):
     assert proc.returncode == 130, output
     assert_all_gone(pids)
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_malformed_messages_on_every_subject_are_counted_and_lose_nothing(tmp_path: Path, nats_server):
+    """Garbage on every work, result, training and control subject during a real run."""
+    import asyncio
+    import logging
+
+    from actors.base.connection import close, connect
+    from bus_schemas import subjects
+    from bus_schemas.codec import decode
+    from bus_schemas.control import CommandAck
+
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=2, time_scale=20.0)
+    out = tmp_path / "run"
+    proc = start_launcher(config, out, "--policy", "static", "--nats-url", nats_server.url)
+    pids, lines = read_until_started(proc)
+    stored = [subjects.work_prefill(), subjects.work_decode(), subjects.result("env0"), subjects.train_tasks(), subjects.train_finished()]
+
+    async def inject() -> CommandAck:
+        nc = await connect(nats_server.url, "vandal", logging.getLogger("test"))
+        try:
+            js = nc.jetstream()
+            for subject in stored:
+                await js.publish(subject, b"\x93\xff garbage")
+            while True:  # the engine may still be subscribing: ask until someone answers
+                try:
+                    reply = await nc.request(subjects.ctl_engine("e0"), b"\x00 not a command", timeout=2)
+                    return decode(CommandAck, reply.data)
+                except Exception:  # no responders yet
+                    await asyncio.sleep(0.05)  # barrier-ok: polling for the engine's subscription
+        finally:
+            await close(nc)
+
+    ack = asyncio.run(inject())
+    assert not ack.ok and "malformed" in ack.error
+    rest, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, "".join(lines) + rest
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["invalid_messages"] == len(stored) + 1
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] and summary["trajectories_lost"] == 0
+    assert summary["incomplete_trajectories"] == 0

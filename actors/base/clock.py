@@ -13,6 +13,8 @@ from typing import Protocol
 
 
 class Clock(Protocol):
+    origin_wall_s: float  # the run's model time 0; also tags the run's message ids
+
     def now_s(self) -> float: ...
 
     async def sleep_until(self, at_s: float) -> None: ...

@@ -45,3 +45,17 @@ async def publish_durable(
             if stopping.is_set():
                 raise PublishAborted(f"stopped before {subject} acked {msg_id}") from err
             await asyncio.sleep(_RETRY_WALL_S)
+
+
+async def pull_one(sub, timeout_wall_s: float):
+    """The next message of a pull consumer, or None after `timeout_wall_s`.
+
+    One message per pull request, on purpose: nats-py's batch fetch holds back the first
+    message until the whole batch arrives or the request expires, which would add up to a
+    full poll interval of latency to every hand-off. A single-message pull returns the
+    moment the message is there (one loopback round trip each).
+    """
+    try:
+        return (await sub.fetch(1, timeout=timeout_wall_s))[0]
+    except TimeoutError:
+        return None

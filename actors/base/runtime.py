@@ -49,6 +49,7 @@ class Actor:
         self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once setup() is done: subscriptions are live
+        self.run_tag = f"{clock.origin_wall_s:.6f}"  # scopes Nats-Msg-Id dedup to this run
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -144,6 +145,24 @@ class Actor:
         event = LifecycleEvent(event_id=uuid.uuid4().hex, kind=kind, actor_id=self.actor_id, **fields)
         self.lifecycle.emit(event)
         return event
+
+    async def wait_for_heartbeats(self, actor_kind: str, actor_ids: list[str], timeout_wall_s: float) -> None:
+        """Return once every listed actor has published a heartbeat (they are up and serving)."""
+        missing = set(actor_ids)
+        seen = asyncio.Event()
+
+        async def on_status(msg: Msg) -> None:
+            missing.discard(msg.subject.rsplit(".", 1)[-1])
+            if not missing:
+                seen.set()
+
+        sub = await self.nc.subscribe(subjects.status_of_kind(actor_kind), cb=on_status)
+        try:
+            await asyncio.wait_for(seen.wait(), timeout=timeout_wall_s)
+        except TimeoutError:
+            raise RuntimeError(f"no heartbeat within {timeout_wall_s} s from {actor_kind} {sorted(missing)}") from None
+        finally:
+            await sub.unsubscribe()
 
     async def _heartbeats(self) -> None:
         period_s = self.config.run.heartbeat_wall_s

@@ -15,7 +15,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.base import Actor
-from actors.base.publish import PublishAborted, publish_durable
+from actors.base.publish import PublishAborted, publish_durable, pull_one
+from actors.engine.backend import Backend, EmulatedBackend
 from actors.engine.core import EngineCore, Seq
 from actors.engine.costmodel import LINKS, switch_reconfig_s, transfer_s
 from bus_schemas import subjects
@@ -26,7 +27,6 @@ from bus_schemas.status import EngineStatus
 from bus_schemas.streams import decode_consumer, prefill_consumer, pull_subscription
 from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult, retry_work_id
 
-FETCH_BATCH = 16
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long; then the role is looked at again
 IDLE_WAKE_WALL_S = 0.1
 KV_REQUEST_TIMEOUT_WALL_S = 5.0
@@ -41,6 +41,7 @@ class EngineActor(Actor):
         ec = config.engines
         self.link = LINKS[ec.link]
         self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
+        self.backend: Backend = EmulatedBackend(clock)  # TorchEngineActor replaces it
         self.epoch = 0
         self.policy_version = 0
         self._msgs: dict[str, Msg] = {}  # work key -> the JetStream message to ack when done
@@ -92,14 +93,9 @@ class EngineActor(Actor):
                     await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
                 continue
             queue = self._queue()
-            try:
-                msgs = await self._subs[queue].fetch(min(room, FETCH_BATCH), timeout=FETCH_WAIT_WALL_S)
-            except TimeoutError:
-                self._queue_empty = True
-                self._wake.set()
-                continue
-            self._queue_empty = False
-            for msg in msgs:
+            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S)
+            self._queue_empty = msg is None
+            if msg is not None:
                 await self._admit(msg, queue)
             self._wake.set()
 
@@ -116,7 +112,13 @@ class EngineActor(Actor):
                 self.counters["returned_not_ready"] += 1
                 await msg.nak(delay=0.1)
                 return
-            self.core.admit_prefill(work)
+            problem = self._check_work(work)
+            if problem is not None:  # decodes, but cannot run here: rejected like malformed input
+                self.counters["invalid_messages"] += 1
+                self.log.error("rejected prefill work %s: %s", work.work_id, problem)
+                await msg.term()
+                return
+            self._admitted(self.core.admit_prefill(work))
             self._msgs[work.work_id] = msg
             return
         item = await self.decode_work(DecodeWork, msg)
@@ -124,6 +126,13 @@ class EngineActor(Actor):
             return
         self._pending_transfers += 1
         self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
+
+    def _check_work(self, work: PrefillWork) -> str | None:
+        """Why this engine cannot run `work` (a backend hook; None: it can)."""
+        return None
+
+    def _admitted(self, seq: Seq) -> None:
+        """A backend hook: `seq` was just admitted for prefill."""
 
     async def _keep_alive(self) -> None:
         """Tell JetStream that long-running work is still being worked on."""
@@ -157,8 +166,7 @@ class EngineActor(Actor):
                 cursor_s = now_s
             for kind, seq in batch.started:
                 self._turn_event(EventKind(kind), seq, cursor_s)
-            cursor_s += batch.duration_s
-            await self.clock.sleep_until(cursor_s)
+            cursor_s = await self.backend.run(batch, cursor_s)
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
             self._room.set()
@@ -207,27 +215,34 @@ class EngineActor(Actor):
                 expires_at_s=at_s + self.config.engines.kv_ttl_s,
             )
             self.core.hold(seq, handle.handle_id, handle.expires_at_s)
-            item = DecodeWork(prefill=seq.work, kv=handle, cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s)
+            item = self._decode_item(seq, handle, at_s)
             await self._publish(subjects.work_decode(), encode(item), seq.key)
             self._turn_event(EventKind.DECODE_QUEUED, seq, self.clock.now_s())
             await self._ack(seq.key)
         finally:
             self._effects -= 1
 
+    def _decode_item(self, seq: Seq, handle: KvHandle, at_s: float) -> DecodeWork:
+        return DecodeWork(prefill=seq.work, kv=handle, cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s)
+
+    def _turn_result(self, seq: Seq, at_s: float) -> TurnResult:
+        w = seq.work
+        return TurnResult(
+            work_id=w.work_id,
+            trajectory_id=w.trajectory_id,
+            turn=w.turn,
+            policy_version=w.policy_version,
+            prefill_engine_id=seq.prefill_engine_id,
+            decode_engine_id=self.actor_id,
+            output_tokens=seq.generated,
+            cached_prefix_tokens=seq.cached_prefix_tokens,
+            finished_at_s=at_s,
+        )
+
     async def _return_result(self, seq: Seq, at_s: float) -> None:
         try:
             w = seq.work
-            result = TurnResult(
-                work_id=w.work_id,
-                trajectory_id=w.trajectory_id,
-                turn=w.turn,
-                policy_version=w.policy_version,
-                prefill_engine_id=seq.prefill_engine_id,
-                decode_engine_id=self.actor_id,
-                output_tokens=seq.generated,
-                cached_prefix_tokens=seq.cached_prefix_tokens,
-                finished_at_s=at_s,
-            )
+            result = self._turn_result(seq, at_s)
             await self._publish(subjects.result(w.env_id), encode(result), w.work_id)
             await self._ack(seq.key)
         finally:
@@ -333,6 +348,10 @@ class EngineActor(Actor):
                     await self._reply(msg, "load_policy", ok=False, error=f"stale policy {version} < {self.policy_version}")
                     return
                 if version > self.policy_version:
+                    error = await self._load_weights(version)
+                    if error is not None:
+                        await self._reply(msg, "load_policy", ok=False, error=error)
+                        return
                     self.policy_version = version
                     self.event(EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id)
                 await self._reply(msg, "load_policy", ok=True)
@@ -344,6 +363,10 @@ class EngineActor(Actor):
             case Shutdown(reason=reason):
                 await self._reply(msg, "shutdown", ok=True)
                 self.request_stop(reason or "shutdown command")
+
+    async def _load_weights(self, version: int) -> str | None:
+        """A backend hook: load policy `version`'s weights; why not, or None when loaded."""
+        return None
 
     async def _switch(self, command: SetRole, msg: Msg) -> None:
         if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.core.role):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from actors.base import Actor
-from actors.base.publish import publish_durable
+from actors.base.publish import publish_durable, pull_one
 from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -27,7 +27,6 @@ from bus_schemas.streams import pull_subscription, results_consumer, tasks_consu
 from bus_schemas.train import FinishedTrajectory, TaskAssignment
 from bus_schemas.work import PrefillWork, TurnResult, make_work_id
 
-FETCH_BATCH = 32
 FETCH_WAIT_WALL_S = 0.2
 
 
@@ -86,16 +85,14 @@ class EnvironmentActor(Actor):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            try:
-                msgs = await self._task_sub.fetch(min(room, FETCH_BATCH), timeout=FETCH_WAIT_WALL_S)
-            except TimeoutError:
+            msg = await pull_one(self._task_sub, FETCH_WAIT_WALL_S)
+            if msg is None:
                 if burst and not self.live:
                     return
                 continue
-            for msg in msgs:
-                assignment = await self.decode_work(TaskAssignment, msg)
-                if assignment is not None:
-                    await self._start(assignment, msg)
+            assignment = await self.decode_work(TaskAssignment, msg)
+            if assignment is not None:
+                await self._start(assignment, msg)
 
     async def _start(self, a: TaskAssignment, msg: Msg) -> None:
         if a.trajectory_id in self.live:  # redelivered while we still run it
@@ -150,15 +147,13 @@ class EnvironmentActor(Actor):
 
     async def _result_loop(self) -> None:
         while True:
-            try:
-                msgs = await self._result_sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_WALL_S)
-            except TimeoutError:
+            msg = await pull_one(self._result_sub, FETCH_WAIT_WALL_S)
+            if msg is None:
                 continue
-            for msg in msgs:
-                result = await self.decode_work(TurnResult, msg)
-                if result is not None:
-                    self._on_result(result)
-                    await msg.ack()
+            result = await self.decode_work(TurnResult, msg)
+            if result is not None:
+                self._on_result(result)
+                await msg.ack()
 
     def _on_result(self, r: TurnResult) -> None:
         t = self.live.get(r.trajectory_id)
@@ -207,7 +202,7 @@ class EnvironmentActor(Actor):
             finished_at_s=now_s,
         )
         await publish_durable(
-            self.js, subjects.train_finished(), encode(done), a.trajectory_id, self.counters, self.log, self.stopping
+            self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping
         )
         self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=reward, at_s=now_s)
         await t.task_msg.ack()

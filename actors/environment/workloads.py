@@ -133,6 +133,19 @@ PROFILES: dict[str, Profile] = {
         context_cap_tokens=65536,
         solve_rate=0.4,
     ),
+    # The learnable `calc` task of `tasks.py` (real backends run it for real); its modelled
+    # shape for emulated runs: 2 turns of <= 24 tokens, a ~1 ms calculator tool.
+    "calc": Profile(
+        name="calc",
+        turns=Categorical((2,), (1.0,)),
+        prompt_tokens=Uniform(10, 18),
+        gen_tokens=Uniform(1, 24),
+        obs_tokens=Uniform(8, 60),
+        tool_latency_s=LogNormal(0.001, 0.5, 0, 0.1),
+        context_cap_tokens=4096,
+        solve_rate=0.1,
+        source="actors/environment/tasks.py",
+    ),
 }
 
 

@@ -5,5 +5,14 @@ import sys
 from actors.base import actor_main
 from actors.trainer.actor import TrainerActor
 
+
+def _build(args, config, nc, clock) -> TrainerActor:
+    if config.engines.backend == "torch":
+        from actors.trainer.torch_trainer import TorchTrainerActor  # real GRPO; imports torch only when used
+
+        return TorchTrainerActor(args.id, config, nc, clock)
+    return TrainerActor(args.id, config, nc, clock)
+
+
 if __name__ == "__main__":
-    sys.exit(actor_main("trainer", lambda args, config, nc, clock: TrainerActor(args.id, config, nc, clock)))
+    sys.exit(actor_main("trainer", _build))

@@ -13,7 +13,7 @@ import asyncio
 from nats.errors import NoRespondersError
 
 from actors.base import Actor
-from actors.base.publish import publish_durable
+from actors.base.publish import publish_durable, pull_one
 from actors.environment.workloads import choose_family
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -23,7 +23,6 @@ from bus_schemas.status import ActorStatus
 from bus_schemas.streams import finished_consumer, pull_subscription
 from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, TaskAssignment
 
-FETCH_BATCH = 256
 FETCH_WAIT_WALL_S = 0.2
 COMMAND_TIMEOUT_WALL_S = 2.0
 
@@ -44,6 +43,7 @@ class TrainerActor(Actor):
         return ActorStatus(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
 
     async def serve(self, burst: bool) -> None:
+        await self.wait_for_heartbeats("environment", self.config.env_ids(), self.config.trainer.policy_ack_timeout_wall_s)
         await self._load_policy_everywhere(self.policy_version)
         for step in range(self.config.trainer.steps):
             report = await self._run_step(step)
@@ -55,7 +55,6 @@ class TrainerActor(Actor):
         self.log.info("all %d steps done", self.config.trainer.steps)
 
     async def _run_step(self, step: int) -> StepReport:
-        tc = self.config.trainer
         version = self.policy_version
         started_s = self.clock.now_s()
         self.event(EventKind.STEP_STARTED, step=step, policy_version=version)
@@ -63,11 +62,13 @@ class TrainerActor(Actor):
         batch = await self._collect(wanted)
         rollout_done_s = max(f.finished_at_s for f in batch)
         self.event(EventKind.ROLLOUT_DONE, step=step, policy_version=version, at_s=rollout_done_s)
-        await self.clock.sleep(tc.train_s)  # modelled training
+        train_s = await self._train(batch, version + 1)
         self.policy_version = version + 1
-        published = PolicyVersion(version=self.policy_version, published_at_s=self.clock.now_s(), train_s=tc.train_s)
+        published = PolicyVersion(
+            version=self.policy_version, published_at_s=self.clock.now_s(), train_s=train_s, weights_ref=self._weights_ref()
+        )
         await self._durable(subjects.train_policy(), encode(published), f"policy-{self.policy_version}")
-        self.event(EventKind.POLICY_PUBLISHED, step=step, policy_version=self.policy_version, duration_s=tc.train_s)
+        self.event(EventKind.POLICY_PUBLISHED, step=step, policy_version=self.policy_version, duration_s=train_s)
         await self._load_policy_everywhere(self.policy_version)
         report = StepReport(
             step=step,
@@ -75,12 +76,22 @@ class TrainerActor(Actor):
             started_at_s=started_s,
             rollout_done_at_s=rollout_done_s,
             rollout_s=rollout_done_s - started_s,
-            train_s=tc.train_s,
+            train_s=train_s,
             trajectories=len(batch),
             mean_reward=sum(f.reward for f in batch) / len(batch),
         )
         await self._durable(subjects.train_step(), encode(report), f"step-{step}")
         return report
+
+    async def _train(self, batch: list[FinishedTrajectory], new_version: int) -> float:
+        """Produce policy `new_version` from the step's trajectories; return the training time.
+        Modelled here (a wait); `TorchTrainerActor` trains for real."""
+        await self.clock.sleep(self.config.trainer.train_s)
+        return self.config.trainer.train_s
+
+    def _weights_ref(self) -> str:
+        """Where engines fetch the new weights (empty: modelled, nothing to fetch)."""
+        return ""
 
     async def _assign(self, step: int, version: int, now_s: float) -> set[str]:
         tc, run = self.config.trainer, self.config.run
@@ -108,23 +119,21 @@ class TrainerActor(Actor):
         while missing:
             if self.stopping.is_set():
                 raise asyncio.CancelledError
-            try:
-                msgs = await self._finished_sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_WALL_S)
-            except TimeoutError:
+            msg = await pull_one(self._finished_sub, FETCH_WAIT_WALL_S)
+            if msg is None:
                 continue
-            for msg in msgs:
-                done = await self.decode_work(FinishedTrajectory, msg)
-                if done is None:
-                    continue
-                if done.trajectory_id in self.finished:
-                    self.counters["duplicate_finished"] += 1
-                elif done.trajectory_id not in wanted:
-                    self.counters["unexpected_finished"] += 1
-                    self.log.warning("finished trajectory %s is not part of this step", done.trajectory_id)
-                else:
-                    self.finished[done.trajectory_id] = done
-                    missing.discard(done.trajectory_id)
-                await msg.ack()
+            done = await self.decode_work(FinishedTrajectory, msg)
+            if done is None:
+                continue
+            if done.trajectory_id in self.finished:
+                self.counters["duplicate_finished"] += 1
+            elif done.trajectory_id not in wanted:
+                self.counters["unexpected_finished"] += 1
+                self.log.warning("finished trajectory %s is not part of this step", done.trajectory_id)
+            else:
+                self.finished[done.trajectory_id] = done
+                missing.discard(done.trajectory_id)
+            await msg.ack()
         return [self.finished[t] for t in sorted(wanted)]
 
     async def _load_policy_everywhere(self, version: int) -> None:
@@ -156,4 +165,4 @@ class TrainerActor(Actor):
         return ack.policy_version >= version
 
     async def _durable(self, subject: str, data: bytes, msg_id: str) -> None:
-        await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping)
+        await publish_durable(self.js, subject, data, f"{self.run_tag}/{msg_id}", self.counters, self.log, self.stopping)

@@ -1,0 +1,293 @@
+"""The engine actor with the `torch` backend: real tensors behind the same bus protocol.
+
+What changes against the emulated engine (`actor.py`):
+
+* start: load the checkpoint, compare model config and tokenizer with the trainer's
+  (`subjects.train_model()`); any difference stops the engine with a message naming it.
+* prefill: `TorchBackend` computes the KV on top of the trajectory's cached prefix and samples
+  the first token; the decode work carries it (`first_token_id`, `first_logprob`).
+* KV hand-off: the decode engine asks `subjects.kv(holder)` for chunk 0 with `have_tokens`
+  (what its own prefix cache already holds), then for the other chunks at once; it checks
+  the blake2b checksum, rebuilds the cache and joins the decode batch. An unknown or
+  expired handle, an unreachable holder, a short or corrupt payload: the turn goes back to
+  prefill (counted), never decoded on wrong KV.
+* LoadPolicy(v): fetch v's weights from the trainer in chunks, verify, load, drop older KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from actors.engine.actor import KV_REQUEST_TIMEOUT_WALL_S, EngineActor
+from actors.engine.core import Seq
+from actors.engine.torch_backend import KvError, TorchBackend
+from actors.engine.torch_model import (
+    checksum,
+    load_model,
+    load_tokenizer,
+    model_spec,
+    spec_differences,
+    split_chunks,
+)
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.train import ModelSpec, ModelSpecRequest, WeightsChunk, WeightsFetch
+from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult
+
+SPEC_RETRY_WALL_S = 0.2
+WEIGHTS_TIMEOUT_WALL_S = 30.0
+
+
+class ModelMismatch(RuntimeError):
+    """The engine's model or tokenizer is not the trainer's."""
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A KV transfer being served: the bytes stay until every chunk has been fetched."""
+
+    chunks: list[memoryview]
+    checksum: str
+    tokens: int
+    start_tokens: int
+    total_bytes: int
+    expires_at_s: float
+    served: set[int] = field(default_factory=set)
+
+
+class TorchEngineActor(EngineActor):
+    def __init__(self, actor_id, config, nc, clock, role, lm=None, tokenizer=None) -> None:
+        super().__init__(actor_id, config, nc, clock, role)
+        mc = config.model
+        if lm is None:
+            lm = load_model(mc.checkpoint, mc.threads)
+            tokenizer = load_tokenizer(mc.checkpoint)
+        self.tokenizer = tokenizer
+        self.torch = TorchBackend(actor_id, lm, tokenizer, mc, clock, config.run.time_scale, config.run.seed)
+        self.backend = self.torch
+        self.spec = model_spec(lm, tokenizer)
+        self._outgoing: dict[str, Outgoing] = {}
+
+    # --- start: same model as the trainer -----------------------------------------------------
+    async def setup(self) -> None:
+        if self.config.model.verify_trainer:
+            theirs = await self._trainer_spec()
+            differences = spec_differences(self.spec, theirs)
+            if differences:
+                raise ModelMismatch(
+                    f"engine {self.actor_id} refuses to start: its model differs from the trainer's: " + "; ".join(differences)
+                )
+        await super().setup()
+
+    async def _trainer_spec(self) -> ModelSpec:
+        deadline = time.monotonic() + self.config.model.trainer_wait_wall_s
+        request = encode(ModelSpecRequest(requester_id=self.actor_id))
+        while True:
+            try:
+                reply = await self.nc.request(subjects.train_model(), request, timeout=2.0)
+                spec = self.decode_or_count(ModelSpec, reply)
+                if spec is not None:
+                    return spec
+            except (NoRespondersError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise ModelMismatch(f"no trainer answered on {subjects.train_model()} within {self.config.model.trainer_wait_wall_s} s")
+            await asyncio.sleep(SPEC_RETRY_WALL_S)  # the trainer is still starting
+
+    # --- prefill -------------------------------------------------------------------------------
+    def _check_work(self, work: PrefillWork) -> str | None:
+        if len(work.context_token_ids) != work.context_tokens or len(work.token_ids) != work.new_tokens or not work.token_ids:
+            return (
+                f"token ids do not match the counts (context {len(work.context_token_ids)}/{work.context_tokens}, "
+                f"new {len(work.token_ids)}/{work.new_tokens})"
+            )
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in work.token_ids) or any(not 0 <= t < vocab for t in work.context_token_ids):
+            return f"token id outside the vocabulary (0..{vocab - 1})"
+        if work.max_output_tokens < 1:
+            return "max_output_tokens < 1"
+        return None
+
+    def _admitted(self, seq: Seq) -> None:
+        self.torch.admit_prefill(seq)
+
+    def _decode_item(self, seq: Seq, handle: KvHandle, at_s: float) -> DecodeWork:
+        tokens = seq.work.context_tokens + seq.work.new_tokens
+        handle = msgspec.structs.replace(handle, tokens=tokens, kv_bytes=tokens * self.torch.kv_bytes_per_token)
+        first, logprob = self.torch.first_token(seq.key)
+        return DecodeWork(
+            prefill=seq.work, kv=handle, first_token_id=first, first_logprob=logprob,
+            cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s,
+        )  # fmt: skip
+
+    def _turn_result(self, seq: Seq, at_s: float) -> TurnResult:
+        token_ids, logprobs = self.torch.finish(seq)
+        return msgspec.structs.replace(super()._turn_result(seq, at_s), token_ids=token_ids, logprobs=logprobs)
+
+    # --- KV hand-off, prefill side ---------------------------------------------------------------
+    async def _on_kv_fetch(self, msg: Msg) -> None:
+        request = self.decode_or_count(KvFetch, msg)
+        if request is None:
+            reply = KvChunk(handle_id="", ok=False, error="malformed KV fetch")
+        elif request.chunk == 0:
+            reply = self._start_transfer(request)
+        else:
+            reply = self._next_chunk(request)
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    def _start_transfer(self, request: KvFetch) -> KvChunk:
+        handle_id = request.handle_id
+        seq = self.core.release(handle_id, self.clock.now_s())
+        self._room.set()
+        if seq is None:
+            self.torch.drop(handle_id)
+            self.counters["kv_unknown_handle"] += 1
+            return KvChunk(handle_id=handle_id, ok=False, error="unknown or expired KV handle")
+        try:
+            payload, tokens = self.torch.export(handle_id, request.have_tokens)
+        except KvError as err:
+            self.counters["kv_refused"] += 1
+            return KvChunk(handle_id=handle_id, ok=False, error=str(err))
+        out = Outgoing(
+            chunks=split_chunks(payload, self.config.model.kv_chunk_bytes), checksum=checksum(payload), tokens=tokens,
+            start_tokens=request.have_tokens, total_bytes=len(payload),
+            expires_at_s=self.clock.now_s() + self.config.engines.kv_ttl_s,
+        )  # fmt: skip
+        self._outgoing[handle_id] = out
+        self.counters["kv_bytes_served"] += len(payload)
+        return self._chunk_reply(handle_id, out, 0)
+
+    def _next_chunk(self, request: KvFetch) -> KvChunk:
+        out = self._outgoing.get(request.handle_id)
+        if out is None or not 0 <= request.chunk < len(out.chunks):
+            self.counters["kv_unknown_handle"] += 1
+            return KvChunk(handle_id=request.handle_id, ok=False, error=f"no chunk {request.chunk} behind this handle")
+        return self._chunk_reply(request.handle_id, out, request.chunk)
+
+    def _chunk_reply(self, handle_id: str, out: Outgoing, i: int) -> KvChunk:
+        out.served.add(i)
+        if len(out.served) == len(out.chunks):
+            del self._outgoing[handle_id]
+        return KvChunk(
+            handle_id=handle_id, ok=True, chunk=i, n_chunks=len(out.chunks), tokens=out.tokens,
+            kv_bytes=out.total_bytes, checksum=out.checksum, data=bytes(out.chunks[i]), start_tokens=out.start_tokens,
+        )  # fmt: skip
+
+    def _expire_held(self) -> None:
+        now_s = self.clock.now_s()
+        for seq in self.core.expire(now_s):
+            self.torch.drop(seq.key)
+            self.counters["kv_expired"] += 1
+            self.log.warning("KV of %s expired before a decode engine fetched it", seq.key)
+        for handle_id in [h for h, out in self._outgoing.items() if out.expires_at_s < now_s]:
+            del self._outgoing[handle_id]
+            self.counters["kv_transfers_abandoned"] += 1
+
+    # --- KV hand-off, decode side ----------------------------------------------------------------
+    async def _pull_kv(self, item: DecodeWork, msg: Msg) -> None:
+        try:
+            w = item.prefill
+            if w.policy_version != self.torch.version:
+                self.counters["kv_stale_version"] += 1
+                await self._reprefill(w, f"decode work of policy {w.policy_version} on an engine at {self.torch.version}")
+                await msg.ack()
+                return
+            ids = list(w.context_token_ids) + list(w.token_ids)
+            have = self.torch.local_prefix_tokens(w.trajectory_id, w.policy_version, ids)
+            started = time.perf_counter()
+            error, payload = await self._fetch_kv(item.kv, have, len(ids) - have)
+            target = None
+            if error is None:
+                try:
+                    target = self.torch.admit_decode(w.work_id, w, item.first_token_id, item.first_logprob, have, payload)
+                except KvError as err:
+                    error = f"KV from {item.kv.engine_id} unusable: {err}"
+            if error is not None:
+                await self._reprefill(w, error)
+                await msg.ack()
+                return
+            duration_s = (time.perf_counter() - started) * self.config.run.time_scale
+            seq = self.core.admit_decode(item)
+            seq.target_tokens = target
+            self._msgs[seq.key] = msg
+            self.counters["kv_bytes_fetched"] += len(payload)
+            self.counters["kv_tokens_reused"] += have
+            self._turn_event(EventKind.KV_TRANSFER_DONE, seq, self.clock.now_s(), kv_bytes=len(payload), duration_s=duration_s)
+        finally:
+            self._pending_transfers -= 1
+            self._wake.set()
+            self._progress.set()
+
+    async def _fetch_kv(self, handle: KvHandle, have: int, tokens: int) -> tuple[str | None, bytes]:
+        """All chunks of the KV behind `handle` from position `have` on, checked; or why not."""
+        first, error = await self._kv_request(handle, 0, have)
+        if error is not None:
+            return error, b""
+        rest = await asyncio.gather(*(self._kv_request(handle, i, have) for i in range(1, first.n_chunks)))
+        for _, err in rest:
+            if err is not None:
+                return err, b""
+        payload = b"".join([first.data, *(chunk.data for chunk, _ in rest)])
+        if first.tokens != tokens or first.start_tokens != have:
+            return f"KV holder {handle.engine_id} sent tokens {first.start_tokens}+{first.tokens}, wanted {have}+{tokens}", b""
+        if len(payload) != first.kv_bytes or checksum(payload) != first.checksum:
+            self.counters["kv_checksum_mismatch"] += 1
+            return f"KV from {handle.engine_id} failed its checksum ({len(payload)} of {first.kv_bytes} bytes)", b""
+        return None, payload
+
+    async def _kv_request(self, handle: KvHandle, chunk: int, have: int) -> tuple[KvChunk | None, str | None]:
+        request = KvFetch(handle_id=handle.handle_id, chunk=chunk, requester_id=self.actor_id, have_tokens=have)
+        try:
+            reply = await self.nc.request(subjects.kv(handle.engine_id), encode(request), timeout=KV_REQUEST_TIMEOUT_WALL_S)
+        except (NoRespondersError, TimeoutError) as err:
+            return None, f"KV holder {handle.engine_id} unreachable: {err!r}"
+        answer = self.decode_or_count(KvChunk, reply)
+        if answer is None:
+            return None, f"malformed KV reply from {handle.engine_id}"
+        if not answer.ok:
+            return None, f"KV holder {handle.engine_id}: {answer.error}"
+        if answer.chunk != chunk or answer.handle_id != handle.handle_id:
+            return None, f"KV holder {handle.engine_id} answered chunk {answer.chunk} of {answer.handle_id!r}"
+        return answer, None
+
+    async def _reprefill(self, work: PrefillWork, why: str) -> None:
+        self.torch.drop(work.work_id)
+        await super()._reprefill(work, why)
+
+    # --- policy versions ---------------------------------------------------------------------------
+    async def _load_weights(self, version: int) -> str | None:
+        first, error = await self._weights_request(version, 0)
+        if error is not None:
+            return error
+        rest = [await self._weights_request(version, i) for i in range(1, first.n_chunks)]
+        for _, err in rest:
+            if err is not None:
+                return err
+        payload = b"".join([first.data, *(chunk.data for chunk, _ in rest)])
+        if len(payload) != first.total_bytes or checksum(payload) != first.checksum:
+            self.counters["weights_checksum_mismatch"] += 1
+            return f"weights of policy {version} failed their checksum"
+        dropped = await self.torch.load_weights(payload, version)
+        self.counters["kv_prefixes_dropped_stale"] += dropped
+        self.counters["weights_bytes_loaded"] += len(payload)
+        self.log.info("loaded policy %d (%d bytes); dropped %d stale cached prefixes", version, len(payload), dropped)
+        return None
+
+    async def _weights_request(self, version: int, chunk: int) -> tuple[WeightsChunk | None, str | None]:
+        request = encode(WeightsFetch(version=version, chunk=chunk, requester_id=self.actor_id))
+        try:
+            reply = await self.nc.request(subjects.train_weights(), request, timeout=WEIGHTS_TIMEOUT_WALL_S)
+        except (NoRespondersError, TimeoutError) as err:
+            return None, f"weights of policy {version} unavailable: {err!r}"
+        answer = self.decode_or_count(WeightsChunk, reply)
+        if answer is None or not answer.ok or answer.chunk != chunk or answer.version != version:
+            return None, f"weights of policy {version}, chunk {chunk}: {answer.error if answer else 'malformed reply'}"
+        return answer, None

@@ -1,0 +1,385 @@
+"""The `torch` backend: real prefill, batched decode and real KV tensors for the engine.
+
+The scheduler core decides which sequences run in a step; this module owns their tensors,
+keyed by `Seq.key` (the work id), and a prefix cache keyed by trajectory@policy-version:
+
+    admit_prefill(seq) ── prefix-cache hit? ──▶ SeqState(ids, kv of ids[:kv_len])
+    execute(batch)  (worker thread) ── prefill chunks on top of each sequence's KV; sample the
+                     first token ── decode: one persistent left-padded batch (rows join and
+                     leave without rebuilding the rest), k iterations, temperature sampling
+    hold / export(handle, have_tokens) ──▶ bytes of KV positions have_tokens.. (+ checksum)
+    admit_decode(seq, item, payload)  ◀── own cached prefix + received suffix
+    finish(seq) ──▶ generated ids + logprobs; the KV goes into the prefix cache
+
+KV layout on the wire: float32 [layers, 2 (k, v), kv_heads, tokens, head_dim], C order.
+Stale-version KV is never reused: cache keys carry the version, a weights load drops older
+entries, and export refuses a handle prefilled under another version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from actors.engine.core import Batch, Seq
+from actors.engine.torch_model import load_weights_bytes
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [kv_heads, tokens, head_dim]
+
+
+class KvError(ValueError):
+    """KV that cannot be used (stale, wrong size); the caller re-prefills the turn."""
+
+
+def kv_len(kv: KV | None) -> int:
+    return 0 if not kv else kv[0][0].shape[1]
+
+
+def kv_slice(kv: KV, start: int, stop: int | None = None) -> KV:
+    return [(k[:, start:stop], v[:, start:stop]) for k, v in kv]
+
+
+def kv_cat(a: KV | None, b: KV) -> KV:
+    if not a or kv_len(a) == 0:
+        return b
+    return [(torch.cat([ka, kb], dim=1), torch.cat([va, vb], dim=1)) for (ka, va), (kb, vb) in zip(a, b)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """trajectory@version -> (token ids, KV of those ids); LRU under a capacity in tokens."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self._entries: OrderedDict[tuple[str, int], tuple[list[int], KV]] = OrderedDict()
+        self.tokens = 0
+        self.evicted = 0
+
+    def peek(self, trajectory_id: str, version: int) -> list[int]:
+        entry = self._entries.get((trajectory_id, version))
+        return [] if entry is None else entry[0]
+
+    def take(self, trajectory_id: str, version: int) -> tuple[list[int], KV] | None:
+        entry = self._entries.pop((trajectory_id, version), None)
+        if entry is not None:
+            self.tokens -= len(entry[0])
+        return entry
+
+    def put(self, trajectory_id: str, version: int, ids: list[int], kv: KV) -> None:
+        self.take(trajectory_id, version)
+        if len(ids) > self.capacity_tokens:
+            return
+        self._entries[(trajectory_id, version)] = (ids, kv)
+        self.tokens += len(ids)
+        while self.tokens > self.capacity_tokens:
+            _, (old_ids, _) = self._entries.popitem(last=False)
+            self.tokens -= len(old_ids)
+            self.evicted += 1
+
+    def drop_versions_below(self, version: int) -> int:
+        stale = [key for key in self._entries if key[1] < version]
+        for trajectory_id, v in stale:
+            self.take(trajectory_id, v)
+        return len(stale)
+
+
+@dataclass(slots=True)
+class SeqState:
+    ids: list[int]  # the whole sequence: context + new tokens (+ tokens generated this turn)
+    prompt_len: int  # context + new tokens
+    version: int
+    kv: KV | None = None  # KV of ids[:kv_len]; None while the row lives in the decode batch
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+
+
+class DecodeBatch:
+    """Sequences decoding together: one left-padded KV per layer [rows, heads, L, head_dim]."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.kv: KV = []
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.pos = torch.zeros(0, dtype=torch.long)  # next position of each row (= its true length)
+        self.cache: DynamicCache | None = None  # wraps `kv` while the rows stay the same (no copy per step)
+
+    def remove(self, keys: set[str], states: dict[str, SeqState]) -> None:
+        """Take rows out, giving each its unpadded KV back."""
+        if not keys & set(self.keys):
+            return
+        self.cache = None
+        length = self.mask.shape[1]
+        for i, key in enumerate(self.keys):
+            if key in keys and key in states:
+                n = int(self.pos[i])
+                states[key].kv = [(k[i, :, length - n :].clone(), v[i, :, length - n :].clone()) for k, v in self.kv]
+        keep = [i for i, key in enumerate(self.keys) if key not in keys]
+        index = torch.tensor(keep, dtype=torch.long)
+        self.keys = [self.keys[i] for i in keep]
+        self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
+        self.mask, self.pos = self.mask.index_select(0, index), self.pos.index_select(0, index)
+        self._trim()
+
+    def add(self, key: str, kv: KV) -> None:
+        self.cache = None
+        n = kv_len(kv)
+        length = max(n, self.mask.shape[1])
+        self._pad_to(length)
+        row = [(_left_pad(k, length)[None], _left_pad(v, length)[None]) for k, v in kv]
+        self.kv = row if not self.keys else [(torch.cat([bk, rk]), torch.cat([bv, rv])) for (bk, bv), (rk, rv) in zip(self.kv, row)]
+        row_mask = torch.zeros(1, length, dtype=torch.long)
+        row_mask[0, length - n :] = 1
+        self.mask = torch.cat([self.mask, row_mask]) if self.keys else row_mask
+        self.pos = torch.cat([self.pos, torch.tensor([n])])
+        self.keys.append(key)
+
+    def _pad_to(self, length: int) -> None:
+        extra = length - self.mask.shape[1]
+        if extra <= 0 or not self.keys:
+            return
+        self.kv = [(torch.nn.functional.pad(k, (0, 0, extra, 0)), torch.nn.functional.pad(v, (0, 0, extra, 0))) for k, v in self.kv]
+        self.mask = torch.nn.functional.pad(self.mask, (extra, 0))
+
+    def _trim(self) -> None:
+        """Drop leading columns that are padding in every row."""
+        if not self.keys:
+            self.kv, self.mask, self.pos = [], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+            return
+        drop = self.mask.shape[1] - int(self.pos.max())
+        if drop > 0:
+            self.kv = [(k[:, :, drop:], v[:, :, drop:]) for k, v in self.kv]
+            self.mask = self.mask[:, drop:]
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, length - t.shape[1], 0))
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, engine_id: str, lm, tokenizer, model, clock, time_scale: float, seed: int = 0) -> None:
+        self.engine_id = engine_id
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.model = model  # actors.config.ModelSection
+        self.clock = clock
+        self.time_scale = time_scale
+        self.device = next(lm.parameters()).device
+        self.version = 0
+        self.states: dict[str, SeqState] = {}
+        self.cache = PrefixCache(model.prefix_cache_tokens)
+        self.batch = DecodeBatch()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + zlib.crc32(engine_id.encode()))
+        self.lock = asyncio.Lock()  # a step and a weights load never overlap
+        self.record_logits: dict[str, list[torch.Tensor]] | None = None  # tests: logits per sampled token
+        cfg = lm.config
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dtype = next(lm.parameters()).dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    # --- admission (event-loop thread) -------------------------------------------------------
+    def admit_prefill(self, seq: Seq) -> None:
+        """Give the sequence its tokens and whatever prefix of them the cache holds."""
+        w = seq.work
+        ids = list(w.context_token_ids) + list(w.token_ids)
+        if len(w.context_token_ids) != w.context_tokens or len(w.token_ids) != w.new_tokens or not w.token_ids:
+            raise KvError(
+                f"token ids do not match the counts (context {len(w.context_token_ids)}/{w.context_tokens}, "
+                f"new {len(w.token_ids)}/{w.new_tokens})"
+            )
+        state = SeqState(ids=ids, prompt_len=len(ids), version=w.policy_version)
+        cached = self.cache.take(w.trajectory_id, w.policy_version)
+        if cached is not None:
+            hit = min(common_prefix(cached[0], ids), len(ids) - 1)  # at least one token computes logits
+            if hit > 0:
+                state.kv = kv_slice(cached[1], 0, hit)
+        self.states[seq.key] = state
+        seq.cached_prefix_tokens = kv_len(state.kv)
+        seq.prefill_tokens = len(ids) - seq.cached_prefix_tokens
+        seq.target_tokens = max(1, w.max_output_tokens)
+
+    def local_prefix_tokens(self, trajectory_id: str, version: int, ids: list[int]) -> int:
+        """KV tokens this engine already holds for a decode item's sequence (its cached prefix)."""
+        return min(common_prefix(self.cache.peek(trajectory_id, version), ids), max(0, len(ids) - 1))
+
+    def admit_decode(self, key: str, w, first_token_id: int, first_logprob: float, have_tokens: int, payload: bytes) -> int:
+        """Rebuild a prefilled turn's KV: own cached prefix (have_tokens) + the received positions.
+        Returns the sequence's target tokens (1 when the first token already ended the turn)."""
+        ids = list(w.context_token_ids) + list(w.token_ids)
+        received = self.kv_from_bytes(payload, len(ids) - have_tokens)
+        if not 0 <= first_token_id < self.tokenizer.vocab_size:
+            raise KvError(f"first token {first_token_id} outside the vocabulary")
+        prefix: KV | None = None
+        if have_tokens > 0:
+            cached = self.cache.take(w.trajectory_id, w.policy_version)
+            if cached is None or common_prefix(cached[0], ids) < have_tokens:
+                raise KvError("the cached prefix this engine announced is gone")
+            prefix = kv_slice(cached[1], 0, have_tokens)
+        state = SeqState(ids=ids + [first_token_id], prompt_len=len(ids), version=w.policy_version)
+        state.kv = kv_cat(prefix, received)
+        state.out_ids, state.out_logprobs = [first_token_id], [first_logprob]
+        self.states[key] = state
+        return 1 if self._stops(first_token_id) else max(1, w.max_output_tokens)
+
+    # --- one step (worker thread) ------------------------------------------------------------
+    async def run(self, batch: Batch, cursor_s: float) -> float:
+        async with self.lock:
+            started = time.perf_counter()
+            await asyncio.to_thread(self.execute, batch)
+            batch.duration_s = (time.perf_counter() - started) * self.time_scale
+        return max(cursor_s + batch.duration_s, self.clock.now_s())
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> None:
+        for seq, n in batch.prefill:
+            self._prefill_chunk(seq, n)
+        live = [s for s in batch.decode if s.decode_left > 0]
+        if not batch.prefill:
+            batch.iterations = max(1, min([self.model.decode_chunk_tokens, *(s.decode_left for s in live)]))
+        gone = set(self.batch.keys) - {s.key for s in live}
+        self.batch.remove(gone, self.states)
+        for seq in live:
+            if seq.key not in self.batch.keys:
+                state = self.states[seq.key]
+                self.batch.add(seq.key, state.kv)
+                state.kv = None
+        if live:
+            self._decode(live, batch.iterations)
+        finishing = {s.key for s in live if s.generated + batch.iterations >= s.target_tokens}
+        self.batch.remove(finishing, self.states)
+
+    def _prefill_chunk(self, seq: Seq, n: int) -> None:
+        state = self.states[seq.key]
+        start = kv_len(state.kv)
+        chunk = torch.tensor([state.ids[start : start + n]], device=self.device)
+        cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in state.kv]) if start else None
+        positions = torch.arange(start, start + n, device=self.device)[None]
+        out = self.lm(input_ids=chunk, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        state.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        if kv_len(state.kv) < len(state.ids):
+            return
+        token, logprob = self._sample(out.logits[:, -1], [seq.key])
+        state.ids.append(token[0])
+        state.out_ids, state.out_logprobs = [token[0]], [logprob[0]]
+        if self._stops(token[0]):
+            seq.target_tokens = 1
+
+    def _decode(self, live: list[Seq], iterations: int) -> None:
+        b = self.batch
+        states = [self.states[key] for key in b.keys]
+        seqs = {s.key: s for s in live}
+        stopped = [False] * len(states)
+        for step in range(iterations):
+            last = torch.tensor([[st.ids[-1]] for st in states], device=self.device)
+            mask = torch.cat([b.mask, torch.ones(len(states), 1, dtype=torch.long)], dim=1)
+            if b.cache is None:
+                b.cache = DynamicCache(ddp_cache_data=b.kv)
+            out = self.lm(
+                input_ids=last, attention_mask=mask.to(self.device), position_ids=b.pos[:, None].to(self.device),
+                past_key_values=b.cache, use_cache=True,
+            )  # fmt: skip
+            b.kv = [(layer.keys, layer.values) for layer in b.cache.layers]
+            b.mask, b.pos = mask, b.pos + 1
+            tokens, logprobs = self._sample(out.logits[:, -1], b.keys)
+            for i, st in enumerate(states):
+                if stopped[i]:
+                    continue
+                st.ids.append(tokens[i])
+                st.out_ids.append(tokens[i])
+                st.out_logprobs.append(logprobs[i])
+                seq = seqs[b.keys[i]]
+                if self._stops(tokens[i]):
+                    stopped[i] = True
+                    seq.target_tokens = seq.generated + step + 1
+
+    def _sample(self, logits: torch.Tensor, keys: list[str]) -> tuple[list[int], list[float]]:
+        logp = torch.log_softmax(logits.float() / self.model.temperature, dim=-1)
+        tokens = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        if self.record_logits is not None:
+            for key, row in zip(keys, logits):
+                self.record_logits.setdefault(key, []).append(row.detach().cpu().clone())
+        return tokens.tolist(), chosen.tolist()
+
+    def _stops(self, token: int) -> bool:
+        return self.model.stop_at_eos and token == self.tokenizer.eos_id
+
+    # --- hand-off, prefill side ----------------------------------------------------------------
+    def first_token(self, key: str) -> tuple[int, float]:
+        state = self.states[key]
+        return state.out_ids[0], state.out_logprobs[0]
+
+    def export(self, key: str, have_tokens: int) -> tuple[bytes, int]:
+        """Bytes of the held KV from position have_tokens on, and the token count they cover.
+        The sequence leaves the held set; its prompt KV stays in the prefix cache."""
+        state = self.states.pop(key, None)
+        if state is None:
+            raise KvError("no KV behind this handle")
+        if state.version != self.version:
+            raise KvError(f"KV was prefilled under policy {state.version}, engine is at {self.version}")
+        kv = kv_slice(state.kv, 0, state.prompt_len)
+        if not 0 <= have_tokens <= state.prompt_len:
+            raise KvError(f"have_tokens {have_tokens} outside 0..{state.prompt_len}")
+        payload = self.kv_to_bytes(kv_slice(kv, have_tokens))
+        trajectory_id = key.split("/", 1)[0]
+        self.cache.put(trajectory_id, state.version, state.ids[: state.prompt_len], kv)
+        return payload, state.prompt_len - have_tokens
+
+    def kv_to_bytes(self, kv: KV) -> bytes:
+        if kv_len(kv) == 0:
+            return b""
+        stacked = torch.stack([torch.stack([k, v]) for k, v in kv])  # [layers, 2, heads, tokens, head_dim]
+        return stacked.to("cpu").contiguous().numpy().tobytes()
+
+    def kv_from_bytes(self, data: bytes, tokens: int) -> KV:
+        expected = tokens * self.kv_bytes_per_token
+        if len(data) != expected:
+            raise KvError(f"KV payload has {len(data)} bytes, {tokens} tokens need {expected}")
+        if tokens == 0:
+            return []
+        flat = torch.frombuffer(bytearray(data), dtype=self.dtype)
+        stacked = flat.reshape(self.layers, 2, self.kv_heads, tokens, self.head_dim).to(self.device)
+        return [(stacked[i, 0], stacked[i, 1]) for i in range(self.layers)]
+
+    # --- the end of a turn ---------------------------------------------------------------------
+    def finish(self, seq: Seq) -> tuple[list[int], list[float]]:
+        """The turn's generated tokens and logprobs; its KV stays cached for the next turn."""
+        state = self.states.pop(seq.key)
+        n = seq.generated
+        out_ids, out_logprobs = state.out_ids[:n], state.out_logprobs[:n]
+        if state.kv is not None:
+            keep = min(kv_len(state.kv), state.prompt_len + n - 1)  # the last token has no KV yet
+            self.cache.put(seq.work.trajectory_id, state.version, state.ids[:keep], kv_slice(state.kv, 0, keep))
+        return out_ids, out_logprobs
+
+    def drop(self, key: str) -> None:
+        """Forget a sequence (expired hand-off, re-prefilled turn)."""
+        self.batch.remove({key}, self.states)
+        self.states.pop(key, None)
+
+    # --- policy versions -----------------------------------------------------------------------
+    async def load_weights(self, data: bytes, version: int) -> int:
+        """Load new weights; drop every cached prefix of an older version. Returns entries dropped."""
+        async with self.lock:
+            await asyncio.to_thread(load_weights_bytes, self.lm, data)
+            self.version = version
+            return self.cache.drop_versions_below(version)

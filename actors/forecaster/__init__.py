@@ -1,0 +1,1 @@
+"""The forecaster actor: lifecycle events in, demand forecasts out (forecasting.core)."""

@@ -1,0 +1,35 @@
+"""Demand forecasts, published by the forecaster actor on subjects.forecast() every tick.
+
+Values are per bin of `bin_s` model seconds: flows (tokens) are sums over the bin, levels
+(sequences) time-weighted means over it. Horizon h means the bin that ends h seconds after
+`as_of_s`. Targets (see forecasting.series): prefill_new_tokens, prefill_miss_tokens,
+decode_active_seqs, decode_tokens.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TargetForecast(msgspec.Struct, frozen=True, kw_only=True):
+    target: str  # what is forecast; its unit is in its name (tokens, seqs)
+    mean: list[float]  # point forecast per horizon, in the target's unit per bin
+    quantile_levels: list[float]  # e.g. [0.1, 0.5, 0.9]
+    quantiles: list[list[float]]  # [level][horizon], in the target's unit per bin
+
+
+class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
+    forecaster_id: str
+    model: str  # registry name of the model that was asked for (forecasting.models)
+    tick: int  # 1, 2, … : the number of ticks computed so far
+    as_of_s: float  # model time the forecast is made from: every event before it is in
+    computed_at_s: float  # model time it was computed (as_of_s + watermark + compute)
+    bin_s: float  # width of one forecast bin, model seconds
+    horizons_s: list[float]  # model seconds after as_of_s
+    targets: list[TargetForecast]
+    live_trajectories: int  # trajectories live at as_of_s
+    events_total: int  # lifecycle events consumed so far
+    fallback: bool = False  # this tick's numbers are naive's: the model failed to fit
+    fallback_reason: str = ""  # why (empty when fallback is False)
+    fallbacks_total: int = 0  # ticks so far that fell back
+    late_events: int = 0  # events that arrived after their tick was computed (counted in the next one)

@@ -1,0 +1,121 @@
+"""The forecasting tick: one code path for the live forecaster actor and the replay runner.
+
+    events of [last tick, this tick)  ─▶ series.bin_chunk ─▶ closed bins (totals per target)
+                                      └▶ LiveState.ingest ─▶ trajectories, learned distributions
+    for each model: update(history); predict(max horizon)   (FitError etc. → naive, counted)
+    ─▶ TickResult: per model, the forecast at every horizon, and whether it fell back
+
+The caller hands each tick the events with at_s in [previous tick, this tick), sorted by
+(at_s, event_id); the live actor holds events back until the tick's watermark has passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from forecasting import series
+from forecasting.live import LiveState
+from forecasting.models import TARGETS, FitError, History, Prediction, make
+from forecasting.models.timeseries import Naive
+
+# What counts as "the model failed to fit on this tick" (statsmodels raises these).
+FIT_FAILURES = (FitError, ValueError, ArithmeticError, np.linalg.LinAlgError, IndexError)
+
+
+@dataclass(slots=True)
+class ModelOutcome:
+    prediction: Prediction
+    fallback_reason: str = ""  # non-empty: this tick's forecast is naive's, because of this
+    fallbacks_total: int = 0
+
+
+@dataclass(slots=True)
+class TickResult:
+    as_of_s: float
+    outcomes: dict[str, ModelOutcome]
+    live_trajectories: int
+    events_total: int
+
+
+class _Growing:
+    """A float array that grows by appending (amortised doubling)."""
+
+    def __init__(self) -> None:
+        self._data = np.zeros(256)
+        self.n = 0
+
+    def extend(self, values: list[float]) -> None:
+        while self.n + len(values) > len(self._data):
+            self._data = np.concatenate([self._data, np.zeros(len(self._data))])
+        self._data[self.n : self.n + len(values)] = values
+        self.n += len(values)
+
+    def view(self) -> np.ndarray:
+        return self._data[: self.n]
+
+
+@dataclass(slots=True)
+class CoreConfig:
+    models: tuple[str, ...]
+    bin_s: float = 1.0
+    horizons_s: tuple[float, ...] = (1.0, 5.0, 10.0, 20.0, 30.0)
+    keep_series: bool = False  # keep the per-family series frames (the replay runner plots them)
+
+    def __post_init__(self) -> None:
+        if self.bin_s <= 0:
+            raise ValueError("bin_s must be > 0")
+        for h in self.horizons_s:
+            k = h / self.bin_s
+            if h <= 0 or abs(k - round(k)) > 1e-9:
+                raise ValueError(f"horizon {h} s is not a positive multiple of bin_s = {self.bin_s} s")
+
+    @property
+    def horizon_bins(self) -> int:
+        return round(max(self.horizons_s) / self.bin_s)
+
+    def horizon_index(self) -> list[int]:
+        return [round(h / self.bin_s) - 1 for h in self.horizons_s]
+
+
+@dataclass
+class ForecastCore:
+    config: CoreConfig
+    live: LiveState = field(default_factory=LiveState)
+
+    def __post_init__(self) -> None:
+        self.models = {name: make(name) for name in self.config.models}
+        self._naive = {name: Naive() for name in self.config.models}
+        self.fallbacks = {name: 0 for name in self.config.models}
+        self.series = {t: _Growing() for t in TARGETS}
+        self.frames: list[pl.DataFrame] = []
+        self.end_s = 0.0
+        self._carry: series.Levels = {}
+
+    def tick(self, events: pl.DataFrame, until_s: float) -> TickResult:
+        """Close the bins of [end_s, until_s) with `events`, then forecast from until_s."""
+        chunk, self._carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._carry)
+        if self.config.keep_series:
+            self.frames.append(chunk)
+        for t in TARGETS:
+            self.series[t].extend(series.totals(chunk, t))
+        self.live.ingest(events)
+        self.end_s = until_s
+        history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)
+        outcomes = {name: self._run(name, history) for name in self.models}
+        return TickResult(until_s, outcomes, self.live.live_count(), self.live.events)
+
+    def _run(self, name: str, history: History) -> ModelOutcome:
+        naive = self._naive[name].update(history)  # kept current: the fallback is always ready
+        try:
+            prediction = self.models[name].update(history).predict(self.config.horizon_bins)
+            return ModelOutcome(prediction, "", self.fallbacks[name])
+        except FIT_FAILURES as err:
+            self.fallbacks[name] += 1
+            reason = f"{type(err).__name__}: {err}"[:200]
+            return ModelOutcome(naive.predict(self.config.horizon_bins), reason, self.fallbacks[name])
+
+    def series_frame(self) -> pl.DataFrame:
+        return pl.concat(self.frames) if self.frames else pl.DataFrame()

@@ -1,0 +1,115 @@
+"""Distributions learned online from the lifecycle log: durations, token counts, turns.
+
+`Empirical` keeps the most recent samples (a sliding reservoir) and answers in vectors on
+a fine time grid: the probability that a stage that has already lasted `elapsed_s` ends in
+each future slot. Its survival function is mixed with an exponential tail of the same
+mean (weight 1/(n+1)), so a stage that has outlasted every sample still ends somewhere
+and a family seen once still forecasts. `TurnHazard` estimates, per task family, the
+probability that a trajectory goes on after turn n (Kaplan–Meier over finished
+trajectories, live ones censored at their current turn, shrunk towards the mean).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class Empirical:
+    def __init__(self, max_samples: int = 2000) -> None:
+        self._samples: deque[float] = deque(maxlen=max_samples)
+        self._sorted: np.ndarray | None = None
+
+    def add(self, value: float) -> None:
+        self._samples.append(float(value))
+        self._sorted = None
+
+    def extend(self, other: "Empirical") -> None:
+        for v in other._samples:
+            self.add(v)
+
+    @property
+    def n(self) -> int:
+        return len(self._samples)
+
+    def values(self) -> np.ndarray:
+        if self._sorted is None:
+            self._sorted = np.sort(np.fromiter(self._samples, float, len(self._samples)))
+        return self._sorted
+
+    def mean(self) -> float:
+        return float(self.values().mean()) if self.n else 0.0
+
+    def second_moment(self) -> float:
+        v = self.values()
+        return float((v * v).mean()) if self.n else 0.0
+
+    def survival(self, t_s: np.ndarray) -> np.ndarray:
+        """P(duration > t), smoothed with an exponential tail of the same mean."""
+        x = self.values()
+        n = len(x)
+        mean_s = max(float(x.mean()) if n else 1.0, 1e-6)
+        tail = np.exp(-np.maximum(t_s, 0.0) / mean_s)
+        if n == 0:
+            return tail
+        emp = 1.0 - np.searchsorted(x, t_s, side="right") / n
+        return (n * emp + tail) / (n + 1)
+
+    def residual_mass(self, elapsed_s: np.ndarray, step_s: float, slots: int) -> np.ndarray:
+        """(len(elapsed), slots): P(end in ((j)·step, (j+1)·step] from now | lasted elapsed)."""
+        grid = elapsed_s[:, None] + step_s * np.arange(slots + 1)[None, :]
+        surv = self.survival(grid)
+        return (surv[:, :-1] - surv[:, 1:]) / np.maximum(surv[:, :1], 1e-300)
+
+    def residual_sums(self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int) -> np.ndarray:
+        """(len(weights), slots): Σ_i weights[m, i] · P(end in slot j | lasted bucket[i]·step_s).
+
+        One survival curve on the grid and a correlation per weight row: O(buckets · slots)
+        however many trajectories share the buckets."""
+        b_max = int(bucket.max()) if len(bucket) else 0
+        surv = self.survival(step_s * np.arange(b_max + slots + 1))
+        d_surv = surv[:-1] - surv[1:]
+        out = np.empty((len(weights), slots))
+        for m, w in enumerate(weights):
+            a = np.bincount(bucket, w, minlength=b_max + 1) / np.maximum(surv[: b_max + 1], 1e-300)
+            out[m] = np.correlate(d_surv, a, mode="valid")[:slots]
+        return out
+
+    def centred_pmf(self, step_s: float, slots: int) -> np.ndarray:
+        """P(duration in ((j-½)·step, (j+½)·step]): convolving these keeps the mean in place."""
+        surv = self.survival(step_s * (np.arange(slots + 1) - 0.5))
+        return surv[:-1] - surv[1:]
+
+    def pmf(self, step_s: float, slots: int) -> np.ndarray:
+        """P(duration in (j·step, (j+1)·step]) for a stage that starts now."""
+        return self.residual_mass(np.zeros(1), step_s, slots)[0]
+
+
+class TurnHazard:
+    """P(a trajectory of a family continues after its turn n) for n = 0, 1, …"""
+
+    def __init__(self, max_turns: int = 256, prior_weight: float = 2.0) -> None:
+        self.last_turn_counts = np.zeros(max_turns)  # finished trajectories by their last turn index
+        self.prior_weight = prior_weight
+
+    def add_finished(self, last_turn: int) -> None:
+        self.last_turn_counts[min(max(last_turn, 0), len(self.last_turn_counts) - 1)] += 1
+
+    @property
+    def n(self) -> int:
+        return int(self.last_turn_counts.sum())
+
+    def continue_prob(self, live_turns: np.ndarray) -> np.ndarray:
+        """c[n] for every n; `live_turns` are the current turns of live trajectories (censored)."""
+        size = len(self.last_turn_counts)
+        deaths = self.last_turn_counts
+        finished_at_or_after = deaths[::-1].cumsum()[::-1]  # finished with last turn >= n
+        live = np.bincount(np.clip(live_turns, 0, size - 1), minlength=size)[:size]
+        live_beyond = live[::-1].cumsum()[::-1]  # live at a turn >= n ...
+        live_after = np.concatenate([live_beyond[1:], [0]])  # ... > n: they survived turn n
+        at_risk = finished_at_or_after + live_after
+        total_turns = float((deaths * (np.arange(size) + 1)).sum())
+        q0 = deaths.sum() / total_turns if total_turns > 0 else 0.1  # 1 / mean turns
+        q = (deaths + self.prior_weight * q0) / (at_risk + self.prior_weight)
+        return 1.0 - np.clip(q, 0.0, 1.0)

@@ -1,0 +1,57 @@
+"""A synthetic lifecycle log (pure, seeded): trajectories that cycle through prefill, decode
+and tool phases with simple random durations. For tests and the per-tick benchmark — not
+a workload model (recorded runs of ops.launch are that)."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
+from ops.export import events_frame
+
+FAMILIES = ("swe", "math")
+
+
+def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns: int) -> list[LifecycleEvent]:
+    family = FAMILIES[index % len(FAMILIES)]
+    tid = f"t{index}"
+    base = dict(trajectory_id=tid, task_family=family, actor_id="synthetic", step=0, policy_version=0)
+    events: list[LifecycleEvent] = []
+
+    def add(kind: EventKind, at_s: float, turn: int, **fields) -> None:
+        events.append(LifecycleEvent(event_id=f"{tid}-{len(events)}", kind=kind, at_s=at_s, turn=turn, **base, **fields))
+
+    t, context, new = start_s, 0, int(rng.integers(200, 3000))
+    add(EventKind.STARTED, t, 0, new_tokens=new)
+    turns = int(rng.integers(1, max_turns + 1))
+    for turn in range(turns):
+        add(EventKind.PREFILL_QUEUED, t, turn, new_tokens=new, context_tokens=context)
+        t += rng.exponential(0.3)
+        add(EventKind.PREFILL_STARTED, t, turn, new_tokens=new, context_tokens=context)
+        t += 0.05 + new / 20000
+        cached = context
+        add(EventKind.PREFILL_DONE, t, turn, new_tokens=new, context_tokens=context, cached_prefix_tokens=cached)
+        add(EventKind.DECODE_STARTED, t, turn, new_tokens=new, context_tokens=context, cached_prefix_tokens=cached)
+        generated = int(rng.integers(50, 800))
+        t += generated * 0.02
+        add(EventKind.DECODE_DONE, t, turn, new_tokens=new, context_tokens=context, generated_tokens=generated)
+        context += new + generated
+        if turn + 1 == turns:
+            add(EventKind.FINISHED, t, turn, generated_tokens=generated, reward=1.0)
+            break
+        add(EventKind.TOOL_STARTED, t, turn)
+        latency_s = float(rng.lognormal(0.0, 0.8))
+        t += latency_s
+        new = int(rng.integers(20, 600))
+        add(EventKind.TOOL_DONE, t, turn, duration_s=latency_s, new_tokens=new)
+    return events
+
+
+def synthetic_log(trajectories: int, seed: int, spread_s: float = 20.0, max_turns: int = 12) -> pl.DataFrame:
+    """`trajectories` trajectories starting uniformly over the first `spread_s` seconds."""
+    rng = np.random.default_rng(seed)
+    events: list[LifecycleEvent] = []
+    for i in range(trajectories):
+        events += _trajectory(rng, i, float(rng.uniform(0, spread_s)), max_turns)
+    return events_frame(events)

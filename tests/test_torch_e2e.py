@@ -1,0 +1,50 @@
+"""End to end with real compute: `ops.launch` of a torch-backend run, every actor its own process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+pytest.importorskip("torch")
+
+from ops.checks import incomplete_trajectories  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.torch_helpers import write_torch_config  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_small_torch_run_trains_and_hands_real_kv_over(tmp_path: Path):
+    config = write_torch_config(tmp_path / "torch.toml", checkpoint="", steps=2, stop_at_eos=True, verify=True)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "model" / "config.json").exists()  # built once, loaded by every process
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["backend"] == "torch"
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] == 16
+    assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0 and summary["incomplete_trajectories"] == 0
+    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert all(0.0 <= s["mean_reward"] <= 1.0 and s["decode_tokens"] > 0 for s in summary["steps"])
+    actors = summary["actors"]
+    assert actors["e0"]["kv_bytes_served"] == actors["e1"]["kv_bytes_fetched"] > 0
+    assert actors["e1"]["kv_tokens_reused"] > 0  # turn 2 moved only what the decode engine lacked
+    # policies 1 and 2 were trained, served in chunks and loaded by both engines
+    assert actors["e0"]["weights_bytes_loaded"] == actors["e1"]["weights_bytes_loaded"] > 0
+    assert actors["trainer"]["weights_chunks_served"] >= 4
+    assert all(actors[e].get("reprefills", 0) == 0 for e in ("e0", "e1"))
+
+    events = pl.read_parquet(out / "events.parquet")
+    finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
+    assert incomplete_trajectories(events, finished, disaggregated=True) == {}
+    loaded = events.filter(pl.col("kind") == "policy_loaded")
+    assert sorted(loaded["policy_version"].to_list()) == [1, 1, 2, 2]

@@ -1,0 +1,108 @@
+"""The torch backend's pure parts: GRPO, the prefix cache, model specs, weights on the wire."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actors.config import ModelSection  # noqa: E402
+from actors.engine.torch_backend import PrefixCache  # noqa: E402
+from actors.engine.torch_model import (  # noqa: E402
+    ByteTokenizer,
+    build_tiny,
+    load_model,
+    load_weights_bytes,
+    model_spec,
+    spec_differences,
+    weights_to_bytes,
+)
+from actors.environment.tasks import TASKS  # noqa: E402
+from actors.trainer.grpo import group_advantages, grpo_update, token_logprobs  # noqa: E402
+from bus_schemas.train import FinishedTrajectory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny(ModelSection(seed=0), tmp_path_factory.mktemp("tiny") / "model")
+
+
+def finished(task: str, i: int, ids: list[int], mask: list[int], logprobs: list[float], reward: float) -> FinishedTrajectory:
+    return FinishedTrajectory(
+        trajectory_id=f"{task}-{i}", task_id=task, task_family="calc", env_id="env0", step=0, policy_versions=[0],
+        turns=1, reward=reward, prompt_tokens=mask.index(1), generated_tokens=sum(mask), observation_tokens=0,
+        started_at_s=0.0, finished_at_s=1.0, token_ids=ids, generated_mask=mask, logprobs=logprobs,
+    )  # fmt: skip
+
+
+def test_group_advantages_are_relative_to_the_group():
+    adv = group_advantages([1.0, 0.0, 0.5, 0.5], ["a", "a", "b", "b"])
+    assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
+    assert adv[2:] == [0.0, 0.0]  # no spread in the group: no signal
+
+
+def test_a_grpo_update_raises_the_probability_of_rewarded_tokens(checkpoint):
+    lm = load_model(checkpoint)
+    tok = ByteTokenizer()
+    prompt = tok.encode("calc 1 2:")
+    good, bad = tok.encode("7777"), tok.encode("abcd")
+
+    def logprobs(seq: list[int]) -> list[float]:
+        ids = torch.tensor([prompt + seq])
+        with torch.no_grad():
+            lp = token_logprobs(lm, ids, torch.ones_like(ids), 1.0)[0]
+        return [0.0] * len(prompt) + lp[len(prompt) - 1 :].tolist()
+
+    def seq_logprob(seq: list[int]) -> float:
+        return sum(logprobs(seq))
+
+    before_good, before_bad = seq_logprob(good), seq_logprob(bad)
+    mask = [0] * len(prompt) + [1] * 4
+    batch = [finished("k0", 0, prompt + good, mask, logprobs(good), 1.0), finished("k0", 1, prompt + bad, mask, logprobs(bad), 0.0)]
+    # plain gradient steps: the objective sum_i A_i log p(seq_i) must go up (A_good = +1, A_bad = -1)
+    optimizer = torch.optim.SGD(lm.parameters(), lr=0.5)
+    stats = grpo_update(lm, optimizer, batch, temperature=1.0, clip_eps=0.2, epochs=1, pad_id=tok.pad_id, max_grad_norm=100.0)
+    assert stats.trajectories == 2 and stats.tokens == 8
+    assert stats.mean_abs_logprob_gap < 1e-5  # the rollout logprobs were the model's own
+    after_good, after_bad = seq_logprob(good), seq_logprob(bad)
+    assert after_good > before_good + 0.05, (before_good, after_good)
+    assert after_bad < before_bad - 0.05, (before_bad, after_bad)
+
+
+def test_prefix_cache_is_lru_under_its_token_capacity_and_drops_stale_versions():
+    cache = PrefixCache(capacity_tokens=10)
+    kv = [(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))]
+    cache.put("a", 0, [1, 2, 3, 4], kv)
+    cache.put("b", 0, [1, 2, 3, 4], kv)
+    assert cache.peek("a", 0) == [1, 2, 3, 4]
+    cache.put("c", 0, [5, 6, 7, 8], kv)  # 12 > 10 tokens: the least recently put goes
+    assert cache.peek("a", 0) == [] and cache.peek("b", 0) and cache.tokens == 8 and cache.evicted == 1
+    cache.put("b", 1, [1], kv[:1])
+    assert cache.drop_versions_below(1) == 2 and cache.peek("b", 1) == [1] and cache.peek("c", 0) == []
+
+
+def test_spec_differences_name_the_field(checkpoint, tmp_path):
+    mine = model_spec(load_model(checkpoint), ByteTokenizer())
+    other = build_tiny(ModelSection(seed=0, layers=3), tmp_path / "three")
+    theirs = model_spec(load_model(other), ByteTokenizer(eos_id=0))
+    diff = spec_differences(mine, theirs)
+    assert "model config num_hidden_layers: engine 2, trainer 3" in diff
+    assert "tokenizer eos_id: engine 256, trainer 0" in diff
+    assert spec_differences(mine, mine) == []
+
+
+def test_weights_round_trip_through_bytes(checkpoint):
+    a, b = load_model(checkpoint), load_model(checkpoint)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(0.5)
+    load_weights_bytes(b, weights_to_bytes(a))
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_calc_task_rewards_digits_and_its_tool_sums_them():
+    task = TASKS["calc"]
+    assert task.tool("a1b2c3") == "\n= 1+2+3 = 6\n"
+    assert task.reward(["12ab", "x9"]) == pytest.approx(3 / 48)
+    assert task.prompt(0, 5) == task.prompt(0, 5) != task.prompt(0, 6)
