@@ -120,3 +120,51 @@ def test_iteration_time_grows_with_work():
     assert iteration_s(PRESET, [(512, 4000)], 8, 8000) > base
     assert iteration_s(PRESET, [(512, 0)], 16, 16000) > base
     assert iteration_s(PRESET, [], 0, 0) == 0.0
+
+
+def test_a_full_kv_pool_preempts_the_newest_sequence_and_recomputes_it():
+    from dataclasses import replace
+
+    small = EngineCore("e0", Role.COLOCATED, replace(PRESET, kv_capacity_tokens=2_100), 8192, 16, 8)
+    small.admit_prefill(work("old", new=1000, out=200))
+    small.admit_prefill(work("new", new=1000, out=200))
+    small.complete(small.plan(1.0))  # both prefilled: 2002 of 2100 tokens in use
+    batch = small.plan(10.0)  # 2 x 49 more tokens fit; beyond that "new" must go
+    assert small.preemptions == 0 and batch.iterations == 49
+    small.complete(batch)
+    small.plan(1.0)
+    assert small.preemptions == 1 and [s.work.trajectory_id for s in small.waiting] == ["new"]
+    assert small.kv_resident_tokens <= small.kv_capacity_tokens
+    done, _ = run_to_idle(small)
+    assert sorted((k, s.work.trajectory_id, s.generated) for k, s in done) == [
+        ("decode_done", "new", 200), ("decode_done", "old", 200)
+    ]  # the preempted sequence was recomputed (no second prefill_done) and finished its turn
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 400)), min_size=1, max_size=12),
+    st.integers(3_500, 12_000),
+    st.sampled_from([1, 2, 4]),
+)
+def test_any_workload_finishes_without_overflowing_the_kv_pool(turns, capacity, dp):
+    from dataclasses import replace
+
+    preset = replace(PRESET, kv_capacity_tokens=capacity, dp_ranks=dp)
+    c = EngineCore("e0", Role.COLOCATED, preset, 1024, 16, 16)
+    for i, (new, out) in enumerate(turns):
+        c.admit_prefill(work(f"t{i}", new=min(new, capacity // 2), out=out))
+    decoded: dict[str, int] = {}
+    for _ in range(100_000):
+        batch = c.plan(max_advance_s=0.5)
+        if batch is None:
+            break
+        for kind, seq in c.complete(batch):
+            if kind == "decode_done":
+                decoded[seq.work.trajectory_id] = seq.generated
+        assert c.kv_resident_tokens <= capacity
+    assert c.idle and decoded == {f"t{i}": out for i, (_, out) in enumerate(turns)}

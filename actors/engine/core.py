@@ -38,6 +38,7 @@ class Seq:
     generated: int = 0
     generated_before_prefill: int = 0  # > 0 after a preemption: those tokens are recomputed as prompt
     rank: int = 0  # DP-attention rank the sequence lives on
+    preempted: bool = False  # lost its KV to a preemption; waits until a full recompute fits
     prefill_started: bool = False
     decode_started: bool = False
     prefill_engine_id: str = ""
@@ -56,9 +57,6 @@ class Seq:
         """KV this sequence occupies once its prefill is through (admission reserves it)."""
         return self.cached_prefix_tokens + self.prefill_tokens + self.generated - self.generated_before_prefill
 
-    @property
-    def preempted(self) -> bool:
-        return self.generated_before_prefill > 0
 
     @property
     def prefill_left(self) -> int:
@@ -107,6 +105,7 @@ class EngineCore:
         self._cache_tokens = 0
         self.busy_s = 0.0  # modelled time spent in steps, for utilisation
         self.preemptions = 0
+        self.allow_preemption = True  # backends without recompute support turn it off
         self._admitted = 0  # admission counter: newest sequences are preempted first
         self._order: dict[str, int] = {}
 
@@ -119,6 +118,15 @@ class EngineCore:
     def kv_used_tokens(self) -> int:
         return (
             sum(s.kv_reserved_tokens for s in self.waiting)
+            + sum(s.kv_tokens for s in self.running.values())
+            + sum(h.seq.kv_tokens for h in self.held.values())
+        )
+
+    @property
+    def kv_resident_tokens(self) -> int:
+        """KV actually allocated now (admission reservations of unprefilled tokens excluded)."""
+        return (
+            sum(s.kv_tokens for s in self.waiting)
             + sum(s.kv_tokens for s in self.running.values())
             + sum(h.seq.kv_tokens for h in self.held.values())
         )
@@ -196,12 +204,18 @@ class EngineCore:
         budget = [self.max_batch_tokens] * ranks
         for seq in decode:
             budget[seq.rank] -= 1
+        free = self.kv_capacity_tokens - self.kv_resident_tokens - len(decode)  # prefill only into free KV
         chunks: list[tuple[Seq, int]] = []
         for seq in self.waiting:
-            n = min(budget[seq.rank], seq.prefill_left)
+            if seq.preempted and seq.prefill_done_tokens == 0 and seq.prefill_left > free:
+                continue  # recompute a preempted sequence only once all of it fits again
+            n = min(budget[seq.rank], seq.prefill_left, free)
+            if n == seq.prefill_left and n + 1 > free:
+                n -= 1  # finishing also samples a token, whose KV needs a slot too
             if n > 0:
                 chunks.append((seq, n))
                 budget[seq.rank] -= n
+                free -= n + (n == seq.prefill_left)
         if not chunks and not decode:
             return None
         if chunks:
@@ -210,7 +224,7 @@ class EngineCore:
             loads = self._loads([], decode)
             one_s = group_iteration_s(self.preset, loads)
             fit = int(max_advance_s // one_s) if one_s > 0 else 1
-            free = self.kv_capacity_tokens - self.kv_used_tokens
+            free = self.kv_capacity_tokens - self.kv_resident_tokens
             iterations = max(1, min(fit, free // len(decode), min(max(1, s.decode_left) for s in decode)))
             duration_s = group_decode_run_s(self.preset, loads, iterations)
         started: list[tuple[str, Seq]] = []
@@ -235,16 +249,23 @@ class EngineCore:
         return [RankLoad(tuple(prefill[r]), seqs[r], context[r]) for r in range(self.preset.dp_ranks)]
 
     def _preempt_to_fit(self, iterations: int) -> None:
-        """Free KV for `iterations` of decode growth by recomputing the newest sequences later."""
-        while self.running and self.kv_used_tokens + len(self.running) * iterations > self.kv_capacity_tokens:
-            newest = max(self.running.values(), key=lambda s: self._order.get(s.key, 0))
-            del self.running[newest.key]
-            total = newest.kv_tokens
-            newest.generated_before_prefill = newest.generated
-            newest.cached_prefix_tokens = 0
-            newest.prefill_tokens = total
-            newest.prefill_done_tokens = 0
-            self.waiting.appendleft(newest)
+        """Free KV for `iterations` of decode growth: the newest sequence holding KV (running, or
+        part-way through its prefill) loses it and is recomputed later (recompute preemption)."""
+        while self.allow_preemption and self.running:
+            if self.kv_resident_tokens + len(self.running) * iterations <= self.kv_capacity_tokens:
+                return
+            holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
+            victim = max(holders, key=lambda s: self._order.get(s.key, 0))
+            if victim.key in self.running:
+                del self.running[victim.key]
+                victim.prefill_tokens = victim.kv_tokens
+                victim.generated_before_prefill = victim.generated
+                self.waiting.appendleft(victim)
+            else:
+                victim.prefill_tokens += victim.cached_prefix_tokens
+            victim.cached_prefix_tokens = 0
+            victim.prefill_done_tokens = 0
+            victim.preempted = True
             self.preemptions += 1
 
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
@@ -263,7 +284,8 @@ class EngineCore:
             if seq.prefill_left > 0:
                 continue
             self.waiting.remove(seq)
-            if seq.preempted:  # recomputed after a preemption: back to decoding, no new turn event
+            seq.preempted = False
+            if seq.generated_before_prefill > 0:  # recomputed after a preemption: back to decoding, no new event
                 seq.prefill_tokens -= seq.generated_before_prefill
                 seq.prefill_done_tokens = seq.prefill_tokens
                 seq.generated_before_prefill = 0

@@ -65,6 +65,7 @@ class Outgoing:
 class TorchEngineActor(EngineActor):
     def __init__(self, actor_id, config, nc, clock, role, lm=None, tokenizer=None) -> None:
         super().__init__(actor_id, config, nc, clock, role)
+        self.core.allow_preemption = False  # recompute preemption has no real KV behind it here
         mc = config.model
         if lm is None:
             lm = load_model(mc.checkpoint, mc.threads)
