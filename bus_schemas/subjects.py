@@ -120,3 +120,11 @@ def train_model() -> str:
 def train_weights() -> str:
     """Request/reply: chunks of a policy version's weights, served by the trainer."""
     return f"{PREFIX}.train.weights"
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` is one or more tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    if p[-1] == ">":
+        return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s))
+    return len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s))

@@ -2,9 +2,10 @@
 
     python -m forecasting.bench [--models lifecycle hybrid] [--trajectories 1000 10000]
 
-A synthetic log (forecasting.synthetic) with every trajectory started in the first 10 s is
-replayed tick by tick (1 s bins, horizons up to 30 s); the ticks after 15 s, when all are
-live, are timed: the whole tick (binning + ingest + models) and the models alone.
+A synthetic log (forecasting.synthetic) with every trajectory started in the first 10 s and
+long enough (>= 20 turns) that none has finished by the end is replayed tick by tick (1 s
+bins, horizons up to 30 s); the ticks after 15 s, when all are live, are timed: the whole
+tick (binning + ingest + models) and the models alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from forecasting.synthetic import synthetic_log
 
 
 def bench(trajectories: int, models: tuple[str, ...], timed_ticks: int = 10) -> dict[str, float]:
-    events = synthetic_log(trajectories, seed=0, spread_s=10.0, max_turns=8)
+    events = synthetic_log(trajectories, seed=0, spread_s=10.0, min_turns=20, max_turns=24, until_s=16.0 + timed_ticks)
     core = ForecastCore(CoreConfig(models=models))
     at_s = events["at_s"].to_numpy()
     start, tick_ms, live = 0, [], []

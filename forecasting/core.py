@@ -1,6 +1,6 @@
 """The forecasting tick: one code path for the live forecaster actor and the replay runner.
 
-    events of [last tick, this tick)  ─▶ series.bin_chunk ─▶ closed bins (totals per target)
+    events of [last tick, this tick)  ─▶ series.chunk_totals ─▶ closed bins (totals per target)
                                       └▶ LiveState.ingest ─▶ trajectories, learned distributions
     for each model: update(history); predict(max horizon)   (FitError etc. → naive, counted)
     ─▶ TickResult: per model, the forecast at every horizon, and whether it fell back
@@ -47,7 +47,7 @@ class _Growing:
         self._data = np.zeros(256)
         self.n = 0
 
-    def extend(self, values: list[float]) -> None:
+    def extend(self, values: np.ndarray) -> None:
         while self.n + len(values) > len(self._data):
             self._data = np.concatenate([self._data, np.zeros(len(self._data))])
         self._data[self.n : self.n + len(values)] = values
@@ -92,15 +92,17 @@ class ForecastCore:
         self.series = {t: _Growing() for t in TARGETS}
         self.frames: list[pl.DataFrame] = []
         self.end_s = 0.0
-        self._carry: series.Levels = {}
+        self._carry: dict[str, float] = {}
+        self._family_carry: series.Levels = {}
 
     def tick(self, events: pl.DataFrame, until_s: float) -> TickResult:
         """Close the bins of [end_s, until_s) with `events`, then forecast from until_s."""
-        chunk, self._carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._carry)
+        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry)
         if self.config.keep_series:
+            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry)
             self.frames.append(chunk)
         for t in TARGETS:
-            self.series[t].extend(series.totals(chunk, t))
+            self.series[t].extend(totals[t])
         self.live.ingest(events)
         self.end_s = until_s
         history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)

@@ -3,8 +3,9 @@
 `Empirical` keeps the most recent samples (a sliding reservoir) and answers in vectors on
 a fine time grid: the probability that a stage that has already lasted `elapsed_s` ends in
 each future slot. Its survival function is mixed with an exponential tail of the same
-mean (weight 1/(n+1)), so a stage that has outlasted every sample still ends somewhere
-and a family seen once still forecasts. `TurnHazard` estimates, per task family, the
+mean (weight w/(n+w), w = `tail_weight`, 1 by default), so a stage that has outlasted
+every sample still ends somewhere and a family seen once still forecasts; a near-regular
+duration (the trainer's gap between steps) uses a small w. `TurnHazard` estimates, per task family, the
 probability that a trajectory goes on after turn n (Kaplan–Meier over finished
 trajectories, live ones censored at their current turn, shrunk towards the mean).
 """
@@ -17,13 +18,20 @@ import numpy as np
 
 
 class Empirical:
-    def __init__(self, max_samples: int = 2000) -> None:
+    def __init__(self, max_samples: int = 2000, tail_weight: float = 1.0) -> None:
         self._samples: deque[float] = deque(maxlen=max_samples)
         self._sorted: np.ndarray | None = None
+        self.tail_weight = tail_weight
 
     def add(self, value: float) -> None:
         self._samples.append(float(value))
         self._sorted = None
+
+    def add_many(self, values: np.ndarray) -> None:
+        """Add values in order (the oldest drop out first, as with add)."""
+        if len(values):
+            self._samples.extend(np.asarray(values, float)[-self._samples.maxlen :].tolist())
+            self._sorted = None
 
     def extend(self, other: "Empirical") -> None:
         for v in other._samples:
@@ -45,16 +53,26 @@ class Empirical:
         v = self.values()
         return float((v * v).mean()) if self.n else 0.0
 
-    def survival(self, t_s: np.ndarray) -> np.ndarray:
-        """P(duration > t), smoothed with an exponential tail of the same mean."""
+    def survival(self, t_s: np.ndarray, censored: np.ndarray | None = None) -> np.ndarray:
+        """P(duration > t), smoothed with an exponential tail of the same mean. `censored`:
+        durations still running (lasted at least that long), counted at risk (Kaplan–Meier),
+        so the long stages still under way are not left out of the estimate."""
         x = self.values()
         n = len(x)
         mean_s = max(float(x.mean()) if n else 1.0, 1e-6)
         tail = np.exp(-np.maximum(t_s, 0.0) / mean_s)
         if n == 0:
             return tail
-        emp = 1.0 - np.searchsorted(x, t_s, side="right") / n
-        return (n * emp + tail) / (n + 1)
+        if censored is None or len(censored) == 0:
+            emp = 1.0 - np.searchsorted(x, t_s, side="right") / n
+        else:
+            c = np.sort(censored)
+            at_risk = (n - np.arange(n)) + (len(c) - np.searchsorted(c, x, side="left"))
+            km = np.r_[1.0, np.cumprod(1.0 - 1.0 / at_risk)]
+            emp = km[np.searchsorted(x, t_s, side="right")]
+            beyond = t_s > x[-1]  # past every completed sample: the KM level decays like the tail
+            emp = np.where(beyond, km[-1] * np.exp(-(t_s - x[-1]) / mean_s), emp)
+        return (n * emp + self.tail_weight * tail) / (n + self.tail_weight)
 
     def residual_mass(self, elapsed_s: np.ndarray, step_s: float, slots: int) -> np.ndarray:
         """(len(elapsed), slots): P(end in ((j)·step, (j+1)·step] from now | lasted elapsed)."""
@@ -62,13 +80,13 @@ class Empirical:
         surv = self.survival(grid)
         return (surv[:, :-1] - surv[:, 1:]) / np.maximum(surv[:, :1], 1e-300)
 
-    def residual_sums(self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int) -> np.ndarray:
+    def residual_sums(self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None = None) -> np.ndarray:
         """(len(weights), slots): Σ_i weights[m, i] · P(end in slot j | lasted bucket[i]·step_s).
 
         One survival curve on the grid and a correlation per weight row: O(buckets · slots)
         however many trajectories share the buckets."""
         b_max = int(bucket.max()) if len(bucket) else 0
-        surv = self.survival(step_s * np.arange(b_max + slots + 1))
+        surv = self.survival(step_s * np.arange(b_max + slots + 1), censored)
         d_surv = surv[:-1] - surv[1:]
         out = np.empty((len(weights), slots))
         for m, w in enumerate(weights):
@@ -94,7 +112,10 @@ class TurnHazard:
         self.prior_weight = prior_weight
 
     def add_finished(self, last_turn: int) -> None:
-        self.last_turn_counts[min(max(last_turn, 0), len(self.last_turn_counts) - 1)] += 1
+        self.add_finished_many(np.array([last_turn]))
+
+    def add_finished_many(self, last_turns: np.ndarray) -> None:
+        np.add.at(self.last_turn_counts, np.clip(last_turns, 0, len(self.last_turn_counts) - 1), 1)
 
     @property
     def n(self) -> int:

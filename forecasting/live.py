@@ -7,10 +7,16 @@ Each live trajectory is in one phase of its turn cycle:
     DEC  decode_started → decode_done                              decoding the action
     TOOL decode_done → tool_done                                   the tool call (then PRE again)
 
-Every completed phase adds its duration to the family's distribution; tool_done adds the
-tool latency and the observation length, decode_done the generation length, finished the
-number of turns. Trajectories are kept in flat numpy arrays (one slot each), so the model
-reads 10k of them without a Python loop.
+Every completed phase adds its duration to the family's distribution (a turn-0 PRE, the
+prompt's queue under a step's start burst, to its own); tool_done adds the tool latency and
+the observation length, decode_done the generation length, finished the number of turns.
+Fleet events give the sync-RL cadence: rollout_done → step_started (the trainer's gap),
+and step_started → each trajectory's start (the environments' launch spread).
+
+Trajectories are kept in flat numpy arrays (one slot each), so the model reads 10k of them
+without a Python loop, and `ingest` applies a tick's events a chunk at a time: the phase a
+trajectory was in before each event is a forward fill over its earlier events in the chunk
+(starting from its slot), so no Python code runs per event.
 """
 
 from __future__ import annotations
@@ -27,10 +33,20 @@ PRE, DEC, TOOL = 0, 1, 2
 PHASES = ("pre", "dec", "tool")
 POOLED = "*"  # statistics over every family (used for trajectories not yet assigned)
 
+# Event kinds the trajectory state machine reads, as small integer codes.
+_KINDS = ("started", "prefill_queued", "reprefill", "prefill_done", "decode_started", "decode_done", "tool_done", "finished")
+STARTED, QUEUED, REPREFILL, PREFILLED, DEC_STARTED, DEC_DONE, TOOL_DONE, FINISHED = range(len(_KINDS))
+_CODE = {k: i for i, k in enumerate(_KINDS)}
+# phase an event moves its trajectory into (-1: none), and whether it restarts the phase clock
+_SETS_PHASE = np.array([-1, PRE, PRE, -1, DEC, TOOL, PRE, -1], np.int8)
+_SETS_CLOCK = np.array([0, 1, 0, 0, 1, 1, 1, 0], bool)
+_ENDS = {DEC_STARTED: PRE, DEC_DONE: DEC, TOOL_DONE: TOOL}  # the phase whose duration it completes
+
 
 @dataclass(slots=True)
 class FamilyStats:
     stage_s: tuple[Empirical, Empirical, Empirical] = field(default_factory=lambda: (Empirical(500), Empirical(), Empirical()))
+    prompt_pre_s: Empirical = field(default_factory=lambda: Empirical(500))  # PRE of turn 0 (start bursts queue)
     obs_tokens: Empirical = field(default_factory=Empirical)
     gen_tokens: Empirical = field(default_factory=Empirical)
     miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turns > 0
@@ -40,7 +56,7 @@ class FamilyStats:
 
 
 _COLUMNS = ("kind", "at_s", "trajectory_id", "turn", "task_family", "new_tokens", "context_tokens",
-            "cached_prefix_tokens", "generated_tokens", "duration_s", "step")  # fmt: skip
+            "cached_prefix_tokens", "generated_tokens", "step")  # fmt: skip
 
 
 class LiveState:
@@ -49,7 +65,8 @@ class LiveState:
         self._family_index: dict[str, int] = {}
         self.stats: dict[str, FamilyStats] = {POOLED: FamilyStats()}
         self._slot: dict[str, int] = {}
-        self._free: list[int] = []
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._finished: set[str] = set()  # later events of these are strays: ignored
         self.family = np.zeros(capacity, np.int32)
         self.phase = np.zeros(capacity, np.int8)
         self.entered_s = np.zeros(capacity)
@@ -57,7 +74,11 @@ class LiveState:
         self.prefilled = np.zeros(capacity, bool)  # PRE only: prefill_done seen for this turn
         self.alive = np.zeros(capacity, bool)
         self.step_pending_since_s: float | None = None  # rollout_done seen, next step not started
-        self.step_gap_s = Empirical(50)  # rollout_done → next step_started
+        self.step_gap_s = Empirical(50, tail_weight=0.05)  # rollout_done → next step_started
+        self.step_started_s: float | None = None  # the running step's step_started
+        self.step = -1  # the running step (from step_started)
+        self._step_started_at_s: dict[int, float] = {}
+        self.start_offset_s = Empirical(1000)  # step_started → a trajectory of that step started
         self.started_per_step: Counter[int] = Counter()
         self.last_step = -1
         self.events = 0
@@ -72,51 +93,81 @@ class LiveState:
     def last_step_size(self) -> int:
         return self.started_per_step.get(self.last_step, 0)
 
+    def pending_starts(self) -> int:
+        """Trajectories of the running step not started yet, if it is as big as the one before."""
+        if self.step_started_s is None or self.step_pending_since_s is not None:
+            return 0
+        expected = self.started_per_step.get(self.step - 1, 0)
+        return max(expected - self.started_per_step.get(self.step, 0), 0)
+
     # --- ingesting -------------------------------------------------------------------------
     def ingest(self, events: pl.DataFrame) -> None:
         """Apply events in the frame's order (the caller sorts by (at_s, event_id))."""
-        for row in events.select(_COLUMNS).iter_rows():
-            self._apply(*row)
         self.events += events.height
-
-    def _apply(self, kind, at_s, traj, turn, family, new, context, cached, generated, duration_s, step) -> None:
-        if not traj:
+        if events.height == 0:
+            return
+        fleet = events.filter(pl.col("trajectory_id") == "")
+        for kind, at_s, step in fleet.select("kind", "at_s", "step").iter_rows():
             self._fleet_event(kind, at_s, step)
-            return
-        if kind == "finished":
-            self._finish(traj, family, turn)
-            return
-        slot = self._slot.get(traj)
-        if slot is None:
-            slot = self._open(traj, family, at_s, turn)
-            if kind == "started":
-                self.started_per_step[step] += 1
-                self.last_step = max(self.last_step, step)
-                self._learn(family, "prompt_tokens", new)
-        handler = _HANDLERS.get(kind)
-        if handler is not None:
-            handler(self, slot, family, at_s, turn, new, context, cached, generated, duration_s)
+        chunk = events.filter((pl.col("trajectory_id") != "") & pl.col("kind").is_in(_KINDS)).select(_COLUMNS)
+        if chunk.height and (chunk["kind"] == "finished").any():  # nothing after a trajectory's finish counts
+            row = pl.int_range(pl.len()).alias("row")
+            ended = pl.col("row").filter(pl.col("kind") == "finished").min().over("trajectory_id")
+            chunk = chunk.with_columns(row).filter(ended.is_null() | (pl.col("row") <= ended)).drop("row")
+        if chunk.height:
+            self._ingest_chunk(chunk)
 
     def _fleet_event(self, kind: str, at_s: float, step: int) -> None:
         if kind == "rollout_done":
             self.step_pending_since_s = at_s
-        elif kind == "step_started" and self.step_pending_since_s is not None:
-            self.step_gap_s.add(max(0.0, at_s - self.step_pending_since_s))
-            self.step_pending_since_s = None
+        elif kind == "step_started":
+            if self.step_pending_since_s is not None:
+                self.step_gap_s.add(max(0.0, at_s - self.step_pending_since_s))
+            self.step_pending_since_s, self.step_started_s, self.step = None, at_s, step
+            self._step_started_at_s[step] = at_s
 
-    def _open(self, traj: str, family: str, at_s: float, turn: int) -> int:
-        if family not in self._family_index:
-            self._family_index[family] = len(self.families)
-            self.families.append(family)
-            self.stats[family] = FamilyStats()
-        if not self._free:
-            self._grow()
-        slot = self._free.pop()
-        self._slot[traj] = slot
-        self.family[slot] = self._family_index[family]
-        self.phase[slot], self.entered_s[slot], self.turn[slot] = PRE, at_s, max(turn, 0)
-        self.prefilled[slot], self.alive[slot] = False, True
-        return slot
+    def _ingest_chunk(self, chunk: pl.DataFrame) -> None:
+        ids = chunk["trajectory_id"].to_list()
+        known = [i not in self._finished for i in ids]
+        if not all(known):
+            chunk = chunk.filter(pl.Series(known))
+            ids = [i for i, k in zip(ids, known) if k]
+            if not ids:
+                return
+        code = chunk["kind"].replace_strict(_CODE, return_dtype=pl.Int8).to_numpy()
+        at_s = chunk["at_s"].to_numpy()
+        turn = chunk["turn"].to_numpy()
+        fam = chunk["task_family"].replace_strict(self._families_of(chunk), return_dtype=pl.Int32).to_numpy()
+        slot, opened = self._slots(ids, fam, at_s, turn)
+        self._learn_chunk(chunk, code, at_s, turn, fam, slot, opened)
+        self._close(ids, code)
+
+    def _families_of(self, chunk: pl.DataFrame) -> dict[str, int]:
+        for family in chunk["task_family"].unique(maintain_order=True).to_list():
+            if family not in self._family_index:
+                self._family_index[family] = len(self.families)
+                self.families.append(family)
+                self.stats[family] = FamilyStats()
+        return self._family_index
+
+    def _slots(self, ids: list[str], fam: np.ndarray, at_s: np.ndarray, turn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slot of every event; trajectories seen for the first time open one at their first event."""
+        first = {t: i for i, t in reversed(list(enumerate(ids))) if t not in self._slot}  # its first event
+        new: dict[str, int] = {}
+        if first:
+            while len(self._free) < len(first):
+                self._grow()
+            new = {t: self._free.pop() for t in first}
+            self._slot.update(new)
+            f = np.fromiter(first.values(), np.int64, len(first))
+            s = np.fromiter(new.values(), np.int64, len(new))
+            self.family[s], self.phase[s], self.entered_s[s] = fam[f], PRE, at_s[f]
+            self.turn[s], self.prefilled[s], self.alive[s] = np.maximum(turn[f], 0), False, True
+        slot = np.fromiter((self._slot[t] for t in ids), np.int64, len(ids))
+        opened = np.zeros(len(ids), bool)
+        if new:
+            opened = np.isin(slot, np.fromiter(new.values(), np.int64, len(new)))
+        return slot, opened
 
     def _grow(self) -> None:
         old = len(self.alive)
@@ -126,74 +177,86 @@ class LiveState:
             grown = np.zeros(new, array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
-        self._free.extend(range(new - 1, old - 1, -1))
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
 
-    def _finish(self, traj: str, family: str, turn: int) -> None:
-        self._learn_turns(family, turn)
-        slot = self._slot.pop(traj, None)
-        if slot is not None:
-            self.alive[slot] = False
-            self._free.append(slot)
+    def _learn_chunk(self, chunk, code, at_s, turn, fam, slot, opened) -> None:
+        phase_before, entered_before = self._walk(code, at_s, turn, slot)
+        for kind, phase in _ENDS.items():
+            done = (code == kind) & (phase_before == phase)
+            self._learn_stage(fam[done], phase, np.maximum(at_s[done] - entered_before[done], 0.0))
+            if kind == DEC_STARTED:
+                first = done & (turn == 0)
+                self._learn("prompt_pre_s", fam[first], np.maximum(at_s[first] - entered_before[first], 0.0))
+        col = {c: chunk[c].to_numpy() for c in ("new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens", "step")}
+        miss = col["context_tokens"] - col["cached_prefix_tokens"] + col["new_tokens"]
+        done = code == PREFILLED
+        self._learn("prompt_miss_tokens", fam[done & (turn == 0)], miss[done & (turn == 0)])
+        self._learn("miss_tokens", fam[done & (turn != 0)], miss[done & (turn != 0)])
+        done = code == DEC_DONE
+        self._learn("gen_tokens", fam[done], col["generated_tokens"][done])
+        done = code == TOOL_DONE
+        self._learn("obs_tokens", fam[done], col["new_tokens"][done])
+        started = (code == STARTED) & opened
+        self._learn("prompt_tokens", fam[started], col["new_tokens"][started])
+        steps = col["step"][started]
+        self.started_per_step.update(steps.tolist())
+        if len(steps):
+            self.last_step = max(self.last_step, int(steps.max()))
+        since = np.array([self._step_started_at_s.get(int(k), np.nan) for k in steps])
+        self.start_offset_s.add_many(np.maximum(at_s[started] - since, 0.0)[~np.isnan(since)])
+        done = code == FINISHED
+        for key, members in self._by_family(fam[done]):
+            self.stats[key].turns.add_finished_many(turn[done][members])
 
-    def _learn(self, family: str, what: str, value: float) -> None:
-        for key in (family, POOLED):
-            if key in self.stats:
-                getattr(self.stats[key], what).add(value)
+    def _walk(self, code, at_s, turn, slot) -> tuple[np.ndarray, np.ndarray]:
+        """Phase and phase-entry time of each event's trajectory just before the event; then
+        leave every slot in the state after its last event."""
+        sets_phase = _SETS_PHASE[code]
+        sets_clock = _SETS_CLOCK[code]
+        order = np.argsort(slot, kind="stable")  # events grouped by trajectory, in time order
+        s, n = slot[order], len(order)
+        pos = np.arange(n)
+        group_start = np.maximum.accumulate(np.where(np.r_[True, s[1:] != s[:-1]], pos, 0))
 
-    def _learn_stage(self, family: str, phase: int, duration_s: float) -> None:
-        for key in (family, POOLED):
-            if key in self.stats:
-                self.stats[key].stage_s[phase].add(max(duration_s, 0.0))
+        def before(valid: np.ndarray, values: np.ndarray, state: np.ndarray) -> np.ndarray:
+            last = np.maximum.accumulate(np.where(valid[order], pos, -1))
+            prev = np.r_[-1, last[:-1]]
+            out = np.where(prev >= group_start, values[order][np.maximum(prev, 0)], state[s])
+            result = np.empty_like(out)
+            result[order] = out
+            return result
 
-    def _learn_turns(self, family: str, last_turn: int) -> None:
-        for key in (family, POOLED):
-            if key in self.stats:
-                self.stats[key].turns.add_finished(last_turn)
+        phase_before = before(sets_phase >= 0, sets_phase, self.phase)
+        entered_before = before(sets_clock, at_s, self.entered_s)
+        for valid, array, values in (
+            (sets_phase >= 0, self.phase, sets_phase),
+            (sets_clock, self.entered_s, at_s),
+            ((code == QUEUED) | (code == TOOL_DONE), self.turn, np.where(code == TOOL_DONE, turn + 1, np.maximum(turn, 0))),
+            (np.isin(code, (QUEUED, REPREFILL, PREFILLED, TOOL_DONE)), self.prefilled, code == PREFILLED),
+        ):
+            array[slot[valid]] = values[valid]  # repeated slots: the last event wins
+        return phase_before, entered_before
 
-    def _enter(self, slot: int, phase: int, at_s: float) -> None:
-        self.phase[slot], self.entered_s[slot] = phase, at_s
+    def _close(self, ids: list[str], code: np.ndarray) -> None:
+        for i in np.flatnonzero(code == FINISHED):
+            slot = self._slot.pop(ids[i], None)
+            self._finished.add(ids[i])
+            if slot is not None:
+                self.alive[slot] = False
+                self._free.append(slot)
 
+    def _by_family(self, fam: np.ndarray):
+        """(stats key, mask) for the pooled statistics and each family present."""
+        if len(fam) == 0:
+            return
+        yield POOLED, np.ones(len(fam), bool)
+        for f in np.unique(fam):
+            yield self.families[f], fam == f
 
-def _on_prefill_queued(s: LiveState, slot, family, at_s, turn, *_):
-    s._enter(slot, PRE, at_s)
-    s.turn[slot], s.prefilled[slot] = max(turn, 0), False
+    def _learn(self, what: str, fam: np.ndarray, values: np.ndarray) -> None:
+        for key, members in self._by_family(fam):
+            getattr(self.stats[key], what).add_many(values[members])
 
-
-def _on_reprefill(s: LiveState, slot, family, at_s, turn, *_):
-    s.phase[slot], s.prefilled[slot] = PRE, False  # the turn's queue time goes on
-
-
-def _on_prefill_done(s: LiveState, slot, family, at_s, turn, new, context, cached, *_):
-    s.prefilled[slot] = True
-    s._learn(family, "prompt_miss_tokens" if turn == 0 else "miss_tokens", context - cached + new)
-
-
-def _on_decode_started(s: LiveState, slot, family, at_s, *_):
-    if s.phase[slot] == PRE:
-        s._learn_stage(family, PRE, at_s - s.entered_s[slot])
-    s._enter(slot, DEC, at_s)
-
-
-def _on_decode_done(s: LiveState, slot, family, at_s, turn, new, context, cached, generated, *_):
-    if s.phase[slot] == DEC:
-        s._learn_stage(family, DEC, at_s - s.entered_s[slot])
-    s._learn(family, "gen_tokens", generated)
-    s._enter(slot, TOOL, at_s)
-
-
-def _on_tool_done(s: LiveState, slot, family, at_s, turn, new, context, cached, generated, duration_s):
-    if s.phase[slot] == TOOL:
-        s._learn_stage(family, TOOL, at_s - s.entered_s[slot])
-    s._learn(family, "obs_tokens", new)
-    s._enter(slot, PRE, at_s)
-    s.turn[slot], s.prefilled[slot] = turn + 1, False
-
-
-_HANDLERS = {
-    "prefill_queued": _on_prefill_queued,
-    "reprefill": _on_reprefill,
-    "prefill_done": _on_prefill_done,
-    "decode_started": _on_decode_started,
-    "decode_done": _on_decode_done,
-    "tool_done": _on_tool_done,
-}
+    def _learn_stage(self, fam: np.ndarray, phase: int, durations_s: np.ndarray) -> None:
+        for key, members in self._by_family(fam):
+            self.stats[key].stage_s[phase].add_many(durations_s[members])

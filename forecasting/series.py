@@ -9,7 +9,8 @@
 Bin k covers [k·bin_s, (k+1)·bin_s) in model seconds from the run's origin. `bin_chunk`
 bins one stretch of time starting from the levels the previous stretch ended at, so the
 live forecaster (one stretch per tick) and a batch pass over a whole log (`bin_events`)
-run the same code. Targets:
+run the same code. `chunk_totals` is the same arithmetic for the totals alone, in numpy:
+the forecaster's per-tick path (a test holds it to `bin_chunk`). Targets:
 
 | column | kind | meaning |
 | --- | --- | --- |
@@ -25,6 +26,7 @@ run the same code. Targets:
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 TOTAL = "all"
@@ -33,6 +35,11 @@ LEVELS = ("decode_active_seqs", "kv_tokens", "tool_active_trajs")
 COLUMNS = FLOWS + LEVELS
 
 Levels = dict[str, dict[str, float]]  # task family -> level column -> level at the stretch's end
+_LEVEL_STEPS = {  # level column -> (event kind that raises it, event kind that lowers it)
+    "decode_active_seqs": ("decode_started", "decode_done"),
+    "kv_tokens": ("prefill_done", "decode_done"),
+    "tool_active_trajs": ("tool_started", "tool_done"),
+}
 
 
 def _kind(name: str) -> pl.Expr:
@@ -102,9 +109,7 @@ def bin_chunk(
 ) -> tuple[pl.DataFrame, Levels]:
     """Bin the events of [start_s, end_s) (earlier ones count in the first bin) starting
     from `carry`; return (rows per bin and family incl. "all", the levels at end_s)."""
-    n_bins = round((end_s - start_s) / bin_s)
-    if n_bins < 1 or abs(n_bins * bin_s - (end_s - start_s)) > 1e-9 * max(1.0, end_s):
-        raise ValueError(f"[{start_s}, {end_s}) is not a whole number of {bin_s} s bins")
+    n_bins = _whole_bins(start_s, end_s, bin_s)
     trajectory_events = events.filter(pl.col("trajectory_id") != "")
     flows = _flows(trajectory_events, start_s, bin_s, n_bins)
     levels, carry_out = _levels(trajectory_events, start_s, bin_s, n_bins, carry or {})
@@ -120,6 +125,43 @@ def bin_chunk(
     out = out.with_columns((pl.col("bin") + first).alias("bin"))
     out = out.with_columns((pl.col("bin") * bin_s).alias("bin_start_s")).sort("bin", "task_family")
     return out.select("bin", "bin_start_s", "task_family", *COLUMNS), carry_out
+
+
+def chunk_totals(
+    events: pl.DataFrame, start_s: float, end_s: float, bin_s: float, carry: dict[str, float] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """`bin_chunk`'s "all" rows as arrays (column -> value per bin), carrying total levels only."""
+    n_bins = _whole_bins(start_s, end_s, bin_s)
+    carry = carry or {}
+    ev = events.filter(pl.col("trajectory_id") != "")
+    kind = ev["kind"].to_numpy()
+    at_s = np.maximum(ev["at_s"].to_numpy(), start_s)
+    local = np.clip(np.floor((at_s - start_s) / bin_s).astype(np.int64), 0, n_bins - 1)
+    new, ctx, cached = (ev[c].to_numpy().astype(float) for c in ("new_tokens", "context_tokens", "cached_prefix_tokens"))
+    flows = {
+        "prefill_new_tokens": np.where(kind == "prefill_queued", new, 0.0),
+        "prefill_miss_tokens": np.where(kind == "prefill_done", ctx - cached + new, 0.0),
+        "decode_tokens": np.where(kind == "decode_done", ev["generated_tokens"].to_numpy().astype(float), 0.0),
+        "arrivals": (kind == "started").astype(float),
+        "finishes": (kind == "finished").astype(float),
+    }
+    out = {c: np.bincount(local, w, minlength=n_bins) for c, w in flows.items()}
+    sizes = {"decode_active_seqs": np.ones(len(kind)), "kv_tokens": ctx + new, "tool_active_trajs": np.ones(len(kind))}
+    carry_out = {}
+    for column, (up, down) in _LEVEL_STEPS.items():
+        delta = np.where(kind == up, sizes[column], 0.0) - np.where(kind == down, sizes[column], 0.0)
+        before = carry.get(column, 0.0) + np.r_[0.0, np.cumsum(np.bincount(local, delta, minlength=n_bins))[:-1]]
+        bin_end_s = start_s + (local + 1) * bin_s
+        out[column] = before + np.bincount(local, delta * (bin_end_s - at_s), minlength=n_bins) / bin_s
+        carry_out[column] = carry.get(column, 0.0) + float(delta.sum())
+    return out, carry_out
+
+
+def _whole_bins(start_s: float, end_s: float, bin_s: float) -> int:
+    n_bins = round((end_s - start_s) / bin_s)
+    if n_bins < 1 or abs(n_bins * bin_s - (end_s - start_s)) > 1e-9 * max(1.0, end_s):
+        raise ValueError(f"[{start_s}, {end_s}) is not a whole number of {bin_s} s bins")
+    return n_bins
 
 
 def bin_events(events: pl.DataFrame, bin_s: float, end_s: float | None = None) -> pl.DataFrame:

@@ -13,7 +13,7 @@ from ops.export import events_frame
 FAMILIES = ("swe", "math")
 
 
-def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns: int) -> list[LifecycleEvent]:
+def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns: int, min_turns: int, until_s: float) -> list[LifecycleEvent]:
     family = FAMILIES[index % len(FAMILIES)]
     tid = f"t{index}"
     base = dict(trajectory_id=tid, task_family=family, actor_id="synthetic", step=0, policy_version=0)
@@ -24,8 +24,10 @@ def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns:
 
     t, context, new = start_s, 0, int(rng.integers(200, 3000))
     add(EventKind.STARTED, t, 0, new_tokens=new)
-    turns = int(rng.integers(1, max_turns + 1))
+    turns = int(rng.integers(min_turns, max_turns + 1))
     for turn in range(turns):
+        if t >= until_s:
+            break
         add(EventKind.PREFILL_QUEUED, t, turn, new_tokens=new, context_tokens=context)
         t += rng.exponential(0.3)
         add(EventKind.PREFILL_STARTED, t, turn, new_tokens=new, context_tokens=context)
@@ -48,10 +50,13 @@ def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns:
     return events
 
 
-def synthetic_log(trajectories: int, seed: int, spread_s: float = 20.0, max_turns: int = 12) -> pl.DataFrame:
-    """`trajectories` trajectories starting uniformly over the first `spread_s` seconds."""
+def synthetic_log(
+    trajectories: int, seed: int, spread_s: float = 20.0, max_turns: int = 12, min_turns: int = 1, until_s: float = float("inf")
+) -> pl.DataFrame:
+    """`trajectories` trajectories starting uniformly over the first `spread_s` seconds, with
+    min_turns..max_turns turns each; no turn starts after `until_s` (a log cut short)."""
     rng = np.random.default_rng(seed)
     events: list[LifecycleEvent] = []
     for i in range(trajectories):
-        events += _trajectory(rng, i, float(rng.uniform(0, spread_s)), max_turns)
+        events += _trajectory(rng, i, float(rng.uniform(0, spread_s)), max_turns, min_turns, until_s)
     return events_frame(events)

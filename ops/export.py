@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from pathlib import Path
 from typing import TypeVar
 
@@ -213,6 +214,31 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
         "steps": steps,
         "actors": counters,
     }
+
+
+def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, console=None) -> dict:
+    """Write DIR/events.parquet and DIR/summary.json for a finished (or stopped) run."""
+    from ops.checks import incomplete_trajectories
+
+    events = events_frame(record.events)
+    events.write_parquet(out / "events.parquet")
+    summary = summarize(
+        record,
+        events,
+        policy=config.run.policy,
+        mode=config.run.mode,
+        backend=config.engines.backend,
+        expected=config.trajectories_expected(),
+    )
+    finished_ids = {f.trajectory_id for f in record.finished}
+    incomplete = incomplete_trajectories(events, finished_ids, disaggregated=config.run.policy != "colocated")
+    for trajectory_id, missing in list(incomplete.items())[:5]:
+        message = f"error: trajectory {trajectory_id} is missing events: {', '.join(missing[:6])}"
+        console.print(f"[red]{message}") if console is not None else print(message)
+    summary["incomplete_trajectories"] = len(incomplete)
+    summary = {"status": status, "wall_s": round(wall_s, 2), "time_scale": config.run.time_scale, **summary}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 async def _main(url: str, out: Path) -> None:

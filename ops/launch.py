@@ -35,8 +35,7 @@ from actors.config import Config, ConfigError, initial_roles, load_config, with_
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
-from ops.checks import incomplete_trajectories
-from ops.export import events_frame, read_run, summarize
+from ops.export import read_run, write_run
 from ops.natsserver import EmbeddedNats
 from ops.procs import die_with_parent
 
@@ -196,22 +195,8 @@ async def export(url: str, out: Path, config: Config, status: str, wall_s: float
         record = await read_run(nc.jetstream())
     finally:
         await close(nc)
-    events = events_frame(record.events)
-    events.write_parquet(out / "events.parquet")
-    summary = summarize(
-        record,
-        events,
-        policy=config.run.policy,
-        mode=config.run.mode,
-        backend=config.engines.backend,
-        expected=config.trajectories_expected(),
-    )
-    finished_ids = {f.trajectory_id for f in record.finished}
-    incomplete = incomplete_trajectories(events, finished_ids, disaggregated=config.run.policy != "colocated")
-    for trajectory_id, missing in list(incomplete.items())[:5]:
-        console.print(f"[red]error: trajectory {trajectory_id} is missing events: {', '.join(missing[:6])}")
-    summary["incomplete_trajectories"] = len(incomplete)
-    summary = {"status": status, "wall_s": round(wall_s, 2), "time_scale": config.run.time_scale, **summary, "killed_at_stop": killed}
+    summary = write_run(record, out, config, status, wall_s, console)
+    summary["killed_at_stop"] = killed
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

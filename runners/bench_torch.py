@@ -2,14 +2,22 @@
 
     python -m runners.bench_torch [--hidden 256 --layers 4 --seqs 16 --prompt 256 --out-tokens 64]
 
-On one freshly built model (random weights, float32, CPU unless a GPU is present):
-1. prefill tokens/s: a prefill engine actor on an embedded nats-server (work pulled from
-   JetStream, KV held for hand-off, decode work queued) vs one plain forward per prompt;
-2. decode tokens/s: a decode engine actor (KV fetched from the prefill engine in chunks,
-   checksum, batched decode) vs `generate` on the same batch (its prefill subtracted);
-3. KV hand-off: each transfer as the decode engine measured it (fetch, checksum, rebuild)
-   vs raw serialisation of the same tensors (torch.save + torch.load round trip).
-Prints a table; targets: engine overhead <= 15 %, hand-off <= 2x raw. Not a timed test.
+On one freshly built model (random weights, float32, CPU unless a GPU is present), first the
+plain baselines in this process, then the engines, each its own OS process
+(`python -m actors.engine`, as `ops.launch` starts them) on an embedded nats-server:
+1. prefill tokens/s: the prefill engine (work pulled from JetStream, first token sampled, KV
+   held for hand-off, decode work queued durably) vs one plain forward per prompt + sampling;
+   timed from the first publish to the last decode work item seen on the bus;
+2. decode tokens/s: the decode engine (KV fetched from the prefill engine, checked, batched
+   decode with sampling) vs `generate` on the same batch (its prefill subtracted). Two
+   engine figures, from the lifecycle log: "window" = first decode_started .. last
+   decode_done; "incl. hand-off" = start of the first KV fetch .. last decode_done;
+3. KV hand-off per turn, as the decode engine timed it (fetch request .. KV rebuilt and
+   verified, ready to join the batch) vs raw serialisation of the same tensors in one
+   process (torch.save + torch.load round trip in memory, no network).
+The two phases do not overlap: the decode engine is drained (stops pulling) while the batch
+is prefilled, then set back to decode. Targets: engine overhead <= 15 %, hand-off <= 2x raw.
+Not a timed test: figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -18,26 +26,33 @@ import argparse
 import asyncio
 import io
 import logging
+import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 import torch
+from nats.errors import NoRespondersError
 
-from actors.base.clock import ScaledClock
 from actors.base.connection import close, connect, publish_origin
 from actors.config import Config, ModelSection
-from actors.engine.torch_actor import TorchEngineActor
 from actors.engine.torch_model import build_tiny, load_model, load_tokenizer
 from bus_schemas import streams, subjects
-from bus_schemas.codec import encode
-from bus_schemas.control import Role
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.work import PrefillWork
 from ops.export import read_stream
 from ops.natsserver import EmbeddedNats
+from ops.procs import die_with_parent
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_WALL_S = 120.0
+DRAIN_SETTLE_WALL_S = 0.5  # > the engine's pull wait (FETCH_WAIT_WALL_S): no pull still open
 
 
 def bench_config(checkpoint: Path, args) -> Config:
@@ -56,6 +71,7 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return torch.randint(0, 256, (n, length), generator=g).tolist()
 
 
+# --- plain transformers, in this process ------------------------------------------------------
 def plain_prefill_s(lm, batch: list[list[int]]) -> float:
     started = time.perf_counter()
     with torch.inference_mode():
@@ -90,66 +106,140 @@ def raw_serialisation_s(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return time.perf_counter() - started
 
 
-async def engine_run(cfg: Config, url: str, batch: list[list[int]], out_tokens: int) -> dict:
-    log = logging.getLogger("bench")
-    nc = await connect(url, "bench", log)
-    js = nc.jetstream()
-    await streams.ensure_streams(js)
-    await publish_origin(js, "bench")
-    clock = ScaledClock(1.0, time.time())
-    queued, results = asyncio.Event(), asyncio.Event()
-    counts = {"decode": 0, "result": 0}
+# --- the engines, each its own process --------------------------------------------------------
+def spawn_engine(engine_id: str, role: Role, config_path: Path, url: str, logs: Path):
+    import subprocess
 
-    async def on_decode(_msg) -> None:
-        counts["decode"] += 1
-        if counts["decode"] == len(batch):
-            queued.set()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(logs / f"engine-{engine_id}.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.engine", "--config", str(config_path), "--id", engine_id,
+             "--role", role.value, "--nats-url", url, "--log-level", "WARNING"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
+        )  # fmt: skip
 
-    async def on_result(_msg) -> None:
-        counts["result"] += 1
-        if counts["result"] == len(batch):
-            results.set()
 
-    await nc.subscribe(subjects.work_decode(), cb=on_decode)
-    await nc.subscribe(subjects.result("env0"), cb=on_result)
-    a = TorchEngineActor("e0", cfg, nc, clock, Role.PREFILL)
-    b = TorchEngineActor("e1", cfg, nc, clock, Role.DECODE)
-    running = [asyncio.create_task(a.run())]
-    await a.ready.wait()
-    # warm-up turn through both engines, so that neither measurement pays first-call costs
-    warm = _work("warm", batch[0][:16], 4)
-    await js.publish(subjects.work_prefill(), encode(warm))
-    # 1. prefill through the prefill engine
-    started = time.perf_counter()
-    for i, ids in enumerate(batch):
-        await js.publish(subjects.work_prefill(), encode(_work(f"t{i}", ids, out_tokens)))
-    counts["decode"] -= 1  # the warm-up item is not part of the measured batch
-    await queued.wait()
-    prefill_s = time.perf_counter() - started
-    # 2. decode (with the KV hand-offs) through the decode engine
-    running.append(asyncio.create_task(b.run()))
-    await b.ready.wait()
-    started = time.perf_counter()
-    counts["result"] -= 1
-    await results.wait()
-    decode_wall_s = time.perf_counter() - started
-    for actor in (a, b):
-        actor.request_stop("bench over")
-    await asyncio.gather(*running)
-    events = await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
-    await close(nc)
-    mine = [e for e in events if e.trajectory_id != "warm"]
+async def command(nc, engine_id: str, cmd: Command, deadline: float) -> CommandAck:
+    """Send a command; retry while the engine is not up yet (no responders)."""
+    while True:
+        try:
+            ack = decode(CommandAck, (await nc.request(subjects.ctl_engine(engine_id), encode(cmd), timeout=5.0)).data)
+            if not ack.ok:
+                raise RuntimeError(f"engine {engine_id} refused {cmd!r}: {ack.error}")
+            return ack
+        except (NoRespondersError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {engine_id} not up after {READY_WALL_S} s") from None
+            await asyncio.sleep(0.2)
+
+
+class Counter:
+    """Messages seen on a core subscription; `reach(n)` waits for the n-th."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, _msg) -> None:
+        self.n += 1
+        self.changed.set()
+
+    async def reach(self, n: int) -> None:
+        while self.n < n:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), timeout=300)
+
+
+class Engines:
+    """The prefill engine e0 and the decode engine e1, each its own process, driven over the bus."""
+
+    def __init__(self, cfg: Config, url: str, tmp: Path) -> None:
+        self.cfg, self.url, self.tmp = cfg, url, tmp
+        self.decode_items, self.results = Counter(), Counter()
+        self.procs: dict = {}
+        self.epoch = 0
+
+    async def start(self, warm_ids: list[int]) -> None:
+        self.nc = await connect(self.url, "bench", logging.getLogger("bench"))
+        self.js = self.nc.jetstream()
+        await streams.ensure_streams(self.js)
+        self.origin = await publish_origin(self.js, self.cfg.run.name)
+        config_path = self.tmp / "config.json"
+        config_path.write_bytes(msgspec.json.encode(self.cfg))
+        await self.nc.subscribe(subjects.work_decode(), cb=self.decode_items.on_msg)
+        await self.nc.subscribe(subjects.result("env0"), cb=self.results.on_msg)
+        for engine_id, role in (("e0", Role.PREFILL), ("e1", Role.DECODE)):
+            self.procs[engine_id] = spawn_engine(engine_id, role, config_path, self.url, self.tmp)
+        deadline = time.monotonic() + READY_WALL_S
+        for engine_id in self.procs:
+            await command(self.nc, engine_id, LoadPolicy(version=0), deadline)  # answered once the engine serves
+        # warm-up turn through both engines, so that no measurement pays first-call costs
+        await self.js.publish(subjects.work_prefill(), encode(_work("warm", warm_ids, 4)))
+        await self.results.reach(1)
+
+    async def round(self, r: int, batch: list[list[int]], out_tokens: int) -> dict:
+        """Prefill the batch (decode engine not pulling), then decode it; the round's figures."""
+        deadline = time.monotonic() + READY_WALL_S
+        base_items, base_results = self.decode_items.n, self.results.n
+        await command(self.nc, "e1", Drain(reason="bench: prefill phase"), deadline)
+        await asyncio.sleep(DRAIN_SETTLE_WALL_S)
+        started = time.perf_counter()
+        for i, ids in enumerate(batch):
+            await self.js.publish(subjects.work_prefill(), encode(_work(f"r{r}-t{i}", ids, out_tokens)))
+        await self.decode_items.reach(base_items + len(batch))
+        prefill_s = time.perf_counter() - started
+        prefill_end_s = time.time() - self.origin.origin_wall_s  # model time (time_scale 1)
+        self.epoch += 1
+        await command(self.nc, "e1", SetRole(role=Role.DECODE, epoch=self.epoch), deadline)
+        await self.results.reach(base_results + len(batch))
+        return {"prefill_s": prefill_s, "prefill_end_s": prefill_end_s}
+
+    async def stop(self) -> list[LifecycleEvent]:
+        for p in self.procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            await asyncio.to_thread(p.wait, 20)
+        events = await read_stream(self.js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
+        await close(self.nc)
+        return events
+
+
+def decode_figures(events: list[LifecycleEvent], r: int, prefill_end_s: float) -> dict:
+    """The decode engine's side of round r, from the lifecycle log."""
+    mine = [e for e in events if e.trajectory_id.startswith(f"r{r}-") and e.engine_id == "e1"]
     transfers = [e for e in mine if e.kind is EventKind.KV_TRANSFER_DONE]
-    started_at = min(e.at_s for e in mine if e.kind is EventKind.DECODE_STARTED)
-    done_at = max(e.at_s for e in mine if e.kind is EventKind.DECODE_DONE)
+    first_fetch_s = min(e.at_s - e.duration_s for e in transfers)
+    decode_started = min(e.at_s for e in mine if e.kind is EventKind.DECODE_STARTED)
+    decode_done = max(e.at_s for e in mine if e.kind is EventKind.DECODE_DONE)
     return {
-        "prefill_s": prefill_s,
-        "decode_wall_s": decode_wall_s,
-        "decode_window_s": done_at - started_at,
+        "decode_window_s": decode_done - decode_started,
+        "decode_handoff_s": decode_done - first_fetch_s,
         "transfer_s": [e.duration_s for e in transfers],
         "transfer_bytes": [e.kv_bytes for e in transfers],
-        "bytes_per_token": a.torch.kv_bytes_per_token,
+        "phases_overlap": first_fetch_s < prefill_end_s,  # a KV fetch began inside the prefill phase
     }
+
+
+async def measure(cfg: Config, url: str, tmp: Path, lm, pad_id: int, batch: list[list[int]], kv, args) -> tuple[list[dict], list[dict]]:
+    """`rounds` rounds, each: plain prefill, decode and raw serialisation in this process, then the
+    same turns through the engines; interleaved, so that both sides see the same machine load."""
+    engines = Engines(cfg, url, tmp)
+    plain, rounds = [], []
+    try:
+        await engines.start(batch[0][:16])
+        plain_prefill_s(lm, batch[:2])  # warm-up
+        for r in range(args.rounds):
+            plain.append({
+                "prefill_s": plain_prefill_s(lm, batch),
+                "decode_s": plain_decode_s(lm, batch, args.out_tokens, pad_id),
+                "raw_s": [raw_serialisation_s(kv) for _ in range(len(batch))],
+            })  # fmt: skip
+            rounds.append(await engines.round(r, batch, args.out_tokens))
+    finally:
+        events = await engines.stop()
+    for r, figures in enumerate(rounds):
+        figures.update(decode_figures(events, r, figures["prefill_end_s"]))
+    return plain, rounds
 
 
 def _work(traj: str, ids: list[int], out_tokens: int) -> PrefillWork:
@@ -168,43 +258,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--out-tokens", type=int, default=64)
     parser.add_argument("--decode-chunk", type=int, default=16, help="decode iterations per engine step")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in each engine process")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved plain/engine rounds; medians are reported")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = Path(tmp) / "model"
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
         model = ModelSection(hidden_size=args.hidden, intermediate_size=2 * args.hidden, layers=args.layers,
                              heads=args.heads, kv_heads=args.heads // 2)  # fmt: skip
-        build_tiny(model, checkpoint)
+        checkpoint = build_tiny(model, tmp / "model")
         cfg = bench_config(checkpoint, args)
         lm, tok = load_model(checkpoint, args.threads), load_tokenizer(checkpoint)
         batch = prompts(args.seqs, args.prompt)
-        plain_prefill_s(lm, batch[:2])  # warm-up
-        plain_p = plain_prefill_s(lm, batch)
-        plain_d = plain_decode_s(lm, batch, args.out_tokens, tok.pad_id)
         with torch.inference_mode():
-            kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in lm(torch.tensor([batch[0]]), use_cache=True).past_key_values.layers]
-        raw = statistics.median(raw_serialisation_s(kv) for _ in range(20))
+            out = lm(torch.tensor([batch[0]]), use_cache=True).past_key_values
+            kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in out.layers]
         raw_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-        with EmbeddedNats(Path(tmp) / "nats") as server:
-            run = asyncio.run(engine_run(cfg, server.url, batch, args.out_tokens))
+        with EmbeddedNats(tmp / "nats") as server:
+            plain, rounds = asyncio.run(measure(cfg, server.url, tmp, lm, tok.pad_id, batch, kv, args))
+    raw = statistics.median(t for p in plain for t in p["raw_s"])
+    med = statistics.median
     n_prefill = args.seqs * args.prompt
     n_decode = args.seqs * (args.out_tokens - 1)  # the first token of each turn comes with prefill
+    plain_p, plain_d = med(p["prefill_s"] for p in plain), med(p["decode_s"] for p in plain)
     rows = [
-        ("prefill tok/s", n_prefill / run["prefill_s"], n_prefill / plain_p, "engine actor vs plain forward per prompt"),
-        ("decode tok/s (window)", n_decode / run["decode_window_s"], n_decode / plain_d, "first decode_started .. last decode_done"),
-        ("decode tok/s (incl. hand-off)", n_decode / run["decode_wall_s"], n_decode / plain_d, "decode engine ready .. last result"),
+        ("prefill tok/s", n_prefill / med(r["prefill_s"] for r in rounds), n_prefill / plain_p, "first publish .. last decode work queued"),
+        ("decode tok/s (window)", n_decode / med(r["decode_window_s"] for r in rounds), n_decode / plain_d, "first decode_started .. last decode_done"),
+        ("decode tok/s (incl. hand-off)", n_decode / med(r["decode_handoff_s"] for r in rounds), n_decode / plain_d, "first KV fetch .. last decode_done"),
     ]
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads; {args.seqs} seqs x {args.prompt} prompt "
-          f"tokens, {args.out_tokens} output tokens; threads {args.threads}; device {next(lm.parameters()).device}")  # fmt: skip
+          f"tokens, {args.out_tokens} output tokens; threads {args.threads} per process; device {next(lm.parameters()).device}; "
+          f"{os.cpu_count()} CPUs; medians of {args.rounds} interleaved rounds")  # fmt: skip
     print(f"{'metric':32} {'engine':>12} {'plain':>12} {'overhead':>9}")
-    for name, engine, plain, note in rows:
-        print(f"{name:32} {engine:12.1f} {plain:12.1f} {100 * (plain / engine - 1):8.1f}%  ({note})")
-    handoff = statistics.median(run["transfer_s"])
-    per_seq_bytes = statistics.median(run["transfer_bytes"])
+    for name, engine, plain_rate, note in rows:
+        print(f"{name:32} {engine:12.1f} {plain_rate:12.1f} {100 * (plain_rate / engine - 1):8.1f}%  ({note})")
+    transfers = [t for r in rounds for t in r["transfer_s"]]
+    handoff, per_seq_bytes = med(transfers), med(b for r in rounds for b in r["transfer_bytes"])
     print(f"{'KV hand-off per turn (median)':32} {handoff * 1e3:10.2f}ms {raw * 1e3:10.2f}ms {handoff / raw:8.2f}x  "
-          f"({per_seq_bytes / 1e6:.2f} MB over NATS vs torch.save+load of {raw_bytes / 1e6:.2f} MB)")  # fmt: skip
+          f"({per_seq_bytes / 1e6:.2f} MB engine to engine over NATS, first request .. KV ready, vs torch.save+load "
+          f"of {raw_bytes / 1e6:.2f} MB in memory, medians; {len(transfers)} transfers, {min(transfers) * 1e3:.2f}..{max(transfers) * 1e3:.2f} ms)")  # fmt: skip
+    print("per round, engine/plain s: " + "; ".join(
+        f"prefill {r['prefill_s']:.3f}/{p['prefill_s']:.3f} decode {r['decode_window_s']:.3f}/{p['decode_s']:.3f}" for r, p in zip(rounds, plain)))  # fmt: skip
+    if any(r["phases_overlap"] for r in rounds):
+        print("warning: a KV fetch began before the prefill phase ended; the phases overlapped")
     return 0
 
 

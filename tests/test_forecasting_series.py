@@ -7,7 +7,7 @@ import pytest
 
 from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import LifecycleEvent
-from forecasting.series import COLUMNS, bin_chunk, bin_events, totals
+from forecasting.series import COLUMNS, bin_chunk, bin_events, chunk_totals, totals
 from ops.export import events_frame
 
 
@@ -87,3 +87,16 @@ def test_binning_in_stretches_with_carried_levels_equals_one_pass():
 def test_a_stretch_that_is_not_whole_bins_is_refused():
     with pytest.raises(ValueError, match="whole number"):
         bin_chunk(hand_built_log(), 0.0, 1.3, 1.0)
+
+
+def test_numpy_chunk_totals_equal_the_polars_binning_stretch_by_stretch():
+    log = hand_built_log()
+    whole = bin_events(log, bin_s=0.5, end_s=5.0)
+    parts, carry = {c: [] for c in COLUMNS}, None
+    for start_s, end_s in [(0.0, 1.5), (1.5, 2.0), (2.0, 3.5), (3.5, 5.0)]:
+        chunk = log.filter((pl.col("at_s") >= start_s) & (pl.col("at_s") < end_s))
+        part, carry = chunk_totals(chunk, start_s, end_s, 0.5, carry)
+        for column in COLUMNS:
+            parts[column] += list(part[column])
+    for column in COLUMNS:
+        assert parts[column] == pytest.approx(totals(whole, column)), column

@@ -6,17 +6,25 @@ from bus_schemas import streams, subjects
 
 
 def _stream_of(subject: str) -> str:
-    """Which stream captures a concrete subject (NATS wildcard rules for * and >)."""
-    hits = []
-    for stream in streams.ALL_STREAMS:
-        for pattern in stream.subjects:
-            p, s = pattern.split("."), subject.split(".")
-            if p[-1] == ">" and s[: len(p) - 1] == p[:-1] and len(s) >= len(p):
-                hits.append(stream.name)
-            elif len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s)):
-                hits.append(stream.name)
+    """Which stream captures a concrete subject."""
+    hits = [s.name for s in streams.ALL_STREAMS if any(subjects.matches(p, subject) for p in s.subjects)]
     assert len(hits) <= 1, f"{subject} is captured by several streams: {hits}"
     return hits[0] if hits else ""
+
+
+@pytest.mark.parametrize(
+    "pattern, subject, hit",
+    [
+        ("prorsa.lc.*", "prorsa.lc.finished", True),
+        ("prorsa.lc.*", "prorsa.lc.a.b", False),
+        ("prorsa.status.>", "prorsa.status.engine.e0", True),
+        ("prorsa.status.>", "prorsa.status", False),
+        ("prorsa.work.prefill", "prorsa.work.prefill.e1", False),
+        ("prorsa.*.prefill", "prorsa.work.prefill", True),
+    ],
+)
+def test_wildcard_matching(pattern, subject, hit):
+    assert subjects.matches(pattern, subject) is hit
 
 
 def test_subjects_follow_the_hierarchy():

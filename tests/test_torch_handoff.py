@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from actors.config import ModelSection  # noqa: E402
 from actors.engine.torch_actor import ModelMismatch, TorchEngineActor  # noqa: E402
-from actors.engine.torch_model import build_tiny, checksum, load_model  # noqa: E402
+from actors.engine.torch_model import build_tiny, kv_checksum, load_model  # noqa: E402
 from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
 from bus_schemas import streams, subjects  # noqa: E402
 from bus_schemas.codec import decode, encode  # noqa: E402
@@ -127,7 +127,7 @@ async def test_unknown_handle_and_checksum_mismatch_send_the_turn_back_to_prefil
         request = decode(KvFetch, msg.data)
         data = bytes(20 * b.torch.kv_bytes_per_token)
         await msg.respond(encode(KvChunk(handle_id=request.handle_id, ok=True, tokens=20, kv_bytes=len(data),
-                                         checksum=checksum(b"other bytes"), data=data)))  # fmt: skip
+                                         checksum=kv_checksum(b"other bytes"), data=data)))  # fmt: skip
 
     await bus.subscribe(subjects.kv("e7"), cb=corrupt_holder)
     a = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL)

@@ -50,6 +50,7 @@ class Actor:
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once setup() is done: subscriptions are live
         self.run_tag = f"{clock.origin_wall_s:.6f}"  # scopes Nats-Msg-Id dedup to this run
+        self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex  # simulations make ids deterministic
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -142,7 +143,7 @@ class Actor:
     def event(self, kind, **fields: Any) -> LifecycleEvent:
         """Build, emit and return a lifecycle event stamped with now."""
         fields.setdefault("at_s", self.clock.now_s())
-        event = LifecycleEvent(event_id=uuid.uuid4().hex, kind=kind, actor_id=self.actor_id, **fields)
+        event = LifecycleEvent(event_id=self.new_id(), kind=kind, actor_id=self.actor_id, **fields)
         self.lifecycle.emit(event)
         return event
 

@@ -150,6 +150,8 @@ class EngineActor(Actor):
         cursor_s = self.clock.now_s()
         while not self.stopping.is_set():
             self._expire_held()
+            if await self._before_step():  # waited on purpose: not lag
+                cursor_s = max(cursor_s, self.clock.now_s())
             batch = self.core.plan(max_advance_s=quantum_s)
             if batch is None:
                 if burst and self._queue_empty and self._drained() and not self.core.held:
@@ -171,6 +173,11 @@ class EngineActor(Actor):
                 self._finish(kind, seq, cursor_s)
             self._room.set()
             self._progress.set()
+
+    async def _before_step(self) -> bool:
+        """A backend hook, awaited before each step is planned; True when it waited (the
+        torch engine lets KV transfers in flight land here, so their turns join the step)."""
+        return False
 
     def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, **extra) -> None:
         w = seq.work

@@ -8,15 +8,22 @@ What changes against the emulated engine (`actor.py`):
   the first token; the decode work carries it (`first_token_id`, `first_logprob`).
 * KV hand-off: the decode engine asks `subjects.kv(holder)` for chunk 0 with `have_tokens`
   (what its own prefix cache already holds), then for the other chunks at once; it checks
-  the blake2b checksum, rebuilds the cache and joins the decode batch. An unknown or
-  expired handle, an unreachable holder, a short or corrupt payload: the turn goes back to
-  prefill (counted), never decoded on wrong KV.
+  the CRC-32 of the whole payload, rebuilds the cache and joins the decode batch. At most
+  KV_FETCHES_IN_FLIGHT transfers run at once (more only share the same link and loop, each
+  slower); a transfer's duration is timed from its first request to its KV ready. An
+  unknown or expired handle, an unreachable holder, a short or corrupt payload: the turn
+  goes back to prefill (counted), never decoded on wrong KV.
+* Joining the batch: before a step, the decode engine waits for transfers in flight to land
+  (at most one step's duration, KV_JOIN_WAIT_WALL_S when nothing runs), so turns that arrive
+  together decode together instead of one decode chunk apart: a decode step costs about the
+  same for one row as for many.
 * LoadPolicy(v): fetch v's weights from the trainer in chunks, verify, load, drop older KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +36,7 @@ from actors.engine.core import Seq
 from actors.engine.torch_backend import KvError, TorchBackend
 from actors.engine.torch_model import (
     checksum,
+    kv_checksum,
     load_model,
     load_tokenizer,
     model_spec,
@@ -43,6 +51,8 @@ from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork
 
 SPEC_RETRY_WALL_S = 0.2
 WEIGHTS_TIMEOUT_WALL_S = 30.0
+KV_FETCHES_IN_FLIGHT = 2  # two overlap one transfer's serialisation with the other's network time
+KV_JOIN_WAIT_WALL_S = 0.25  # longest wait for landing transfers before a step when no row is decoding
 
 
 class ModelMismatch(RuntimeError):
@@ -53,7 +63,7 @@ class ModelMismatch(RuntimeError):
 class Outgoing:
     """A KV transfer being served: the bytes stay until every chunk has been fetched."""
 
-    chunks: list[memoryview]
+    chunks: list[memoryview]  # views of one block of bytes: no copy until the reply is encoded
     checksum: str
     tokens: int
     start_tokens: int
@@ -75,6 +85,7 @@ class TorchEngineActor(EngineActor):
         self.backend = self.torch
         self.spec = model_spec(lm, tokenizer)
         self._outgoing: dict[str, Outgoing] = {}
+        self._kv_slots = asyncio.Semaphore(KV_FETCHES_IN_FLIGHT)
 
     # --- start: same model as the trainer -----------------------------------------------------
     async def setup(self) -> None:
@@ -119,6 +130,22 @@ class TorchEngineActor(EngineActor):
     def _admitted(self, seq: Seq) -> None:
         self.torch.admit_prefill(seq)
 
+    async def _before_step(self) -> bool:
+        """Let KV transfers in flight land, so their turns join the next decode step."""
+        if self._pending_transfers == 0:
+            return False
+        wait_s = min(KV_JOIN_WAIT_WALL_S, self.torch.last_step_wall_s) if self.core.running else KV_JOIN_WAIT_WALL_S
+        deadline = time.monotonic() + wait_s
+        while self._pending_transfers > 0 and not self.stopping.is_set():
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                self.counters["kv_join_waits_cut"] += 1
+                break
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), timeout=left_s)
+        return True
+
     def _decode_item(self, seq: Seq, handle: KvHandle, at_s: float) -> DecodeWork:
         tokens = seq.work.context_tokens + seq.work.new_tokens
         handle = msgspec.structs.replace(handle, tokens=tokens, kv_bytes=tokens * self.torch.kv_bytes_per_token)
@@ -158,7 +185,7 @@ class TorchEngineActor(EngineActor):
             self.counters["kv_refused"] += 1
             return KvChunk(handle_id=handle_id, ok=False, error=str(err))
         out = Outgoing(
-            chunks=split_chunks(payload, self.config.model.kv_chunk_bytes), checksum=checksum(payload), tokens=tokens,
+            chunks=split_chunks(payload, self.config.model.kv_chunk_bytes), checksum=kv_checksum(payload), tokens=tokens,
             start_tokens=request.have_tokens, total_bytes=len(payload),
             expires_at_s=self.clock.now_s() + self.config.engines.kv_ttl_s,
         )  # fmt: skip
@@ -179,7 +206,7 @@ class TorchEngineActor(EngineActor):
             del self._outgoing[handle_id]
         return KvChunk(
             handle_id=handle_id, ok=True, chunk=i, n_chunks=len(out.chunks), tokens=out.tokens,
-            kv_bytes=out.total_bytes, checksum=out.checksum, data=bytes(out.chunks[i]), start_tokens=out.start_tokens,
+            kv_bytes=out.total_bytes, checksum=out.checksum, data=out.chunks[i], start_tokens=out.start_tokens,
         )  # fmt: skip
 
     def _expire_held(self) -> None:
@@ -202,20 +229,21 @@ class TorchEngineActor(EngineActor):
                 await msg.ack()
                 return
             ids = list(w.context_token_ids) + list(w.token_ids)
-            have = self.torch.local_prefix_tokens(w.trajectory_id, w.policy_version, ids)
-            started = time.perf_counter()
-            error, payload = await self._fetch_kv(item.kv, have, len(ids) - have)
-            target = None
-            if error is None:
-                try:
-                    target = self.torch.admit_decode(w.work_id, w, item.first_token_id, item.first_logprob, have, payload)
-                except KvError as err:
-                    error = f"KV from {item.kv.engine_id} unusable: {err}"
+            async with self._kv_slots:
+                have = self.torch.local_prefix_tokens(w.trajectory_id, w.policy_version, ids)
+                started = time.perf_counter()
+                error, payload = await self._fetch_kv(item.kv, have, len(ids) - have)
+                target = None
+                if error is None:
+                    try:
+                        target = self.torch.admit_decode(w.work_id, w, item.first_token_id, item.first_logprob, have, payload)
+                    except KvError as err:
+                        error = f"KV from {item.kv.engine_id} unusable: {err}"
+                duration_s = (time.perf_counter() - started) * self.config.run.time_scale
             if error is not None:
                 await self._reprefill(w, error)
                 await msg.ack()
                 return
-            duration_s = (time.perf_counter() - started) * self.config.run.time_scale
             seq = self.core.admit_decode(item)
             seq.target_tokens = target
             self._msgs[seq.key] = msg
@@ -227,22 +255,30 @@ class TorchEngineActor(EngineActor):
             self._wake.set()
             self._progress.set()
 
-    async def _fetch_kv(self, handle: KvHandle, have: int, tokens: int) -> tuple[str | None, bytes]:
-        """All chunks of the KV behind `handle` from position `have` on, checked; or why not."""
+    async def _fetch_kv(self, handle: KvHandle, have: int, tokens: int) -> tuple[str | None, bytearray]:
+        """All chunks of the KV behind `handle` from position `have` on, checked; or why not.
+        The chunks are copied once, into the block the KV tensors then view."""
         first, error = await self._kv_request(handle, 0, have)
         if error is not None:
-            return error, b""
+            return error, bytearray()
         rest = await asyncio.gather(*(self._kv_request(handle, i, have) for i in range(1, first.n_chunks)))
         for _, err in rest:
             if err is not None:
-                return err, b""
-        payload = b"".join([first.data, *(chunk.data for chunk, _ in rest)])
+                return err, bytearray()
         if first.tokens != tokens or first.start_tokens != have:
-            return f"KV holder {handle.engine_id} sent tokens {first.start_tokens}+{first.tokens}, wanted {have}+{tokens}", b""
-        if len(payload) != first.kv_bytes or checksum(payload) != first.checksum:
-            self.counters["kv_checksum_mismatch"] += 1
-            return f"KV from {handle.engine_id} failed its checksum ({len(payload)} of {first.kv_bytes} bytes)", b""
-        return None, payload
+            return f"KV holder {handle.engine_id} sent tokens {first.start_tokens}+{first.tokens}, wanted {have}+{tokens}", bytearray()
+        chunks = [first.data, *(chunk.data for chunk, _ in rest)]
+        size = sum(len(c) for c in chunks)
+        if size == first.kv_bytes == tokens * self.torch.kv_bytes_per_token:
+            payload = bytearray(size)
+            view, offset = memoryview(payload), 0
+            for c in chunks:
+                view[offset : offset + len(c)] = c
+                offset += len(c)
+            if kv_checksum(payload) == first.checksum:
+                return None, payload
+        self.counters["kv_checksum_mismatch"] += 1
+        return f"KV from {handle.engine_id} failed its checksum ({size} of {first.kv_bytes} bytes)", bytearray()
 
     async def _kv_request(self, handle: KvHandle, chunk: int, have: int) -> tuple[KvChunk | None, str | None]:
         request = KvFetch(handle_id=handle.handle_id, chunk=chunk, requester_id=self.actor_id, have_tokens=have)

@@ -133,18 +133,22 @@ class DecodeBatch:
         self.mask, self.pos = self.mask.index_select(0, index), self.pos.index_select(0, index)
         self._trim()
 
-    def add(self, key: str, kv: KV) -> None:
+    def add(self, rows: list[tuple[str, KV]]) -> None:
+        """Rows join together: one concatenation per layer however many join (each row's KV is
+        copied once, left-padded, into the new block)."""
+        if not rows:
+            return
         self.cache = None
-        n = kv_len(kv)
-        length = max(n, self.mask.shape[1])
+        lengths = [kv_len(kv) for _, kv in rows]
+        length = max(*lengths, self.mask.shape[1])
         self._pad_to(length)
-        row = [(_left_pad(k, length)[None], _left_pad(v, length)[None]) for k, v in kv]
-        self.kv = row if not self.keys else [(torch.cat([bk, rk]), torch.cat([bv, rv])) for (bk, bv), (rk, rv) in zip(self.kv, row)]
-        row_mask = torch.zeros(1, length, dtype=torch.long)
-        row_mask[0, length - n :] = 1
-        self.mask = torch.cat([self.mask, row_mask]) if self.keys else row_mask
-        self.pos = torch.cat([self.pos, torch.tensor([n])])
-        self.keys.append(key)
+        block = [(_stack_left_padded([kv[i][0] for _, kv in rows], length), _stack_left_padded([kv[i][1] for _, kv in rows], length))
+                 for i in range(len(rows[0][1]))]  # fmt: skip
+        self.kv = block if not self.keys else [(torch.cat([bk, rk]), torch.cat([bv, rv])) for (bk, bv), (rk, rv) in zip(self.kv, block)]
+        block_mask = (torch.arange(length)[None] >= length - torch.tensor(lengths)[:, None]).long()
+        self.mask = torch.cat([self.mask, block_mask]) if self.keys else block_mask
+        self.pos = torch.cat([self.pos, torch.tensor(lengths)])
+        self.keys.extend(key for key, _ in rows)
 
     def _pad_to(self, length: int) -> None:
         extra = length - self.mask.shape[1]
@@ -164,8 +168,13 @@ class DecodeBatch:
             self.mask = self.mask[:, drop:]
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, 0, length - t.shape[1], 0))
+def _stack_left_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[heads, n_i, head_dim] each -> [rows, heads, length, head_dim], row i right-aligned."""
+    heads, _, head_dim = rows[0].shape
+    out = rows[0].new_zeros(len(rows), heads, length, head_dim)
+    for i, t in enumerate(rows):
+        out[i, :, length - t.shape[1] :] = t
+    return out
 
 
 class TorchBackend:
@@ -186,6 +195,7 @@ class TorchBackend:
         self.generator = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + zlib.crc32(engine_id.encode()))
         self.lock = asyncio.Lock()  # a step and a weights load never overlap
         self.record_logits: dict[str, list[torch.Tensor]] | None = None  # tests: logits per sampled token
+        self.last_step_wall_s = 0.0  # wall time of the last step run
         cfg = lm.config
         self.layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -245,7 +255,8 @@ class TorchBackend:
         async with self.lock:
             started = time.perf_counter()
             await asyncio.to_thread(self.execute, batch)
-            batch.duration_s = (time.perf_counter() - started) * self.time_scale
+            self.last_step_wall_s = time.perf_counter() - started
+            batch.duration_s = self.last_step_wall_s * self.time_scale
         return max(cursor_s + batch.duration_s, self.clock.now_s())
 
     @torch.inference_mode()
@@ -257,11 +268,10 @@ class TorchBackend:
             batch.iterations = max(1, min([self.model.decode_chunk_tokens, *(s.decode_left for s in live)]))
         gone = set(self.batch.keys) - {s.key for s in live}
         self.batch.remove(gone, self.states)
-        for seq in live:
-            if seq.key not in self.batch.keys:
-                state = self.states[seq.key]
-                self.batch.add(seq.key, state.kv)
-                state.kv = None
+        joining = [s.key for s in live if s.key not in set(self.batch.keys)]
+        self.batch.add([(key, self.states[key].kv) for key in joining])
+        for key in joining:
+            self.states[key].kv = None
         if live:
             self._decode(live, batch.iterations)
         finishing = {s.key for s in live if s.generated + batch.iterations >= s.target_tokens}
@@ -328,7 +338,7 @@ class TorchBackend:
         state = self.states[key]
         return state.out_ids[0], state.out_logprobs[0]
 
-    def export(self, key: str, have_tokens: int) -> tuple[bytes, int]:
+    def export(self, key: str, have_tokens: int) -> tuple[memoryview, int]:
         """Bytes of the held KV from position have_tokens on, and the token count they cover.
         The sequence leaves the held set; its prompt KV stays in the prefix cache."""
         state = self.states.pop(key, None)
@@ -344,19 +354,21 @@ class TorchBackend:
         self.cache.put(trajectory_id, state.version, state.ids[: state.prompt_len], kv)
         return payload, state.prompt_len - have_tokens
 
-    def kv_to_bytes(self, kv: KV) -> bytes:
+    def kv_to_bytes(self, kv: KV) -> memoryview:
+        """The wire bytes of `kv`: one copy into a contiguous block, viewed, not copied again."""
         if kv_len(kv) == 0:
-            return b""
-        stacked = torch.stack([torch.stack([k, v]) for k, v in kv])  # [layers, 2, heads, tokens, head_dim]
-        return stacked.to("cpu").contiguous().numpy().tobytes()
+            return memoryview(b"")
+        stacked = torch.stack([t for layer in kv for t in layer])  # [layers * 2, heads, tokens, head_dim]
+        return memoryview(stacked.to("cpu").numpy()).cast("B")
 
-    def kv_from_bytes(self, data: bytes, tokens: int) -> KV:
+    def kv_from_bytes(self, data: bytes | bytearray, tokens: int) -> KV:
+        """Tensors viewing `data` (no copy when it is a bytearray: it must not change afterwards)."""
         expected = tokens * self.kv_bytes_per_token
         if len(data) != expected:
             raise KvError(f"KV payload has {len(data)} bytes, {tokens} tokens need {expected}")
         if tokens == 0:
             return []
-        flat = torch.frombuffer(bytearray(data), dtype=self.dtype)
+        flat = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=self.dtype)
         stacked = flat.reshape(self.layers, 2, self.kv_heads, tokens, self.head_dim).to(self.device)
         return [(stacked[i, 0], stacked[i, 1]) for i in range(self.layers)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -36,7 +35,7 @@ class Trajectory:
     task_msg: Msg
     plan: TrajectoryPlan
     started_at_s: float
-    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this rollout of the trajectory
+    nonce: str = ""  # this rollout of the trajectory (a redelivered trajectory gets a new one)
     turn: int = 0
     context_tokens: int = 0  # history before the current turn
     new_tokens: int = 0  # what the current turn appends
@@ -112,7 +111,7 @@ class EnvironmentActor(Actor):
             tool_latency_scale=override.tool_latency_scale,
         )
         plan = plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
-        t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), new_tokens=plan.prompt_tokens)
+        t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=plan.prompt_tokens)
         self.live[a.trajectory_id] = t
         self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens)
         await self._submit(t)

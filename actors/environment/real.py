@@ -54,7 +54,7 @@ class RealEnvironmentActor(EnvironmentActor):
             return
         seed = zlib.crc32(a.task_id.encode())  # one prompt per task: its G samples form a GRPO group
         prompt = self.tokenizer.encode(task.prompt(self.config.run.seed, seed))
-        t = RealTrajectory(a, msg, plan=None, started_at_s=self.clock.now_s(), new_tokens=len(prompt), task=task, new_ids=prompt)  # type: ignore[arg-type]
+        t = RealTrajectory(a, msg, plan=None, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=len(prompt), task=task, new_ids=prompt)  # type: ignore[arg-type]
         self.live[a.trajectory_id] = t
         self._event(t, EventKind.STARTED, new_tokens=len(prompt))
         await self._submit(t)

@@ -8,7 +8,10 @@ with the family's turn-continuation probability. That gives, per slot, the expec
 
     prefill arrivals (TOOL ends)   × observation tokens (and cache-missed tokens)
     decode starts and completions  → decode sequences active; × generation tokens
-    plus, between sync-RL steps, the next step's trajectories (after the learned gap).
+    plus the sync-RL steps' start bursts: the running step's trajectories not started yet
+    (as many as the step before had, launched with the learned spread after step_started),
+    and between steps the next step's (the learned trainer gap, then that spread). A
+    prompt's first PRE uses the turn-0 queue distribution: a burst queues longer.
 
 Trajectories that share (family, phase, elapsed slot) share their vectors, so the cost
 grows with those groups, not with the number of trajectories. Uncertainty: a compound
@@ -52,12 +55,16 @@ class _Flows:
     ends: np.ndarray
 
 
-def _chain(phase: int, ends_by_cycle: np.ndarray, pmfs: list[np.ndarray], slots: int) -> _Flows:
+def _chain(phase: int, ends_by_cycle: np.ndarray, pmfs: list[np.ndarray], slots: int, first_pre: np.ndarray | None = None) -> _Flows:
     """Walk the phase chain from `phase`: ends_by_cycle[m] is the current phase's end mass
-    weighted by the probability of going on through m more decode completions."""
+    weighted by the probability of going on through m more decode completions. The first
+    PRE entered uses `first_pre` where given (a new trajectory's prompt)."""
     flows = _Flows(np.zeros(slots), np.zeros(slots), np.zeros(slots))
     kernel: np.ndarray | None = None
     m, stage = 0, phase
+    if first_pre is not None:
+        pmfs = list(pmfs)
+        pmfs[PRE], later_pre = first_pre, pmfs[PRE]
     while m < len(ends_by_cycle):
         mass = ends_by_cycle[m] if kernel is None else np.convolve(ends_by_cycle[m], kernel)[:slots]
         if stage == PRE:
@@ -69,6 +76,8 @@ def _chain(phase: int, ends_by_cycle: np.ndarray, pmfs: list[np.ndarray], slots:
             flows.arrivals += mass
         stage = (stage + 1) % 3
         kernel = pmfs[stage] if kernel is None else np.convolve(kernel, pmfs[stage])[:slots]
+        if stage == PRE and first_pre is not None:
+            pmfs[PRE] = later_pre
     return flows
 
 
@@ -90,8 +99,9 @@ def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
 class Lifecycle(Forecaster):
     name = "lifecycle"
 
-    def __init__(self, substeps: int = 4, cycles: int = 3) -> None:
+    def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True) -> None:
         self.substeps = substeps
+        self.censoring = censoring
         self.cycles = cycles
         self._history: History | None = None
 
@@ -115,7 +125,7 @@ class Lifecycle(Forecaster):
         for family in np.unique(live.family[alive]):
             members = alive[live.family[alive] == family]
             self._add_family(demand, live, members, live.family_stats(int(family)), step_s, h.now_s)
-        self._add_next_step(demand, live, step_s, h.now_s)
+        self._add_starts(demand, live, step_s, h.now_s)
         return self._to_bins(demand, horizon_bins)
 
     # --- per family --------------------------------------------------------------------------
@@ -125,16 +135,20 @@ class Lifecycle(Forecaster):
         pmfs = [st.centred_pmf(step_s, demand.slots) for st in stages]
         turns = stats.turns if stats.turns.n else pooled.turns
         cont = turns.continue_prob(live.turn[members])
+        prompt_pre = _stat(stats, pooled, "prompt_pre_s")
         flows = _Flows(np.zeros(demand.slots), np.zeros(demand.slots), np.zeros(demand.slots))
-        for phase in (PRE, DEC, TOOL):
-            sel = members[live.phase[members] == phase]
+        groups = [(PRE, (live.phase[members] == PRE) & (live.turn[members] == 0), prompt_pre),
+                  (PRE, (live.phase[members] == PRE) & (live.turn[members] != 0), stages[PRE]),
+                  (DEC, live.phase[members] == DEC, stages[DEC]), (TOOL, live.phase[members] == TOOL, stages[TOOL])]  # fmt: skip
+        for phase, mask, stage in groups:
+            sel = members[mask]
             if len(sel) == 0:
                 continue
-            bucket = np.floor(np.maximum(now_s - live.entered_s[sel], 0.0) / step_s).astype(np.int64)
-            bucket = np.minimum(bucket, 20 * demand.slots)
+            elapsed_s = np.maximum(now_s - live.entered_s[sel], 0.0)  # also: the stages still running (censored)
+            bucket = np.minimum(np.floor(elapsed_s / step_s).astype(np.int64), 20 * demand.slots)
             first_turn = live.turn[sel] + (1 if phase == TOOL else 0)
             weights = _continuation_weights(cont, first_turn, self.cycles)
-            ends = stages[phase].residual_sums(bucket, weights, step_s, demand.slots)
+            ends = stage.residual_sums(bucket, weights, step_s, demand.slots, elapsed_s if self.censoring else None)
             part = _chain(phase, ends, pmfs, demand.slots)
             flows.arrivals += part.arrivals
             flows.starts += part.starts
@@ -160,23 +174,34 @@ class Lifecycle(Forecaster):
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
 
-    # --- the next sync-RL step ---------------------------------------------------------------
-    def _add_next_step(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
+    # --- sync-RL start bursts ----------------------------------------------------------------
+    def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
+        """Trajectories still to start: the running step's pending ones, or the next step's."""
+        pending = live.pending_starts()
+        offsets = live.start_offset_s
+        if pending and offsets.n:
+            waited = np.array([int(max(now_s - live.step_started_s, 0.0) / step_s)])
+            self._add_burst(demand, live, pending, offsets.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0], step_s)
         size = live.last_step_size()
         if live.step_pending_since_s is None or live.step_gap_s.n == 0 or size == 0:
             return
-        pooled = live.stats[POOLED]
         waited = np.array([int(max(now_s - live.step_pending_since_s, 0.0) / step_s)])
         p = live.step_gap_s.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
+        if offsets.n:
+            p = np.convolve(p, offsets.centred_pmf(step_s, demand.slots))[: demand.slots]
+        self._add_burst(demand, live, size, p, step_s)
+
+    def _add_burst(self, demand: _Demand, live: LiveState, size: int, p: np.ndarray, step_s: float) -> None:
+        pooled = live.stats[POOLED]
         cont = pooled.turns.continue_prob(np.zeros(0, np.int64))
         weights = _continuation_weights(cont, np.zeros(1, np.int64), self.cycles)[:, 0]
         ends = size * weights[:, None] * p[None, :]
         pmfs = [st.centred_pmf(step_s, demand.slots) for st in pooled.stage_s]
-        flows = _chain(TOOL, ends, pmfs, demand.slots)  # a step start is an arrival, like a tool end
+        first_pre = pooled.prompt_pre_s.centred_pmf(step_s, demand.slots) if pooled.prompt_pre_s.n else None
+        flows = _chain(TOOL, ends, pmfs, demand.slots, first_pre)  # a start is an arrival, like a tool end
         self._add_sizes(demand, flows, pooled, pooled, turn0=True)
-        prompt = pooled.prompt_tokens.mean()
-        burst_var = size**2 * p * (1 - p)
-        demand.var["prefill_new_tokens"] += burst_var * prompt**2
+        burst_var = size**2 * p * (1 - np.minimum(p, 1.0))
+        demand.var["prefill_new_tokens"] += burst_var * pooled.prompt_tokens.mean() ** 2
         demand.var["prefill_miss_tokens"] += burst_var * pooled.prompt_miss_tokens.mean() ** 2
 
     # --- slots → bins ------------------------------------------------------------------------
