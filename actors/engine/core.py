@@ -217,6 +217,10 @@ class EngineCore:
                 budget[seq.rank] -= n
                 free -= n + (n == seq.prefill_left)
         if not chunks and not decode:
+            partial = [s for s in self.waiting if s.prefill_done_tokens > 0]
+            if len(partial) > 1 and self.allow_preemption:  # part-filled prefills block each other
+                self._evict(max(partial, key=lambda s: self._order.get(s.key, 0)))
+                return self.plan(max_advance_s)
             return None
         if chunks:
             iterations, duration_s = 1, group_iteration_s(self.preset, self._loads(chunks, decode))
@@ -255,18 +259,21 @@ class EngineCore:
             if self.kv_resident_tokens + len(self.running) * iterations <= self.kv_capacity_tokens:
                 return
             holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
-            victim = max(holders, key=lambda s: self._order.get(s.key, 0))
-            if victim.key in self.running:
-                del self.running[victim.key]
-                victim.prefill_tokens = victim.kv_tokens
-                victim.generated_before_prefill = victim.generated
-                self.waiting.appendleft(victim)
-            else:
-                victim.prefill_tokens += victim.cached_prefix_tokens
-            victim.cached_prefix_tokens = 0
-            victim.prefill_done_tokens = 0
-            victim.preempted = True
-            self.preemptions += 1
+            self._evict(max(holders, key=lambda s: self._order.get(s.key, 0)))
+
+    def _evict(self, victim: Seq) -> None:
+        """Drop a sequence's KV; it is recomputed once all of it fits again."""
+        if victim.key in self.running:
+            del self.running[victim.key]
+            victim.prefill_tokens = victim.kv_tokens
+            victim.generated_before_prefill = victim.generated
+            self.waiting.appendleft(victim)
+        else:
+            victim.prefill_tokens += victim.cached_prefix_tokens
+        victim.cached_prefix_tokens = 0
+        victim.prefill_done_tokens = 0
+        victim.preempted = True
+        self.preemptions += 1
 
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
         """Apply a planned step; return ("prefill_done" | "decode_done", seq) in order."""
