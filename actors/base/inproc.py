@@ -19,6 +19,7 @@ the same checks against this bus and a real `nats-server`.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class _Stream:
         self.messages.clear()
         for consumer in self.consumers.values():
             consumer.pending.clear()
+            consumer._timers.clear()
             consumer.cursor = self.next_seq
 
 
@@ -136,20 +138,34 @@ class _Consumer:
         self.ack_wait_s = config.ack_wait or 30.0
         self.cursor = 1  # next stream sequence never delivered
         self.pending: dict[int, _Pending] = {}
+        self._timers: list[tuple[float, int]] = []  # (redeliver_at, seq), stale entries skipped
         self._time = loop_time
 
     def _matches(self, stored: _Stored) -> bool:
         return subject_matches(self.filter, stored.subject)
 
+    def _schedule(self, seq: int, at_s: float) -> None:
+        self.pending[seq].redeliver_at = at_s
+        heapq.heappush(self._timers, (at_s, seq))
+
+    def _live_timer(self) -> tuple[float, int] | None:
+        while self._timers:
+            at_s, seq = self._timers[0]
+            p = self.pending.get(seq)
+            if p is not None and p.redeliver_at == at_s and seq in self.stream.messages:
+                return at_s, seq
+            heapq.heappop(self._timers)
+        return None
+
     def next_message(self) -> tuple[_Stored, int] | None:
         """A message due now: the oldest redelivery, else the next undelivered one."""
         now = self._time()
-        due = [seq for seq, p in self.pending.items() if p.redeliver_at <= now + _EPS_S and seq in self.stream.messages]
-        if due:
-            seq = min(due)
+        timer = self._live_timer()
+        if timer is not None and timer[0] <= now + _EPS_S:
+            seq = heapq.heappop(self._timers)[1]
             pending = self.pending[seq]
             pending.deliveries += 1
-            pending.redeliver_at = now + self.ack_wait_s
+            self._schedule(seq, now + self.ack_wait_s)
             return self.stream.messages[seq], pending.deliveries
         for seq in range(self.cursor, self.stream.next_seq):
             stored = self.stream.messages.get(seq)
@@ -157,13 +173,14 @@ class _Consumer:
             if stored is None or not self._matches(stored):
                 continue
             if self.explicit:
-                self.pending[seq] = _Pending(now + self.ack_wait_s, 1)
+                self.pending[seq] = _Pending(0.0, 1)
+                self._schedule(seq, now + self.ack_wait_s)
             return stored, 1
         return None
 
     def next_redelivery_at(self) -> float | None:
-        times = [p.redeliver_at for seq, p in self.pending.items() if seq in self.stream.messages]
-        return min(times) if times else None
+        timer = self._live_timer()
+        return None if timer is None else timer[0]
 
     def num_pending(self) -> int:
         return sum(1 for seq, m in self.stream.messages.items() if seq >= self.cursor and self._matches(m))
@@ -174,13 +191,28 @@ class _Consumer:
 
     def nak(self, seq: int, delay_s: float) -> None:
         if seq in self.pending:
-            self.pending[seq].redeliver_at = self._time() + delay_s
+            self._schedule(seq, self._time() + delay_s)
             self.stream.changed.set()
             self.stream.changed = asyncio.Event()
 
     def touch(self, seq: int) -> None:
         if seq in self.pending:
-            self.pending[seq].redeliver_at = self._time() + self.ack_wait_s
+            self._schedule(seq, self._time() + self.ack_wait_s)
+
+
+class _Metadata:
+    """JetStream delivery metadata; `num_pending` is counted only when asked for."""
+
+    def __init__(self, consumer: _Consumer, seq: int, deliveries: int) -> None:
+        self._consumer = consumer
+        self.num_delivered = deliveries
+        self.sequence = SimpleNamespace(stream=seq, consumer=seq)
+        self.stream = consumer.stream.config.name
+        self.consumer = consumer.name
+
+    @property
+    def num_pending(self) -> int:
+        return self._consumer.num_pending()
 
 
 class _PullSubscription:
@@ -210,13 +242,7 @@ class _PullSubscription:
         msg = InProcMsg(self._client, stored.subject, stored.data, headers=stored.headers)
         if self._consumer.explicit:
             msg._consumer, msg._seq = self._consumer, stored.seq
-        msg.metadata = SimpleNamespace(
-            num_delivered=deliveries,
-            num_pending=self._consumer.num_pending(),
-            sequence=SimpleNamespace(stream=stored.seq, consumer=stored.seq),
-            stream=self._consumer.stream.config.name,
-            consumer=self._consumer.name,
-        )
+        msg.metadata = _Metadata(self._consumer, stored.seq, deliveries)
         return msg
 
     async def consumer_info(self) -> Any:
@@ -274,11 +300,13 @@ class InProcJetStream:
         if config.name in self._server.streams:
             raise BadRequestError(description="stream name already in use")
         self._server.streams[config.name] = _Stream(config)
+        self._server.streams_changed()
         return await self.stream_info(config.name)
 
     async def update_stream(self, config: api.StreamConfig | None = None, **params) -> Any:
         config = config or api.StreamConfig(**params)
         self._server.stream(config.name).config = config
+        self._server.streams_changed()
         return await self.stream_info(config.name)
 
     async def stream_info(self, name: str, subjects_filter: str | None = None) -> Any:
@@ -342,6 +370,7 @@ class _CoreSub:
 
     async def unsubscribe(self) -> None:
         self.client.server.subs.pop(self, None)
+        self.client.server.subscriptions_changed()
         if self.task is not None:
             self.task.cancel()
 
@@ -368,6 +397,14 @@ class InProcServer:
         self.subs: dict[_CoreSub, None] = {}  # an ordered set: delivery order is creation order
         self.buckets: dict[str, _KeyValue] = {}
         self.ids = itertools.count(1)
+        self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions
+        self._stream_of: dict[str, _Stream | None] = {}  # subject -> capturing stream
+
+    def subscriptions_changed(self) -> None:
+        self._routes.clear()
+
+    def streams_changed(self) -> None:
+        self._stream_of.clear()
 
     def time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -381,15 +418,21 @@ class InProcServer:
         return self.streams[name]
 
     def stream_for(self, subject: str) -> _Stream | None:
-        return next((s for s in self.streams.values() if s.captures(subject)), None)
+        if subject not in self._stream_of:
+            self._stream_of[subject] = next((s for s in self.streams.values() if s.captures(subject)), None)
+        return self._stream_of[subject]
+
+    def _route(self, subject: str) -> list[_CoreSub]:
+        if subject not in self._routes:
+            self._routes[subject] = [s for s in self.subs if subject_matches(s.subject, subject)]
+        return self._routes[subject]
 
     def has_interest(self, subject: str) -> bool:
-        return any(subject_matches(s.subject, subject) for s in self.subs)
+        return bool(self._route(subject))
 
     async def deliver_core(self, sender: InProcClient, subject: str, data: bytes, reply: str, headers) -> None:
-        for sub in list(self.subs):
-            if subject_matches(sub.subject, subject):
-                sub.queue.put_nowait(InProcMsg(sub.client, subject, data, reply, headers))
+        for sub in self._route(subject):
+            sub.queue.put_nowait(InProcMsg(sub.client, subject, data, reply, headers))
 
 
 class InProcClient:
@@ -418,6 +461,7 @@ class InProcClient:
     async def subscribe(self, subject: str, queue: str = "", cb: MsgCallback | None = None, **_) -> _CoreSub:
         sub = _CoreSub(self, subject, cb)
         self.server.subs[sub] = None
+        self.server.subscriptions_changed()
         if cb is not None:
             sub.task = asyncio.create_task(sub._run(), name=f"sub {subject}")
         return sub

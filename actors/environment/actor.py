@@ -125,6 +125,15 @@ class EnvironmentActor(Actor):
                     await t.task_msg.in_progress()
 
     # --- the agent loop ----------------------------------------------------------------------
+    def _turn_fields(self, t: Trajectory) -> dict:
+        """What this environment's turns carry beyond the shared fields (modelled lengths here)."""
+        return dict(
+            context_tokens=t.context_tokens,
+            new_tokens=t.new_tokens,
+            max_output_tokens=t.plan.profile.gen_tokens.hi,  # type: ignore[attr-defined]
+            target_output_tokens=t.plan.gen_tokens(),
+        )
+
     async def _submit(self, t: Trajectory) -> None:
         a = t.assignment
         work = PrefillWork(
@@ -134,15 +143,12 @@ class EnvironmentActor(Actor):
             env_id=self.actor_id,
             task_family=a.task_family,
             policy_version=a.policy_version,
-            context_tokens=t.context_tokens,
-            new_tokens=t.new_tokens,
-            max_output_tokens=t.plan.profile.gen_tokens.hi,  # type: ignore[attr-defined]
-            target_output_tokens=t.plan.gen_tokens(),
             queued_at_s=self.clock.now_s(),
+            **self._turn_fields(t),
         )
         t.awaiting_result = True
         await publish_durable(self.js, subjects.work_prefill(), encode(work), work.work_id, self.counters, self.log, self.stopping)
-        self._event(t, EventKind.PREFILL_QUEUED, new_tokens=t.new_tokens, context_tokens=t.context_tokens)
+        self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)
 
     async def _result_loop(self) -> None:
         while True:

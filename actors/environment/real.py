@@ -23,7 +23,7 @@ from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.train import FinishedTrajectory, TaskAssignment
-from bus_schemas.work import PrefillWork, TurnResult, make_work_id
+from bus_schemas.work import TurnResult
 
 
 @dataclass(slots=True)
@@ -59,25 +59,14 @@ class RealEnvironmentActor(EnvironmentActor):
         self._event(t, EventKind.STARTED, new_tokens=len(prompt))
         await self._submit(t)
 
-    async def _submit(self, t: RealTrajectory) -> None:  # type: ignore[override]
-        a = t.assignment
-        work = PrefillWork(
-            work_id=make_work_id(a.trajectory_id, t.nonce, t.turn, 0),
-            trajectory_id=a.trajectory_id,
-            turn=t.turn,
-            env_id=self.actor_id,
-            task_family=a.task_family,
-            policy_version=a.policy_version,
+    def _turn_fields(self, t: RealTrajectory) -> dict:  # type: ignore[override]
+        return dict(
             context_tokens=len(t.ids),
             new_tokens=len(t.new_ids),
             max_output_tokens=t.task.max_output_tokens,
-            queued_at_s=self.clock.now_s(),
             token_ids=t.new_ids,
             context_token_ids=t.ids,
         )
-        t.awaiting_result = True
-        await publish_durable(self.js, subjects.work_prefill(), encode(work), work.work_id, self.counters, self.log, self.stopping)
-        self._event(t, EventKind.PREFILL_QUEUED, new_tokens=len(t.new_ids), context_tokens=len(t.ids))
 
     def _on_result(self, r: TurnResult) -> None:
         t = self.live.get(r.trajectory_id)
@@ -125,7 +114,7 @@ class RealEnvironmentActor(EnvironmentActor):
             started_at_s=t.started_at_s, finished_at_s=now_s,
             token_ids=t.ids, generated_mask=t.generated_mask, logprobs=t.logprobs,
         )  # fmt: skip
-        await publish_durable(self.js, subjects.train_finished(), encode(done), a.trajectory_id, self.counters, self.log, self.stopping)
+        await publish_durable(self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping)
         self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=reward, at_s=now_s)
         await t.task_msg.ack()
         del self.live[a.trajectory_id]
