@@ -41,13 +41,13 @@ class EngineActor(Actor):
         ec = config.engines
         self.link = LINKS[ec.link]
         self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
-        self.backend: Backend = EmulatedBackend(clock)  # TorchEngineActor replaces it
+        self._wake = asyncio.Event()  # new work admitted (or a stop requested)
+        self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it
         self.epoch = 0
         self.policy_version = 0
         self._msgs: dict[str, Msg] = {}  # work key -> the JetStream message to ack when done
         self._pending_transfers = 0
         self._effects = 0  # result / decode-work publishes in flight
-        self._wake = asyncio.Event()  # new work admitted
         self._room = asyncio.Event()  # capacity freed
         self._progress = asyncio.Event()  # a step or transfer finished
         self._pulling = True
@@ -97,7 +97,7 @@ class EngineActor(Actor):
             self._queue_empty = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
-            self._wake.set()
+                self._wake.set()  # new work: a running decode step ends early so it can join
 
     async def _admit(self, msg: Msg, queue: str) -> None:
         if queue == "prefill":
@@ -152,11 +152,11 @@ class EngineActor(Actor):
             self._expire_held()
             if await self._before_step():  # waited on purpose: not lag
                 cursor_s = max(cursor_s, self.clock.now_s())
+            self._wake.clear()  # from here on, new work interrupts the step being planned
             batch = self.core.plan(max_advance_s=quantum_s)
             if batch is None:
                 if burst and self._queue_empty and self._drained() and not self.core.held:
                     return
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=IDLE_WAKE_WALL_S)
                 cursor_s = self.clock.now_s()
@@ -173,6 +173,10 @@ class EngineActor(Actor):
                 self._finish(kind, seq, cursor_s)
             self._room.set()
             self._progress.set()
+
+    def request_stop(self, reason: str = "") -> None:
+        super().request_stop(reason)
+        self._wake.set()  # end a long decode step now
 
     async def _before_step(self) -> bool:
         """A backend hook, awaited before each step is planned; True when it waited (the

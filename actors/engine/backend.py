@@ -13,6 +13,7 @@ backend *runs* that step and says when it ended, in model seconds:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 from actors.base.clock import Clock
@@ -28,12 +29,36 @@ class Backend(Protocol):
 
 
 class EmulatedBackend:
+    """Waits the modelled duration. A decode-only step spanning several iterations ends early
+    when `interrupt` is set (new work arrived): the iteration in progress completes, the
+    batch is shortened to the iterations done, and the scheduler replans with the newcomer,
+    as continuous batching would at the next iteration boundary."""
+
     name = "emulated"
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, interrupt: asyncio.Event | None = None) -> None:
         self.clock = clock
+        self.interrupt = interrupt
 
     async def run(self, batch: Batch, cursor_s: float) -> float:
-        cursor_s += batch.duration_s
-        await self.clock.sleep_until(cursor_s)
-        return cursor_s
+        end_s = cursor_s + batch.duration_s
+        if batch.iterations <= 1 or self.interrupt is None:
+            await self.clock.sleep_until(end_s)
+            return end_s
+        if not self.interrupt.is_set():
+            sleeper = asyncio.ensure_future(self.clock.sleep_until(end_s))
+            waker = asyncio.ensure_future(self.interrupt.wait())
+            try:
+                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                waker.cancel()
+            if not self.interrupt.is_set():
+                return end_s
+        per_iteration_s = batch.duration_s / batch.iterations
+        done = min(batch.iterations, int((self.clock.now_s() - cursor_s) / per_iteration_s) + 1)
+        batch.iterations = done
+        batch.duration_s = done * per_iteration_s
+        end_s = cursor_s + batch.duration_s
+        await self.clock.sleep_until(end_s)
+        return end_s
