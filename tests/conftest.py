@@ -67,16 +67,21 @@ def nats_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture
-async def bus(nats_server):
-    """A connection to a clean bus: every stream exists and is empty, no consumers left over."""
-    nc = await connect(nats_server.url, "test", logging.getLogger("test"))
+async def clean_bus(nc) -> None:
+    """Every stream exists and is empty, no consumers left over (NATS or the in-process bus)."""
     js = nc.jetstream()
     await streams.ensure_streams(js)
     for stream in streams.ALL_STREAMS:
         for consumer in await js.consumers_info(stream.name):
             await js.delete_consumer(stream.name, consumer.name)
         await js.purge_stream(stream.name)
-    await publish_origin(js, "test")
+
+
+@pytest.fixture
+async def bus(nats_server):
+    """A connection to a clean bus on the real nats-server."""
+    nc = await connect(nats_server.url, "test", logging.getLogger("test"))
+    await clean_bus(nc)
+    await publish_origin(nc.jetstream(), "test")
     yield nc
     await close(nc)

@@ -16,6 +16,7 @@ from actors.base.connection import close, connect
 from actors.base.inproc import InProcServer
 from actors.base.virtual import SimulationDeadlock, VirtualTimeLoop
 from bus_schemas import streams, subjects
+from tests.conftest import clean_bus
 
 pytestmark = pytest.mark.bus
 
@@ -26,12 +27,7 @@ async def client(request):
         nc = await connect(request.getfixturevalue("nats_server").url, "conformance", logging.getLogger("test"))
     else:
         nc = InProcServer().connect("conformance")
-    js = nc.jetstream()
-    await streams.ensure_streams(js)
-    for stream in streams.ALL_STREAMS:
-        for consumer in await js.consumers_info(stream.name):
-            await js.delete_consumer(stream.name, consumer.name)
-        await js.purge_stream(stream.name)
+    await clean_bus(nc)
     yield nc
     await close(nc)
 

@@ -1,10 +1,12 @@
 """Time compression leaves results invariant: the same config at two time scales gives the
 same per-step rollout times in model seconds.
 
-Tolerance: 10% per step. What separates the runs is wall-clock latency (a bus hop, a timer
-wake-up: about a millisecond each) that becomes model time multiplied by the scale; at 5x
-and 20x that stays within a few percent on this workload (measured here: 0.2-4%), while at
-80x the first step drifts by about a third. Virtual-time simulation removes it entirely.
+Tolerance: 10% per step, at 4x against 12x. What separates the runs is wall-clock latency
+(a bus hop, a timer wake-up: about a millisecond each, more when the CPU is busy) that
+becomes model time multiplied by the scale. On a quiet machine 5x against 20x stays within
+0.2-4% on this workload; with a second test run competing for the 2 cores, 20x drifted by
+16% on the first step, and at 80x the first step drifts by about a third even when quiet.
+Virtual-time simulation (runners.simulate) removes the effect entirely.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def rollout_s(tmp_path: Path, time_scale: float) -> list[float]:
 
 
 def test_compressed_and_slower_runs_report_the_same_model_times(tmp_path: Path):
-    slow, fast = rollout_s(tmp_path, 5.0), rollout_s(tmp_path, 20.0)
+    slow, fast = rollout_s(tmp_path, 4.0), rollout_s(tmp_path, 12.0)
     assert len(slow) == len(fast) == 2
     for step, (a, b) in enumerate(zip(slow, fast)):
-        assert abs(b - a) / a <= TOLERANCE, f"step {step}: {a:.2f} s at 5x vs {b:.2f} s at 20x"
+        assert abs(b - a) / a <= TOLERANCE, f"step {step}: {a:.2f} s at 4x vs {b:.2f} s at 12x"

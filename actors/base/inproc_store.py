@@ -1,0 +1,263 @@
+"""JetStream state of the in-process bus: streams, durable pull consumers, key-value
+buckets, and the messages they deliver (see `actors.base.inproc`)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import api
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from bus_schemas.subjects import matches as subject_matches
+
+if TYPE_CHECKING:
+    from actors.base.inproc import InProcClient
+
+EPS_S = 1e-9  # times closer than this are equal (float sums of timeouts drift by ~1e-16)
+
+
+@dataclass(slots=True)
+class _Stored:
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+
+
+@dataclass(slots=True)
+class _Pending:
+    redeliver_at: float
+    deliveries: int
+
+
+class InProcMsg:
+    """A delivered message: core (`respond`) or JetStream (`ack`, `nak`, `term`, `in_progress`)."""
+
+    def __init__(self, client: InProcClient, subject: str, data: bytes, reply: str = "", headers=None) -> None:
+        self._client = client
+        self.subject = subject
+        self.data = data
+        self.reply = reply
+        self.headers = headers
+        self._consumer: _Consumer | None = None
+        self._seq = 0
+        self.metadata: Any = None
+
+    async def respond(self, data: bytes) -> None:
+        await self._client.publish(self.reply, data)
+
+    async def ack(self) -> None:
+        if self._consumer is not None:
+            self._consumer.ack(self._seq)
+
+    async def ack_sync(self, timeout: float = 1.0) -> InProcMsg:
+        await self.ack()
+        return self
+
+    async def nak(self, delay: float | None = None) -> None:
+        if self._consumer is not None:
+            self._consumer.nak(self._seq, delay or 0.0)
+
+    async def term(self) -> None:
+        if self._consumer is not None:
+            self._consumer.ack(self._seq)  # never redelivered; leaves a work queue
+
+    async def in_progress(self) -> None:
+        if self._consumer is not None:
+            self._consumer.touch(self._seq)
+
+
+class _Stream:
+    def __init__(self, config: api.StreamConfig) -> None:
+        self.config = config
+        self.messages: dict[int, _Stored] = {}
+        self.next_seq = 1
+        self.dedup: dict[str, tuple[int, float]] = {}  # msg id -> (seq, stored at)
+        self.consumers: dict[str, _Consumer] = {}
+        self.changed = asyncio.Event()
+
+    @property
+    def work_queue(self) -> bool:
+        return self.config.retention == api.RetentionPolicy.WORK_QUEUE
+
+    def captures(self, subject: str) -> bool:
+        return any(subject_matches(p, subject) for p in self.config.subjects or ())
+
+    def store(self, subject: str, data: bytes, headers: dict[str, str] | None, now: float) -> tuple[int, bool]:
+        msg_id = (headers or {}).get("Nats-Msg-Id")
+        window = self.config.duplicate_window or 120.0
+        if msg_id is not None:
+            seen = self.dedup.get(msg_id)
+            if seen is not None and now - seen[1] < window:
+                return seen[0], True
+        seq = self.next_seq
+        self.next_seq += 1
+        self.messages[seq] = _Stored(seq, subject, data, headers)
+        if msg_id is not None:
+            self.dedup[msg_id] = (seq, now)
+        self.changed.set()
+        self.changed = asyncio.Event()
+        return seq, False
+
+    def purge(self) -> None:
+        self.messages.clear()
+        for consumer in self.consumers.values():
+            consumer.pending.clear()
+            consumer._timers.clear()
+            consumer.cursor = self.next_seq
+
+
+class _Consumer:
+    def __init__(self, stream: _Stream, config: api.ConsumerConfig, loop_time: Callable[[], float]) -> None:
+        self.stream = stream
+        self.config = config
+        self.name = config.durable_name or config.name or ""
+        self.filter = config.filter_subject or ">"
+        self.explicit = config.ack_policy != api.AckPolicy.NONE
+        self.ack_wait_s = config.ack_wait or 30.0
+        self.cursor = 1  # next stream sequence never delivered
+        self.pending: dict[int, _Pending] = {}
+        self._timers: list[tuple[float, int]] = []  # (redeliver_at, seq), stale entries skipped
+        self._time = loop_time
+
+    def _matches(self, stored: _Stored) -> bool:
+        return subject_matches(self.filter, stored.subject)
+
+    def _schedule(self, seq: int, at_s: float) -> None:
+        self.pending[seq].redeliver_at = at_s
+        heapq.heappush(self._timers, (at_s, seq))
+
+    def _live_timer(self) -> tuple[float, int] | None:
+        while self._timers:
+            at_s, seq = self._timers[0]
+            p = self.pending.get(seq)
+            if p is not None and p.redeliver_at == at_s and seq in self.stream.messages:
+                return at_s, seq
+            heapq.heappop(self._timers)
+        return None
+
+    def next_message(self) -> tuple[_Stored, int] | None:
+        """A message due now: the oldest redelivery, else the next undelivered one."""
+        now = self._time()
+        timer = self._live_timer()
+        if timer is not None and timer[0] <= now + EPS_S:
+            seq = heapq.heappop(self._timers)[1]
+            pending = self.pending[seq]
+            pending.deliveries += 1
+            self._schedule(seq, now + self.ack_wait_s)
+            return self.stream.messages[seq], pending.deliveries
+        for seq in range(self.cursor, self.stream.next_seq):
+            stored = self.stream.messages.get(seq)
+            self.cursor = seq + 1
+            if stored is None or not self._matches(stored):
+                continue
+            if self.explicit:
+                self.pending[seq] = _Pending(0.0, 1)
+                self._schedule(seq, now + self.ack_wait_s)
+            return stored, 1
+        return None
+
+    def next_redelivery_at(self) -> float | None:
+        timer = self._live_timer()
+        return None if timer is None else timer[0]
+
+    def num_pending(self) -> int:
+        return sum(1 for seq, m in self.stream.messages.items() if seq >= self.cursor and self._matches(m))
+
+    def ack(self, seq: int) -> None:
+        if self.pending.pop(seq, None) is not None and self.stream.work_queue:
+            self.stream.messages.pop(seq, None)
+
+    def nak(self, seq: int, delay_s: float) -> None:
+        if seq in self.pending:
+            self._schedule(seq, self._time() + delay_s)
+            self.stream.changed.set()
+            self.stream.changed = asyncio.Event()
+
+    def touch(self, seq: int) -> None:
+        if seq in self.pending:
+            self._schedule(seq, self._time() + self.ack_wait_s)
+
+
+class _Metadata:
+    """JetStream delivery metadata; `num_pending` is counted only when asked for."""
+
+    def __init__(self, consumer: _Consumer, seq: int, deliveries: int) -> None:
+        self._consumer = consumer
+        self.num_delivered = deliveries
+        self.sequence = SimpleNamespace(stream=seq, consumer=seq)
+        self.stream = consumer.stream.config.name
+        self.consumer = consumer.name
+
+    @property
+    def num_pending(self) -> int:
+        return self._consumer.num_pending()
+
+
+class _PullSubscription:
+    def __init__(self, client: InProcClient, consumer: _Consumer) -> None:
+        self._client = client
+        self._consumer = consumer
+
+    async def fetch(self, batch: int = 1, timeout: float | None = 5, heartbeat: float | None = None) -> list[InProcMsg]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout if timeout is not None else 1e18)
+        while True:
+            msgs = []
+            while len(msgs) < batch and (found := self._consumer.next_message()) is not None:
+                msgs.append(self._deliver(*found))
+            if msgs:
+                return msgs
+            now = loop.time()
+            if now >= deadline - EPS_S:
+                raise NatsTimeoutError
+            wake_at = min(t for t in (deadline, self._consumer.next_redelivery_at()) if t is not None)
+            try:
+                await asyncio.wait_for(self._consumer.stream.changed.wait(), timeout=max(0.0, wake_at - now))
+            except TimeoutError:
+                pass
+
+    def _deliver(self, stored: _Stored, deliveries: int) -> InProcMsg:
+        msg = InProcMsg(self._client, stored.subject, stored.data, headers=stored.headers)
+        if self._consumer.explicit:
+            msg._consumer, msg._seq = self._consumer, stored.seq
+        msg.metadata = _Metadata(self._consumer, stored.seq, deliveries)
+        return msg
+
+    async def consumer_info(self) -> Any:
+        return SimpleNamespace(name=self._consumer.name, num_pending=self._consumer.num_pending())
+
+    async def unsubscribe(self) -> None:
+        if not self._consumer.name.startswith("_eph"):
+            return
+        self._consumer.stream.consumers.pop(self._consumer.name, None)
+
+
+class _KeyValue:
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self.entries: dict[str, tuple[bytes, int]] = {}
+        self.revision = itertools.count(1)
+
+    async def get(self, key: str) -> Any:
+        if key not in self.entries:
+            raise KeyNotFoundError
+        value, revision = self.entries[key]
+        return SimpleNamespace(key=key, value=value, revision=revision)
+
+    async def put(self, key: str, value: bytes) -> int:
+        revision = next(self.revision)
+        self.entries[key] = (value, revision)
+        return revision
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.entries:
+            raise KeyWrongLastSequenceError(description=f"key {key} exists")
+        return await self.put(key, value)
