@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,6 +27,7 @@ from bus_schemas.status import ActorReport
 from bus_schemas.train import FinishedTrajectory, StepReport
 
 T = TypeVar("T")
+LOG = logging.getLogger("prorsa.export")
 
 _FETCH_BATCH = 2000
 
@@ -125,8 +127,6 @@ def load_events(path: str | Path) -> pl.DataFrame:
 
 
 def check_events(frame: pl.DataFrame, where: str = "event log") -> pl.DataFrame:
-    import logging
-
     missing = sorted((EVENT_COLUMNS | {"schema_version"}) - set(frame.columns))
     if missing:
         raise EventLogError(f"{where}: missing column(s) {', '.join(missing)}")
@@ -139,14 +139,13 @@ def check_events(frame: pl.DataFrame, where: str = "event log") -> pl.DataFrame:
             raise EventLogError(f"{where}: column {column} has type {frame[column].dtype}, expected {dtype}")
     if frame["at_s"].null_count() or frame["kind"].null_count():
         raise EventLogError(f"{where}: null at_s or kind in {frame['at_s'].null_count() + frame['kind'].null_count()} row(s)")
-    log = logging.getLogger("prorsa.export")
     if frame["event_id"].n_unique() != frame.height:
         dropped = frame.height - frame["event_id"].n_unique()
         frame = frame.unique("event_id", keep="first", maintain_order=True)
-        log.warning("%s: dropped %d duplicate event id(s)", where, dropped)
+        LOG.warning("%s: dropped %d duplicate event id(s)", where, dropped)
     ordered = frame.sort("at_s", "event_id")
     if not ordered["event_id"].equals(frame["event_id"]):
-        log.warning("%s: rows were out of time order; sorted by (at_s, event_id)", where)
+        LOG.warning("%s: rows were out of time order; sorted by (at_s, event_id)", where)
     return ordered
 
 
@@ -243,9 +242,8 @@ def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, 
 
 async def _main(url: str, out: Path) -> None:
     from actors.base.connection import close, connect  # late: keeps this module import-light
-    import logging
 
-    nc = await connect(url, "export", logging.getLogger("prorsa.export"))
+    nc = await connect(url, "export", LOG)
     try:
         record = await read_run(nc.jetstream())
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from ops.procs import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_WALL_S = 15.0
+LOG = logging.getLogger("prorsa.launch")
 console = Console(stderr=True)
 
 
@@ -94,9 +96,7 @@ def prepare_model(config: Config, out: Path) -> Config:
 
 
 async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
-    import logging
-
-    nc = await connect(url, "launcher", logging.getLogger("prorsa.launch"))
+    nc = await connect(url, "launcher", LOG)
     try:
         js = nc.jetstream()
         await streams.ensure_streams(js)
@@ -137,9 +137,7 @@ async def supervise(
     stop_wait = asyncio.create_task(interrupted.wait())
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
     bar = progress.add_task("trajectories", total=expected)
-    import logging
-
-    nc = await connect(url, "launcher-watch", logging.getLogger("prorsa.launch"))
+    nc = await connect(url, "launcher-watch", LOG)
 
     async def on_finished(msg) -> None:
         try:
@@ -188,9 +186,7 @@ async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[s
 
 
 async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str]) -> dict:
-    import logging
-
-    nc = await connect(url, "launcher-export", logging.getLogger("prorsa.launch"))
+    nc = await connect(url, "launcher-export", LOG)
     try:
         record = await read_run(nc.jetstream())
     finally:

@@ -1,5 +1,5 @@
 """The engine's bus adapter: pulls work for its role, drives the scheduler core in model
-time, hands KV over, answers commands.
+time, hands KV over; its commands are answered by `actors.engine.commands`.
 
 Work messages stay un-acked until their effect is durable (a decode work item, or a turn
 result, stored in its stream), so an engine that dies loses nothing: JetStream redelivers.
@@ -17,11 +17,12 @@ from nats.errors import NoRespondersError
 from actors.base import Actor
 from actors.base.publish import PublishAborted, publish_durable, pull_one
 from actors.engine.backend import Backend, EmulatedBackend
+from actors.engine.commands import EngineCommands
 from actors.engine.core import EngineCore, Seq
-from actors.engine.costmodel import LINKS, switch_reconfig_s, transfer_s
+from actors.engine.costmodel import LINKS, transfer_s
 from bus_schemas import subjects
 from bus_schemas.codec import encode
-from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
+from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import EngineStatus
 from bus_schemas.streams import decode_consumer, prefill_consumer, pull_subscription
@@ -33,7 +34,7 @@ KV_REQUEST_TIMEOUT_WALL_S = 5.0
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
-class EngineActor(Actor):
+class EngineActor(EngineCommands, Actor):
     kind = "engine"
 
     def __init__(self, actor_id, config, nc, clock, role: Role) -> None:
@@ -183,18 +184,26 @@ class EngineActor(Actor):
         torch engine lets KV transfers in flight land here, so their turns join the step)."""
         return False
 
-    def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, **extra) -> None:
-        w = seq.work
+    def _work_event(self, kind: EventKind, work: PrefillWork, **fields) -> None:
+        """A lifecycle event about one submission of a turn, seen by this engine."""
         self.event(
             kind,
-            at_s=at_s,
-            trajectory_id=w.trajectory_id,
-            turn=w.turn,
-            attempt=w.attempt,
-            task_family=w.task_family,
-            policy_version=w.policy_version,
-            step=w.policy_version,
+            trajectory_id=work.trajectory_id,
+            turn=work.turn,
+            attempt=work.attempt,
+            task_family=work.task_family,
+            policy_version=work.policy_version,
+            step=work.policy_version,
             engine_id=self.actor_id,
+            **fields,
+        )
+
+    def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, **extra) -> None:
+        w = seq.work
+        self._work_event(
+            kind,
+            w,
+            at_s=at_s,
             role=self.core.role.value,
             new_tokens=w.new_tokens,
             context_tokens=w.context_tokens,
@@ -307,18 +316,8 @@ class EngineActor(Actor):
         again = msgspec.structs.replace(work, attempt=work.attempt + 1, work_id=retry_work_id(work.work_id, work.attempt + 1))
         self.counters["reprefills"] += 1
         self.log.warning("re-prefill %s: %s", work.work_id, why)
-        await publish_durable(self.js, subjects.work_prefill(), encode(again), again.work_id, self.counters, self.log, self.stopping)
-        self.event(
-            EventKind.REPREFILL,
-            trajectory_id=work.trajectory_id,
-            turn=work.turn,
-            attempt=again.attempt,
-            task_family=work.task_family,
-            policy_version=work.policy_version,
-            step=work.policy_version,
-            engine_id=self.actor_id,
-            detail=why,
-        )
+        await self._publish(subjects.work_prefill(), encode(again), again.work_id)
+        self._work_event(EventKind.REPREFILL, again, detail=why)
 
     # --- KV hand-off, prefill side ---------------------------------------------------------
     async def _on_kv_fetch(self, msg: Msg) -> None:
@@ -346,79 +345,6 @@ class EngineActor(Actor):
         for seq in self.core.expire(self.clock.now_s()):
             self.counters["kv_expired"] += 1
             self.log.warning("KV of %s expired before a decode engine fetched it", seq.key)
-
-    # --- commands ------------------------------------------------------------------------
-    async def _on_command(self, msg: Msg) -> None:
-        command = self.decode_or_count(Command, msg)
-        if command is None:
-            await self._reply(msg, "invalid", ok=False, error="malformed command")
-            return
-        match command:
-            case LoadPolicy(version=version):
-                if version < self.policy_version:
-                    await self._reply(msg, "load_policy", ok=False, error=f"stale policy {version} < {self.policy_version}")
-                    return
-                if version > self.policy_version:
-                    error = await self._load_weights(version)
-                    if error is not None:
-                        await self._reply(msg, "load_policy", ok=False, error=error)
-                        return
-                    self.policy_version = version
-                    self.event(EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id)
-                await self._reply(msg, "load_policy", ok=True)
-            case SetRole():
-                self.spawn(self._switch(command, msg), f"switch-{command.epoch}")
-            case Drain():
-                self._pulling = False
-                await self._reply(msg, "drain", ok=True)
-            case Shutdown(reason=reason):
-                await self._reply(msg, "shutdown", ok=True)
-                self.request_stop(reason or "shutdown command")
-
-    async def _load_weights(self, version: int) -> str | None:
-        """A backend hook: load policy `version`'s weights; why not, or None when loaded."""
-        return None
-
-    async def _switch(self, command: SetRole, msg: Msg) -> None:
-        if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.core.role):
-            self.counters["stale_commands"] += 1
-            await self._reply(msg, "set_role", ok=False, error=f"stale epoch {command.epoch} (engine is at {self.epoch})")
-            return
-        if command.epoch == self.epoch:  # the same command again: already done
-            await self._reply(msg, "set_role", ok=True)
-            return
-        started_s = self.clock.now_s()
-        self.epoch = command.epoch
-        self._pulling = False
-        deadline_s = started_s + command.drain_deadline_s
-        while not self._drained() and self.clock.now_s() < deadline_s:
-            self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout=IDLE_WAKE_WALL_S)
-        drain_s = self.clock.now_s() - started_s
-        reconfig_s = switch_reconfig_s(self.config.engines, self.core.role, command.role)
-        await self.clock.sleep(reconfig_s)
-        self.core.preset = self.config.engines.cost_preset(command.role)
-        self.core.role = command.role
-        self._pulling = True
-        self._room.set()
-        self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
-        await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
-
-    async def _reply(self, msg: Msg, command: str, ok: bool, error: str = "", drain_s: float = 0.0) -> None:
-        if not msg.reply:
-            return
-        ack = CommandAck(
-            engine_id=self.actor_id,
-            command=command,
-            ok=ok,
-            error=error,
-            role=self.core.role,
-            epoch=self.epoch,
-            policy_version=self.policy_version,
-            drain_s=drain_s,
-        )
-        await msg.respond(encode(ack))
 
     # --- heartbeat -----------------------------------------------------------------------
     def heartbeat(self) -> EngineStatus:

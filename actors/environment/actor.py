@@ -186,9 +186,12 @@ class EnvironmentActor(Actor):
         t.new_tokens = obs
         await self._submit(t)
 
+    def _outcome(self, t: Trajectory) -> dict:
+        """The reward and what this environment's finished trajectories carry beyond the shared fields."""
+        return dict(reward=t.plan.reward(), prompt_tokens=t.plan.prompt_tokens)
+
     async def _finish(self, t: Trajectory, truncated: bool) -> None:
         a = t.assignment
-        reward = t.plan.reward()
         now_s = self.clock.now_s()
         done = FinishedTrajectory(
             trajectory_id=a.trajectory_id,
@@ -198,18 +201,17 @@ class EnvironmentActor(Actor):
             step=a.step,
             policy_versions=t.versions,
             turns=t.turn + 1,
-            reward=reward,
             truncated=truncated,
-            prompt_tokens=t.plan.prompt_tokens,
             generated_tokens=t.generated_tokens,
             observation_tokens=t.observation_tokens,
             started_at_s=t.started_at_s,
             finished_at_s=now_s,
+            **self._outcome(t),
         )
         await publish_durable(
             self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping
         )
-        self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=reward, at_s=now_s)
+        self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
         await t.task_msg.ack()
         del self.live[a.trajectory_id]
         self.counters["finished"] += 1

@@ -15,14 +15,11 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from actors.base.publish import publish_durable
 from actors.engine.torch_model import load_tokenizer
 from actors.environment.actor import EnvironmentActor, Trajectory
 from actors.environment.tasks import TASKS, CalcTask
-from bus_schemas import subjects
-from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
-from bus_schemas.train import FinishedTrajectory, TaskAssignment
+from bus_schemas.train import TaskAssignment
 from bus_schemas.work import TurnResult
 
 
@@ -102,21 +99,11 @@ class RealEnvironmentActor(EnvironmentActor):
         t.new_tokens = len(t.new_ids)
         await self._submit(t)
 
-    async def _finish(self, t: RealTrajectory, truncated: bool) -> None:  # type: ignore[override]
-        a = t.assignment
-        reward = t.task.reward(t.outputs)
-        now_s = self.clock.now_s()
-        prompt_tokens = t.generated_mask.index(1) if 1 in t.generated_mask else len(t.ids)
-        done = FinishedTrajectory(
-            trajectory_id=a.trajectory_id, task_id=a.task_id, task_family=a.task_family, env_id=self.actor_id,
-            step=a.step, policy_versions=t.versions, turns=t.turn + 1, reward=reward, truncated=truncated,
-            prompt_tokens=prompt_tokens, generated_tokens=t.generated_tokens, observation_tokens=t.observation_tokens,
-            started_at_s=t.started_at_s, finished_at_s=now_s,
-            token_ids=t.ids, generated_mask=t.generated_mask, logprobs=t.logprobs,
-        )  # fmt: skip
-        await publish_durable(self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping)
-        self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=reward, at_s=now_s)
-        await t.task_msg.ack()
-        del self.live[a.trajectory_id]
-        self.counters["finished"] += 1
-        self._room.set()
+    def _outcome(self, t: RealTrajectory) -> dict:  # type: ignore[override]
+        return dict(
+            reward=t.task.reward(t.outputs),
+            prompt_tokens=t.generated_mask.index(1) if 1 in t.generated_mask else len(t.ids),
+            token_ids=t.ids,
+            generated_mask=t.generated_mask,
+            logprobs=t.logprobs,
+        )
