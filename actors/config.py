@@ -6,6 +6,7 @@ starts, with a message that names the key and the file.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -14,7 +15,9 @@ import msgspec
 
 from bus_schemas.control import Role
 
-Policy = Literal["colocated", "static"]
+Policy = Literal["colocated", "colocated-sticky", "static", "reactive", "prorsa", "oracle"]
+POLICIES: tuple[str, ...] = Policy.__args__  # type: ignore[attr-defined]
+DYNAMIC_POLICIES = ("reactive", "prorsa", "oracle")  # run an allocator that switches roles
 
 
 class ConfigError(ValueError):
@@ -30,7 +33,7 @@ class RunSection(_Section):
     seed: int = 0  # seeds every sampled length and latency
     time_scale: float = 1.0  # model seconds per wall second (20: a 60 s rollout takes 3 s)
     mode: Literal["sync"] = "sync"
-    policy: Policy = "colocated"  # overridden by `ops.launch --policy`
+    policy: Policy = "colocated"  # overridden by `--policy` (which also takes `static-P:D`)
     heartbeat_wall_s: float = 1.0  # status heartbeat period, wall seconds
     ack_wait_wall_s: float = 30.0  # un-acked work is redelivered after this many wall seconds
 
@@ -68,12 +71,16 @@ class EngineSection(_Section):
     prefill_layout: LayoutSection | None = None  # stage-specific parallelism for prefill engines
     decode_layout: LayoutSection | None = None  # ... and for decode engines
     switch_regime: Literal["instant", "sleep-wake", "restart"] = "instant"  # reconfiguration cost of a role switch
+    # Per-turn placement (policies reactive, prorsa, oracle): a turn appending at most this many
+    # uncached tokens is prefilled where its KV already lives, a decode engine included; a
+    # longer one goes to a prefill engine. 0: every prefill on a prefill (or colocated) engine.
+    local_prefill_max_tokens: int = 1024
 
     def __post_init__(self) -> None:
         from actors.engine.costmodel import LINKS, PRESETS
 
-        if self.count < 1:
-            raise ValueError("engines.count must be >= 1")
+        if self.count < 1 or self.prefill_engines < 1:
+            raise ValueError("engines.count and engines.prefill_engines must be >= 1")
         if self.preset not in PRESETS:
             raise ValueError(f"unknown engines.preset {self.preset!r} (known: {', '.join(sorted(PRESETS))})")
         if self.link not in LINKS:
@@ -99,8 +106,6 @@ class EngineSection(_Section):
             return with_layout(self.preset, Layout(layout.tp, layout.dp, layout.ep))
         except ValueError as err:
             raise ValueError(f"engines layout for {role.value}: {err}") from None
-        if self.prefill_engines < 1:
-            raise ValueError("engines.prefill_engines must be >= 1")
 
 
 class EnvironmentSection(_Section):
@@ -224,6 +229,32 @@ class ForecasterSection(_Section):
                 raise ValueError(f"forecaster.{what} = {value} is not a positive multiple of bin_s = {self.bin_s}")
 
 
+class AllocatorSection(_Section):
+    """The allocator actor (policies reactive, prorsa and oracle); times in model seconds."""
+
+    tick_s: float = 2.0  # decision period
+    horizon_s: float = 10.0  # prorsa / oracle: size the split for the demand over this horizon
+    min_dwell_s: float = 10.0  # an engine keeps a role at least this long before switching again
+    drain_deadline_s: float = 5.0  # in-flight decodes left at this deadline migrate to another engine
+    ack_timeout_wall_s: float = 10.0  # an engine that does not ack a SetRole within this is left out
+    prefill_target_util: float = 0.8  # size prefill capacity so its utilisation stays at this
+    decode_tpot_slack: float = 2.0  # a decode engine is "full" at the batch whose step time is this x its minimum
+    min_gain_s: float = 2.0  # a change must save at least this many engine-seconds over the horizon, net of its cost
+    # Colocation or PD: with prefill load (in engines, long prefills only) above this the fleet
+    # splits into prefill and decode engines; below `colocate_below_engines` it goes back to colocated
+    disaggregate_above_engines: float = 0.5
+    colocate_below_engines: float = 0.25
+    oracle_log: str = ""  # oracle: events.parquet of a recorded run of the same workload
+
+    def __post_init__(self) -> None:
+        if min(self.tick_s, self.horizon_s, self.ack_timeout_wall_s) <= 0 or self.min_dwell_s < 0 or self.drain_deadline_s < 0:
+            raise ValueError("allocator.tick_s, horizon_s and ack_timeout_wall_s must be > 0; min_dwell_s, drain_deadline_s >= 0")
+        if not 0 <= self.colocate_below_engines <= self.disaggregate_above_engines:
+            raise ValueError("allocator.colocate_below_engines must be in [0, disaggregate_above_engines]")
+        if not 0 < self.prefill_target_util <= 1 or self.decode_tpot_slack <= 1:
+            raise ValueError("allocator.prefill_target_util must be in (0, 1] and decode_tpot_slack > 1")
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     engines: EngineSection = msgspec.field(default_factory=EngineSection)
@@ -232,6 +263,30 @@ class Config(_Section):
     workload: WorkloadSection = msgspec.field(default_factory=WorkloadSection)
     forecaster: ForecasterSection = msgspec.field(default_factory=ForecasterSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
+    allocator: AllocatorSection = msgspec.field(default_factory=AllocatorSection)
+
+    def __post_init__(self) -> None:
+        if self.run.policy == "oracle" and not self.allocator.oracle_log:
+            raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
+
+    @property
+    def affinity_routing(self) -> bool:
+        """A trajectory's next turn goes back to the engine that prefilled its last one
+        (its prefix is cached there). Every policy but plain `colocated`, the paper's baseline."""
+        return self.run.policy != "colocated"
+
+    @property
+    def local_prefill_max_tokens(self) -> int:
+        """Per-turn placement's threshold under this policy (0: decode engines never prefill)."""
+        return self.engines.local_prefill_max_tokens if self.run.policy in DYNAMIC_POLICIES else 0
+
+    @property
+    def runs_allocator(self) -> bool:
+        return self.run.policy in DYNAMIC_POLICIES
+
+    @property
+    def runs_forecaster(self) -> bool:
+        return self.forecaster.enabled or self.run.policy == "prorsa"
 
     def engine_ids(self) -> list[str]:
         return [f"e{i}" for i in range(self.engines.count)]
@@ -261,13 +316,30 @@ def load_config(path: str | Path) -> Config:
 
 
 def with_policy(config: Config, policy: str | None) -> Config:
+    """`config` under another policy; `static-P:D` is the static policy with P prefill engines."""
     if policy is None:
         return config
+    engines = config.engines
+    split = re.fullmatch(r"static-(\d+):(\d+)", policy)
+    if split is not None:
+        n_prefill, n_decode = int(split[1]), int(split[2])
+        if n_prefill < 1 or n_decode < 1 or n_prefill + n_decode != engines.count:
+            raise ConfigError(f"--policy {policy}: P:D must be >= 1 each and add up to engines.count = {engines.count}")
+        policy, engines = "static", msgspec.structs.replace(engines, prefill_engines=n_prefill)
+    raw = {**msgspec.to_builtins(config), "run": {**msgspec.to_builtins(config.run), "policy": policy}}
+    raw["engines"] = msgspec.to_builtins(engines)
     try:
-        run = msgspec.convert({**msgspec.to_builtins(config.run), "policy": policy}, RunSection)
+        return msgspec.convert(raw, Config)
     except msgspec.ValidationError as err:
         raise ConfigError(f"--policy: {err}") from None
-    return msgspec.structs.replace(config, run=run)
+
+
+def policy_label(config: Config) -> str:
+    """The policy's name in results: `static-P:D` for a static split."""
+    if config.run.policy == "static":
+        p = config.engines.prefill_engines
+        return f"static-{p}:{config.engines.count - p}"
+    return config.run.policy
 
 
 def initial_roles(config: Config) -> dict[str, Role]:
@@ -278,7 +350,7 @@ def initial_roles(config: Config) -> dict[str, Role]:
             f"static policy: engines.prefill_engines = {config.engines.prefill_engines} leaves no decode "
             f"engine out of engines.count = {len(ids)}"
         )
-    if config.run.policy == "colocated":
+    if config.run.policy in ("colocated", "colocated-sticky", *DYNAMIC_POLICIES):  # dynamic: the allocator splits when it pays
         return {engine_id: Role.COLOCATED for engine_id in ids}
     n_prefill = config.engines.prefill_engines
     return {engine_id: Role.PREFILL if i < n_prefill else Role.DECODE for i, engine_id in enumerate(ids)}

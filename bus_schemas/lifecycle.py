@@ -29,6 +29,7 @@ class EventKind(str, enum.Enum):
     STARTED = "started"
     FINISHED = "finished"
     REPREFILL = "reprefill"  # a turn sent back to prefill (lost or invalid KV, dead engine)
+    DECODE_MIGRATED = "decode_migrated"  # a decode moved mid-turn to another engine (a role switch's hand-off)
     # fleet and RL
     ROLE_SWITCHED = "role_switched"
     POLICY_LOADED = "policy_loaded"

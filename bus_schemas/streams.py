@@ -74,6 +74,11 @@ def prefill_consumer() -> ConsumerDef:
     return ConsumerDef(WORK_PREFILL, "prefill", subjects.work_prefill())
 
 
+def affinity_consumer(engine_id: str) -> ConsumerDef:
+    """Turns routed to one engine because it holds their trajectory's prefix."""
+    return ConsumerDef(WORK_PREFILL, f"prefill-{engine_id}", subjects.work_prefill(engine_id))
+
+
 def decode_consumer() -> ConsumerDef:
     return ConsumerDef(WORK_DECODE, "decode", subjects.work_decode())
 

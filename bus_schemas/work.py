@@ -58,6 +58,10 @@ class DecodeWork(msgspec.Struct, frozen=True, kw_only=True):
     first_logprob: float = 0.0  # its log-probability under the (tempered) policy
     cached_prefix_tokens: int = 0  # context tokens the prefill engine found in its cache
     prefilled_at_s: float  # when prefill finished
+    # > 1: a decode migrated mid-turn (a role switch's hand-off); the tokens generated so far,
+    # the last of them sampled but not yet in the KV (emulated backend only)
+    generated_tokens: int = 1
+    migrated_from: str = ""  # the engine that handed this decode over, empty for a fresh turn
 
 
 class KvFetch(msgspec.Struct, frozen=True, kw_only=True):

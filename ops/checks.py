@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import polars as pl
 
+from actors.config import Config
 from bus_schemas.lifecycle import TOOL_KINDS, TURN_KINDS_COLOCATED, TURN_KINDS_PD, EventKind
 
 
-def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disaggregated: bool) -> dict[str, list[str]]:
+def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disaggregated: bool | None) -> dict[str, list[str]]:
     """trajectory id -> what is missing (empty dict: every trajectory is complete).
 
     A complete trajectory has one `started`, one `finished` (whose `turn` is its last turn),
     every turn kind for each turn 0..last (PD or colocated), and a tool call between turns.
+    `disaggregated=None` (a fleet whose roles change): a turn that crossed engines (it has a
+    `decode_queued` or `kv_transfer_done`) needs the PD kinds, any other the colocated ones.
     """
-    turn_kinds = {k.value for k in (TURN_KINDS_PD if disaggregated else TURN_KINDS_COLOCATED)}
+    pd_kinds = {k.value for k in TURN_KINDS_PD}
+    crossing = {EventKind.DECODE_QUEUED.value, EventKind.KV_TRANSFER_DONE.value}
+    fixed_kinds = None if disaggregated is None else pd_kinds if disaggregated else {k.value for k in TURN_KINDS_COLOCATED}
     tool_kinds = {k.value for k in TOOL_KINDS}
     per_traj = (
         events.filter(pl.col("trajectory_id").is_in(list(trajectory_ids)))
@@ -38,8 +43,16 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
             missing.append("started")
         for turn in range(finished_turn + 1):
             have = turns.get(turn, set())
+            turn_kinds = fixed_kinds or (pd_kinds if have & crossing else {k.value for k in TURN_KINDS_COLOCATED})
             want = turn_kinds | (tool_kinds if turn < finished_turn else set())
             missing += [f"turn {turn}: {k}" for k in sorted(want - have)]
         if missing:
             problems[trajectory_id] = missing
     return problems
+
+
+def expects_pd_turns(config: Config) -> bool | None:
+    """Which turns a run's log should show: PD (True), colocated (False) or either (None)."""
+    if config.run.policy in ("colocated", "colocated-sticky"):
+        return False
+    return True if config.run.policy == "static" else None

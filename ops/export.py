@@ -111,6 +111,18 @@ _EXPORT_DTYPES = {
 }  # fmt: skip
 
 
+def forecasts_frame(forecasts: list) -> pl.DataFrame:
+    """DemandForecasts as rows: as_of_s, horizon_s, target, bin_s, and the mean, lowest and highest
+    quantile per bin (flows: tokens in the bin; levels: the bin's mean)."""
+    rows = []
+    for f in forecasts:
+        for t in f.targets:
+            lo, hi = t.quantile_levels.index(min(t.quantile_levels)), t.quantile_levels.index(max(t.quantile_levels))
+            for i, h in enumerate(f.horizons_s):
+                rows.append((f.as_of_s, h, t.target, f.bin_s, t.mean[i], t.quantiles[lo][i], t.quantiles[hi][i]))
+    return pl.DataFrame(rows, schema=["as_of_s", "horizon_s", "target", "bin_s", "mean", "low", "high"], orient="row")
+
+
 def load_events(path: str | Path) -> pl.DataFrame:
     """Read an events.parquet written by `events_frame` and validate it: every column present,
     a schema version this code knows, no duplicate ids, rows in time order. Raises
@@ -217,20 +229,21 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
 
 def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, console=None) -> dict:
     """Write DIR/events.parquet and DIR/summary.json for a finished (or stopped) run."""
-    from ops.checks import incomplete_trajectories
+    from actors.config import policy_label
+    from ops.checks import expects_pd_turns, incomplete_trajectories
 
     events = events_frame(record.events)
     events.write_parquet(out / "events.parquet")
     summary = summarize(
         record,
         events,
-        policy=config.run.policy,
+        policy=policy_label(config),
         mode=config.run.mode,
         backend=config.engines.backend,
         expected=config.trajectories_expected(),
     )
     finished_ids = {f.trajectory_id for f in record.finished}
-    incomplete = incomplete_trajectories(events, finished_ids, disaggregated=config.run.policy != "colocated")
+    incomplete = incomplete_trajectories(events, finished_ids, disaggregated=expects_pd_turns(config))
     for trajectory_id, missing in list(incomplete.items())[:5]:
         message = f"error: trajectory {trajectory_id} is missing events: {', '.join(missing[:6])}"
         console.print(f"[red]{message}") if console is not None else print(message)

@@ -1,6 +1,6 @@
 """Launch a Prorsa run: one process per actor, over an embedded (or given) NATS server.
 
-    python -m ops.launch CONFIG.toml [--policy colocated|static] [--out DIR] [--nats-url URL]
+    python -m ops.launch CONFIG.toml [--policy colocated|colocated-sticky|static|static-P:D|reactive|prorsa|oracle] [--out DIR] [--nats-url URL]
 
 1. Validate the config (a typo fails here, before anything starts).
 2. Start an embedded nats-server under DIR (unless --nats-url), create the streams, set the
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.base.connection import close, connect, publish_origin
-from actors.config import Config, ConfigError, initial_roles, load_config, with_policy
+from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
@@ -62,8 +62,10 @@ def actor_specs(config: Config) -> list[ActorSpec]:
     check_real_tasks(config)
     specs = [ActorSpec("engine", e, ("--role", roles[e].value)) for e in config.engine_ids()]
     specs += [ActorSpec("environment", env) for env in config.env_ids()]
-    if config.forecaster.enabled:
+    if config.runs_forecaster:
         specs.append(ActorSpec("forecaster", "forecaster"))
+    if config.runs_allocator:
+        specs.append(ActorSpec("allocator", "allocator"))
     specs.append(ActorSpec("trainer", "trainer"))
     return specs
 
@@ -259,7 +261,7 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", type=Path)
-    parser.add_argument("--policy", choices=["colocated", "static"], help="overrides run.policy")
+    parser.add_argument("--policy", metavar="POLICY", help=f"overrides run.policy: {', '.join(POLICIES)}, or static-P:D")
     parser.add_argument("--out", type=Path, help="run folder (default runs/<name>-<policy>-<time>)")
     parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     args = parser.parse_args(argv)

@@ -1,6 +1,8 @@
 """Benchmarks that print figures.
 
     python -m runners.bench calibration --out DIR    cost model vs published figures
+    python -m runners.bench rollout [--suite paper] [--out DIR] [--live] [--jobs N]
+                                                     every policy side by side (runners.rollout)
 """
 
 from __future__ import annotations
@@ -39,10 +41,32 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="bench", required=True)
     cal = sub.add_parser("calibration", help="cost model vs published figures")
     cal.add_argument("--out", type=Path, default=Path("runs/calibration"))
+    roll = sub.add_parser("rollout", help="every allocation policy on the same workloads")
+    roll.add_argument("--suite", default="paper", help="paper (default) or smoke")
+    roll.add_argument("--out", type=Path, default=None, help="default runs/rollout-<suite>")
+    roll.add_argument("--live", action="store_true", help="run on a real nats-server in real time (slow) instead of virtual time")
+    roll.add_argument("--jobs", type=int, default=2, help="runs at once (virtual time: one core each)")
     args = parser.parse_args(argv)
     if args.bench == "calibration":
         return calibration(args.out)
+    if args.bench == "rollout":
+        return rollout(args.suite, args.out or Path("runs") / f"rollout-{args.suite}", args.live, 1 if args.live else args.jobs)
     return 2
+
+
+def rollout(suite_name: str, out: Path, live: bool, jobs: int) -> int:
+    from runners.rollout import SUITES, run_suite
+
+    if suite_name not in SUITES:
+        print(f"error: unknown suite {suite_name!r} (known: {', '.join(SUITES)})", file=sys.stderr)
+        return 2
+    results = run_suite(SUITES[suite_name], out, live, jobs)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
+    bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]
+    for r in bad:
+        print(f"error: {r['fleet']}/{r['workload']}/{r['policy']}: {r['status']}, {r['trajectories_lost']} lost, {r['incomplete_trajectories']} incomplete", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

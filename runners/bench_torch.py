@@ -52,7 +52,7 @@ from ops.procs import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_WALL_S = 120.0
-DRAIN_SETTLE_WALL_S = 0.5  # > the engine's pull wait (FETCH_WAIT_WALL_S): no pull still open
+DRAIN_SETTLE_WALL_S = 0.5  # lets the Drain land; a pull still open hands back what it gets (nak)
 
 
 def bench_config(checkpoint: Path, args) -> Config:

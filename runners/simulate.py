@@ -1,6 +1,6 @@
 """Run every actor of a config in one process, on the in-process bus, in virtual time.
 
-    python -m runners.simulate CONFIG.toml [--policy colocated|static] [--out DIR]
+    python -m runners.simulate CONFIG.toml [--policy colocated|colocated-sticky|static|static-P:D|reactive|prorsa|oracle] [--out DIR]
 
 The same actor classes as a live run (`ops.launch`), on `actors.base.inproc` instead of a
 nats-server and under `actors.base.virtual.VirtualTimeLoop`: time jumps to the next timer
@@ -25,12 +25,16 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from actors.base import Actor
 from actors.base.inproc import InProcServer
 from actors.base.virtual import LoopClock, VirtualTimeLoop
-from actors.config import Config, ConfigError, initial_roles, load_config, with_policy
+from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
+from actors.allocator.actor import AllocatorActor
 from actors.engine.actor import EngineActor
+from actors.forecaster.actor import ForecasterActor
 from actors.environment.actor import EnvironmentActor
 from actors.trainer.actor import TrainerActor
 from bus_schemas import streams, subjects
-from ops.export import read_run, write_run
+from bus_schemas.codec import decode
+from bus_schemas.forecast import DemandForecast
+from ops.export import forecasts_frame, read_run, write_run
 
 console = Console(stderr=True)
 STOP_TIMEOUT_S = 60.0  # model seconds the other actors get to stop once the trainer is done
@@ -43,6 +47,10 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
     roles = initial_roles(config)
     actors: list[Actor] = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
     actors += [EnvironmentActor(env, config, server.connect(env), clock) for env in config.env_ids()]
+    if config.runs_forecaster:
+        actors.append(ForecasterActor("forecaster", config, server.connect("forecaster"), clock))
+    if config.runs_allocator:
+        actors.append(AllocatorActor("allocator", config, server.connect("allocator"), clock))
     actors.append(TrainerActor("trainer", config, server.connect("trainer"), clock))
     for actor in actors:
         counter = itertools.count()
@@ -65,6 +73,12 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
             progress.update(bar, advance=1, description=f"model {asyncio.get_running_loop().time():,.0f} s")
 
     await control.subscribe(subjects.lifecycle("finished"), cb=on_finished)
+    forecasts: list[DemandForecast] = []
+
+    async def on_forecast(msg) -> None:
+        forecasts.append(decode(DemandForecast, msg.data))
+
+    await control.subscribe(subjects.forecast(), cb=on_forecast)
     trainer_task = next(t for t, a in tasks.items() if a is trainer)
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     failed = [tasks[t].actor_id for t in done if t is not trainer_task or t.exception() is not None]
@@ -79,6 +93,8 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     record = await read_run(control.jetstream())
     summary = write_run(record, out, config, status, time.monotonic() - started_wall, console)
+    if forecasts:
+        forecasts_frame(forecasts).write_parquet(out / "forecasts.parquet")
     summary_model_s = asyncio.get_running_loop().time()
     console.print(
         f"[bold]{status}[/bold]: simulated {summary_model_s:,.0f} model s in {summary['wall_s']} s wall; "
@@ -107,7 +123,7 @@ def run(config: Config, out: Path, show_progress: bool = True) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runners.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", type=Path)
-    parser.add_argument("--policy", choices=["colocated", "static"], help="overrides run.policy")
+    parser.add_argument("--policy", metavar="POLICY", help=f"overrides run.policy: {', '.join(POLICIES)}, or static-P:D")
     parser.add_argument("--out", type=Path, help="output folder (default runs/sim-<name>-<policy>)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")

@@ -33,8 +33,8 @@ async def events(bus) -> list[LifecycleEvent]:
     return await read_stream(bus.jetstream(), streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
 
 
-async def command(bus, engine_id: str, message) -> CommandAck:
-    reply = await bus.request(subjects.ctl_engine(engine_id), encode(message) if not isinstance(message, bytes) else message, timeout=5)
+async def command(bus, engine_id: str, message, timeout: float = 5) -> CommandAck:
+    reply = await bus.request(subjects.ctl_engine(engine_id), encode(message) if not isinstance(message, bytes) else message, timeout=timeout)
     return decode(CommandAck, reply.data)
 
 

@@ -52,7 +52,7 @@ def assert_all_gone(pids: dict[str, int]) -> None:
     assert not alive, f"left behind: {alive}"
 
 
-@pytest.mark.parametrize("policy", ["colocated", "static"])
+@pytest.mark.parametrize("policy", ["colocated", "static-1:1"])
 def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path: Path, policy: str):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=2)
     out = tmp_path / "run"
@@ -74,7 +74,7 @@ def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path:
     assert events["event_id"].n_unique() == events.height
     finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
     assert len(finished) == summary["trajectories_finished"]
-    disaggregated = policy == "static"
+    disaggregated = policy.startswith("static")
     assert incomplete_trajectories(events, finished, disaggregated) == {}
     assert summary["incomplete_trajectories"] == 0
     per_kind = dict(events["kind"].value_counts().iter_rows())
@@ -150,3 +150,25 @@ def test_malformed_messages_on_every_subject_are_counted_and_lose_nothing(tmp_pa
     assert summary["invalid_messages"] == len(stored) + 1
     assert summary["trajectories_finished"] == summary["trajectories_expected"] and summary["trajectories_lost"] == 0
     assert summary["incomplete_trajectories"] == 0
+
+
+def test_prorsa_switches_roles_on_a_real_bus_and_loses_nothing(tmp_path: Path):
+    """prorsa with the forecaster and the allocator as their own processes: the fleet starts
+    colocated, the allocator splits it (thresholds at zero: always PD), every trajectory
+    finishes with every transition in the log."""
+    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2)
+    with config.open("a") as f:
+        f.write("\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ndisaggregate_above_engines = 0.0\ncolocate_below_engines = 0.0\n")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policy"] == "prorsa" and summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    assert summary["actors"]["allocator"]["switches"] >= 2  # colocated -> one prefill, one decode engine
+    events = pl.read_parquet(out / "events.parquet")
+    switched = events.filter(pl.col("kind") == "role_switched")
+    assert {"prefill", "decode"} <= set(switched["role"])
+    assert events.filter(pl.col("kind") == "kv_transfer_done").height > 0  # turns crossed engines after the split
+    assert summary["actors"]["forecaster"]["ticks"] > 0

@@ -30,14 +30,16 @@ def test_same_config_and_seed_give_byte_identical_logs(tmp_path: Path):
     assert json.loads((a / "summary.json").read_text())["steps"] == json.loads((b / "summary.json").read_text())["steps"]
 
 
-@pytest.mark.parametrize("policy", ["colocated", "static"])
+@pytest.mark.parametrize("policy", ["colocated", "static", "colocated-sticky", "reactive", "prorsa"])
 def test_simulated_run_finishes_every_trajectory_with_every_transition(tmp_path: Path, policy: str):
     out = simulate(tmp_path, policy, policy)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == 8
     events = pl.read_parquet(out / "events.parquet")
     finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
-    assert incomplete_trajectories(events, finished, disaggregated=policy == "static") == {}
+    disaggregated = {"colocated": False, "colocated-sticky": False, "static": True}.get(policy)  # None: roles change
+    assert incomplete_trajectories(events, finished, disaggregated) == {}
+    assert summary["incomplete_trajectories"] == 0
 
 
 @pytest.mark.e2e

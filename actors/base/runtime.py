@@ -165,12 +165,15 @@ class Actor:
         finally:
             await sub.unsubscribe()
 
+    async def publish_heartbeat(self) -> None:
+        status = self.heartbeat()
+        if status is not None and self.nc.is_connected:
+            await self.nc.publish(subjects.status(self.kind, self.actor_id), encode(status))
+
     async def _heartbeats(self) -> None:
         period_s = self.config.run.heartbeat_wall_s
         while True:
-            status = self.heartbeat()
-            if status is not None and self.nc.is_connected:
-                await self.nc.publish(subjects.status(self.kind, self.actor_id), encode(status))
+            await self.publish_heartbeat()
             await asyncio.sleep(period_s)
 
     async def _publish_report(self) -> None:

@@ -25,17 +25,18 @@ from bus_schemas.codec import encode
 from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import EngineStatus
-from bus_schemas.streams import decode_consumer, prefill_consumer, pull_subscription
+from bus_schemas.streams import affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
 from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult, retry_work_id
 
-FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long; then the role is looked at again
-IDLE_WAKE_WALL_S = 0.1
+FETCH_WAIT_WALL_S = 1.0  # a pull request lasts this long (it returns as soon as a message is there)
+IDLE_WAKE_WALL_S = 1.0  # waits on events (work, room, a role change) look again after this at the latest
 KV_REQUEST_TIMEOUT_WALL_S = 5.0
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
 class EngineActor(EngineCommands, Actor):
     kind = "engine"
+    migrates_decodes = True  # a switch may hand in-flight decodes to another engine at its deadline
 
     def __init__(self, actor_id, config, nc, clock, role: Role) -> None:
         super().__init__(actor_id, config, nc, clock)
@@ -52,8 +53,15 @@ class EngineActor(EngineCommands, Actor):
         self._room = asyncio.Event()  # capacity freed
         self._progress = asyncio.Event()  # a step or transfer finished
         self._pulling = True
-        self._queue_empty = False
+        self._roles_changed = asyncio.Event()  # a switch began or ended: fetch loops look again
+        self._queue_empty = {"prefill": False, "decode": False}  # the last pull found nothing
         self._last_heartbeat = (0.0, 0.0)  # (model time, busy time)
+        self.switching = False
+        self.role_since_s = 0.0
+        self.prefilled_tokens_total = 0
+        self.target_role = role  # the role the latest accepted SetRole asked for
+        self._switched = asyncio.Event()  # set while no switch is under way
+        self._switched.set()
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
@@ -62,12 +70,17 @@ class EngineActor(EngineCommands, Actor):
             "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait),
             "decode": await pull_subscription(self.js, decode_consumer(), ack_wait),
         }
+        if self.config.affinity_routing:
+            self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait)
         await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
         self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
 
     async def serve(self, burst: bool) -> None:
-        self.spawn(self._fetch_loop(), "fetch")
+        for queue in ("prefill", "decode"):
+            self.spawn(self._fetch_loop(queue), f"fetch-{queue}")
+        if "affinity" in self._subs:
+            self.spawn(self._affinity_loop(), "fetch-affinity")
         self.spawn(self._keep_alive(), "in-progress")
         await self._step_loop(burst)
 
@@ -82,26 +95,66 @@ class EngineActor(EngineCommands, Actor):
         return self.core.idle and self._pending_transfers == 0 and self._effects == 0
 
     # --- pulling work --------------------------------------------------------------------
-    def _queue(self) -> str:
-        return "decode" if self.core.role is Role.DECODE else "prefill"
+    def _queues(self) -> tuple[str, ...]:
+        """The shared queues this engine's role pulls from."""
+        role = self.core.role
+        if role is Role.PREFILL:
+            return ("prefill",)
+        if role is Role.DECODE:
+            return ("decode",)
+        # colocated: in a fleet whose roles change, it also takes prefilled turns from prefill engines
+        return ("prefill", "decode") if self.config.runs_allocator else ("prefill",)
 
-    async def _fetch_loop(self) -> None:
+    def _prefills_routed_turns(self) -> bool:
+        """Does this engine prefill the turns routed to it (its own queue)?"""
+        return self.core.role is not Role.DECODE or self.config.local_prefill_max_tokens > 0
+
+    async def _fetch_loop(self, queue: str) -> None:
         while not self.stopping.is_set():
-            room = self.core.room(self._pending_transfers) if self._pulling else 0
-            if room <= 0:
+            if not (self._pulling and queue in self._queues()):
+                self._roles_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._roles_changed.wait(), timeout=IDLE_WAKE_WALL_S)
+                continue
+            if self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
                 continue
-            queue = self._queue()
             msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S)
-            self._queue_empty = msg is None
+            self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
                 self._wake.set()  # new work: a running decode step ends early so it can join
 
+    async def _affinity_loop(self) -> None:
+        """Turns routed here because this engine holds their prefix: prefilled here while the
+        role takes them (prefill and colocated; decode too, under per-turn placement);
+        otherwise (or during a switch) forwarded to the shared prefill queue, so a turn never
+        waits on an engine that will not serve it."""
+        sub = self._subs["affinity"]
+        while not self.stopping.is_set():
+            serving = self._pulling and self._prefills_routed_turns()
+            if serving and self.core.room(self._pending_transfers) <= 0:
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
+                continue
+            msg = await pull_one(sub, FETCH_WAIT_WALL_S)
+            if msg is None:
+                continue
+            if self._pulling and self._prefills_routed_turns():
+                await self._admit(msg, "affinity")
+                self._wake.set()
+                continue
+            work = await self.decode_work(PrefillWork, msg)
+            if work is not None:
+                self.counters["affinity_forwarded"] += 1
+                await self._publish(subjects.work_prefill(), msg.data, f"{work.work_id}/fwd")
+                await msg.ack()
+
     async def _admit(self, msg: Msg, queue: str) -> None:
-        if queue == "prefill":
+        if queue in ("prefill", "affinity"):
             work = await self.decode_work(PrefillWork, msg)
             if work is None:
                 return
@@ -109,7 +162,7 @@ class EngineActor(EngineCommands, Actor):
                 self._msgs[work.work_id] = msg
                 self.counters["redelivered_in_flight"] += 1
                 return
-            if work.policy_version > self.policy_version or self._queue() != queue:
+            if work.policy_version > self.policy_version or not self._pulling or not self._takes_prefill(queue):
                 self.counters["returned_not_ready"] += 1
                 await msg.nak(delay=0.1)
                 return
@@ -125,8 +178,15 @@ class EngineActor(EngineCommands, Actor):
         item = await self.decode_work(DecodeWork, msg)
         if item is None:
             return
+        if not self._pulling or "decode" not in self._queues():  # the role changed (or a drain began) while the pull was open
+            self.counters["returned_not_ready"] += 1
+            await msg.nak()
+            return
         self._pending_transfers += 1
         self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
+
+    def _takes_prefill(self, queue: str) -> bool:
+        return self._prefills_routed_turns() if queue == "affinity" else "prefill" in self._queues()
 
     def _check_work(self, work: PrefillWork) -> str | None:
         """Why this engine cannot run `work` (a backend hook; None: it can)."""
@@ -156,7 +216,7 @@ class EngineActor(EngineCommands, Actor):
             self._wake.clear()  # from here on, new work interrupts the step being planned
             batch = self.core.plan(max_advance_s=quantum_s)
             if batch is None:
-                if burst and self._queue_empty and self._drained() and not self.core.held:
+                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held:
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=IDLE_WAKE_WALL_S)
@@ -170,6 +230,7 @@ class EngineActor(EngineCommands, Actor):
             for kind, seq in batch.started:
                 self._turn_event(EventKind(kind), seq, cursor_s)
             cursor_s = await self.backend.run(batch, cursor_s)
+            self.prefilled_tokens_total += sum(n for _, n in batch.prefill)
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
             self._room.set()
@@ -226,21 +287,46 @@ class EngineActor(EngineCommands, Actor):
     async def _hand_off(self, seq: Seq, at_s: float) -> None:
         """Hold the KV under a handle, queue the decode work, then ack the prefill work."""
         try:
-            kv_tokens = seq.kv_tokens - seq.generated
-            handle = KvHandle(
-                engine_id=self.actor_id,
-                handle_id=seq.key,
-                tokens=kv_tokens,
-                kv_bytes=kv_tokens * self.core.preset.kv_bytes_per_token,
-                expires_at_s=at_s + self.config.engines.kv_ttl_s,
-            )
-            self.core.hold(seq, handle.handle_id, handle.expires_at_s)
-            item = self._decode_item(seq, handle, at_s)
+            item = self._decode_item(seq, self._hold(seq, at_s), at_s)
             await self._publish(subjects.work_decode(), encode(item), seq.key)
             self._turn_event(EventKind.DECODE_QUEUED, seq, self.clock.now_s())
             await self._ack(seq.key)
         finally:
             self._effects -= 1
+
+    def _hold(self, seq: Seq, at_s: float) -> KvHandle:
+        """Keep `seq`'s KV for a decode engine to fetch, under a handle with a TTL."""
+        kv_tokens = seq.kv_tokens - 1  # the last sampled token has no KV yet
+        handle = KvHandle(
+            engine_id=self.actor_id,
+            handle_id=seq.key,
+            tokens=kv_tokens,
+            kv_bytes=kv_tokens * self.core.preset.kv_bytes_per_token,
+            expires_at_s=at_s + self.config.engines.kv_ttl_s,
+        )
+        self.core.hold(seq, handle.handle_id, handle.expires_at_s)
+        return handle
+
+    async def migrate_decodes(self) -> int:
+        """A switch's hand-off: every decoding sequence goes to the decode queue with its KV
+        held here (fetched like a fresh hand-off) and the tokens generated so far. Returns
+        how many moved. Its original work item is acked once the new one is stored."""
+        now_s = self.clock.now_s()
+        seqs = self.core.detach_running()
+        self._wake.set()  # a decode step in progress ends at its next iteration
+        for seq in seqs:
+            item = DecodeWork(
+                prefill=seq.work,
+                kv=self._hold(seq, now_s),
+                cached_prefix_tokens=seq.cached_prefix_tokens,
+                prefilled_at_s=now_s,
+                generated_tokens=seq.generated,
+                migrated_from=self.actor_id,
+            )
+            await self._publish(subjects.work_decode(), encode(item), f"{seq.key}/mig{self.epoch}")
+            await self._ack(seq.key)
+            self.counters["decodes_migrated"] += 1
+        return len(seqs)
 
     def _decode_item(self, seq: Seq, handle: KvHandle, at_s: float) -> DecodeWork:
         return DecodeWork(prefill=seq.work, kv=handle, cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s)
@@ -292,7 +378,8 @@ class EngineActor(EngineCommands, Actor):
             await self.clock.sleep(duration_s)
             seq = self.core.admit_decode(item)
             self._msgs[seq.key] = msg
-            self._turn_event(EventKind.KV_TRANSFER_DONE, seq, self.clock.now_s(), kv_bytes=chunk.kv_bytes, duration_s=duration_s)
+            kind = EventKind.DECODE_MIGRATED if item.migrated_from else EventKind.KV_TRANSFER_DONE
+            self._turn_event(kind, seq, self.clock.now_s(), kv_bytes=chunk.kv_bytes, duration_s=duration_s, detail=item.migrated_from)
         finally:
             self._pending_transfers -= 1
             self._wake.set()
@@ -330,7 +417,7 @@ class EngineActor(EngineCommands, Actor):
                 self.counters["kv_unknown_handle"] += 1
                 reply = KvChunk(handle_id=request.handle_id, ok=False, error="unknown or expired KV handle")
             else:
-                tokens = seq.kv_tokens - seq.generated
+                tokens = seq.kv_tokens - 1  # the last sampled token has no KV yet
                 reply = KvChunk(
                     handle_id=request.handle_id,
                     ok=True,
@@ -365,4 +452,9 @@ class EngineActor(EngineCommands, Actor):
             kv_capacity_tokens=self.core.kv_capacity_tokens,
             held_kv_handles=len(self.core.held),
             busy_fraction=min(1.0, busy),
+            waiting_prefill_tokens=sum(s.prefill_left for s in self.core.waiting),
+            decode_context_tokens=sum(s.kv_tokens for s in self.core.running.values()),
+            switching=self.switching,
+            role_since_s=self.role_since_s,
+            prefilled_tokens_total=self.prefilled_tokens_total,
         )

@@ -1,9 +1,12 @@
 """How an engine answers commands on `prorsa.ctl.engine.<id>` (a mixin of EngineActor).
 
 Commands are the tagged union of `bus_schemas.control`, dispatched explicitly. `SetRole` is
-idempotent for the same epoch and refuses a lower one; a switch stops pulling, lets
-in-flight work finish (up to the drain deadline), waits the reconfiguration the config's
-switch regime and layouts give, then pulls for the new role and acks with the drain time.
+idempotent for the same epoch and refuses a lower one. Only a switch *to prefill* has
+something to move out: it stops pulling, lets running decodes finish until the drain
+deadline, then migrates the rest with their KV to another decode engine (its waiting
+prefills stay and hand their KV over when done). A switch to decode or colocated keeps
+everything in flight. Either way the engine then waits the reconfiguration the config's
+switch regime and layouts give, pulls for the new role, and acks with the drain time.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ from nats.aio.msg import Msg
 
 from actors.engine.costmodel import switch_reconfig_s
 from bus_schemas.codec import encode
-from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, SetRole, Shutdown
+from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
 from bus_schemas.lifecycle import EventKind
 
 DRAIN_CHECK_WALL_S = 0.1  # how often a draining switch looks again, at the latest
 
 
 class EngineCommands:
-    """Needs the EngineActor attributes: core, epoch, policy_version, _pulling, _room,
-    _progress, _drained(), spawn(), event(), request_stop(), decode_or_count()."""
+    """Needs the EngineActor attributes: core, epoch, target_role, _switched (set when no switch
+    is under way), policy_version, switching, role_since_s,
+    _pulling, _room, _progress, migrates_decodes, migrate_decodes(), spawn(),
+    event(), publish_heartbeat(), request_stop(), decode_or_count()."""
 
     async def _on_command(self, msg: Msg) -> None:
         command = self.decode_or_count(Command, msg)
@@ -47,6 +52,7 @@ class EngineCommands:
                 self.spawn(self._switch(command, msg), f"switch-{command.epoch}")
             case Drain():
                 self._pulling = False
+                self._roles_changed.set()
                 await self._reply(msg, "drain", ok=True)
             case Shutdown(reason=reason):
                 await self._reply(msg, "shutdown", ok=True)
@@ -57,30 +63,70 @@ class EngineCommands:
         return None
 
     async def _switch(self, command: SetRole, msg: Msg) -> None:
-        if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.core.role):
+        if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.target_role):
             self.counters["stale_commands"] += 1
             await self._reply(msg, "set_role", ok=False, error=f"stale epoch {command.epoch} (engine is at {self.epoch})")
             return
-        if command.epoch == self.epoch:  # the same command again: already done
+        if command.epoch == self.epoch:  # the same command again: ack once it is carried out
+            await self._switched.wait()
             await self._reply(msg, "set_role", ok=True)
             return
+        if command.role is self.target_role and not self.switching:  # nothing to change but the epoch
+            self.epoch = command.epoch
+            await self._reply(msg, "set_role", ok=True)
+            return
+        await self._switched.wait()  # a newer command waits for the switch under way
+        self._switched.clear()
+        try:
+            await self._carry_out(command, msg)
+        finally:
+            self._switched.set()
+
+    async def _carry_out(self, command: SetRole, msg: Msg) -> None:
         started_s = self.clock.now_s()
         self.epoch = command.epoch
-        self._pulling = False
-        deadline_s = started_s + command.drain_deadline_s
-        while not self._drained() and self.clock.now_s() < deadline_s:
-            self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout=DRAIN_CHECK_WALL_S)
-        drain_s = self.clock.now_s() - started_s
+        self.target_role = command.role
+        self.switching = True
+        self._roles_changed.set()
         reconfig_s = switch_reconfig_s(self.config.engines, self.core.role, command.role)
+        if command.role is Role.PREFILL or reconfig_s > 0:  # decodes cannot stay (nothing can, for a reload)
+            self._pulling = False
+            if command.role is Role.PREFILL:
+                self.core.hand_off_waiting()
+            deadline_s = started_s + command.drain_deadline_s
+            while True:
+                await self._drain_decodes(deadline_s)
+                if self.core.running:
+                    moved = await self.migrate_decodes()
+                    self.log.info("switch %d: %d decodes moved to another engine at the drain deadline", command.epoch, moved)
+                if reconfig_s == 0 or self._drained():
+                    break
+                await self._next_progress()
+        # to decode or colocated nothing has to leave: waiting prefills finish (handing off their
+        # KV if they were a prefill engine's), decodes go on
+        drain_s = self.clock.now_s() - started_s
         await self.clock.sleep(reconfig_s)
         self.core.preset = self.config.engines.cost_preset(command.role)
         self.core.role = command.role
+        self.role_since_s = self.clock.now_s()
+        self.switching = False
         self._pulling = True
         self._room.set()
+        self._roles_changed.set()
         self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
+        await self.publish_heartbeat()  # the fleet view sees the new role now, not a period later
+
+    async def _drain_decodes(self, deadline_s: float) -> None:
+        """Wait for the running decodes to finish, until the deadline (no deadline for a
+        backend that cannot move a decode mid-turn)."""
+        while self.core.running and (self.clock.now_s() < deadline_s or not self.migrates_decodes):
+            await self._next_progress()
+
+    async def _next_progress(self) -> None:
+        self._progress.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._progress.wait(), timeout=DRAIN_CHECK_WALL_S)
 
     async def _reply(self, msg: Msg, command: str, ok: bool, error: str = "", drain_s: float = 0.0) -> None:
         if not msg.reply:

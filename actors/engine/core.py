@@ -139,8 +139,8 @@ class EngineCore:
         max_decode = self.max_decode_seqs * self.preset.dp_ranks
         if self.role is Role.PREFILL:
             return max_waiting - len(self.waiting) - pending
-        if self.role is Role.DECODE:
-            return max_decode - len(self.running) - pending
+        if self.role is Role.DECODE:  # prefills here are short local appends (per-turn placement)
+            return min(max_decode - len(self.running) - len(self.waiting), max_waiting - len(self.waiting)) - pending
         return min(max_waiting - len(self.waiting), max_decode - len(self.running) - len(self.waiting)) - pending
 
     @property
@@ -187,8 +187,9 @@ class EngineCore:
             prefill_tokens=work.context_tokens - item.cached_prefix_tokens + work.new_tokens,
             handoff=False,
             prefill_done_tokens=work.context_tokens - item.cached_prefix_tokens + work.new_tokens,
-            generated=1,  # the first token was sampled at the end of prefill
+            generated=max(1, item.generated_tokens),  # the first token was sampled at the end of prefill
             prefill_started=True,
+            decode_started=item.generated_tokens > 1,  # migrated mid-turn: its decode started elsewhere
             prefill_engine_id=item.kv.engine_id,
             rank=self._least_loaded_rank(),
         )
@@ -280,6 +281,8 @@ class EngineCore:
         self.busy_s += batch.duration_s
         done: list[tuple[str, Seq]] = []
         for seq in batch.decode:
+            if self.running.get(seq.key) is not seq:
+                continue  # migrated away during the step: the new engine redoes those tokens
             seq.generated = min(seq.target_tokens, seq.generated + batch.iterations)
             if seq.decode_left <= 0:
                 del self.running[seq.key]
@@ -303,6 +306,22 @@ class EngineCore:
             if not seq.handoff:
                 self.running[seq.key] = seq
         return done
+
+    # --- leaving a role (a switch's deadline) ---------------------------------------------
+    def detach_running(self) -> list[Seq]:
+        """Every decoding sequence, taken out of the batch (its KV stays resident until held
+        or dropped): what a switching engine migrates to another decode engine."""
+        seqs = list(self.running.values())
+        self.running.clear()
+        for seq in seqs:
+            self._order.pop(seq.key, None)
+        return seqs
+
+    def hand_off_waiting(self) -> None:
+        """Becoming a prefill engine: every waiting sequence hands its KV over once prefilled."""
+        for seq in self.waiting:
+            if seq.generated_before_prefill == 0:  # a preempted decode recomputes, then decodes here
+                seq.handoff = True
 
     # --- KV hand-off (prefill role) ------------------------------------------------------
     def hold(self, seq: Seq, handle_id: str, expires_at_s: float) -> None:

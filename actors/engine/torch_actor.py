@@ -73,6 +73,8 @@ class Outgoing:
 
 
 class TorchEngineActor(EngineActor):
+    migrates_decodes = False  # a switch lets every in-flight decode finish here (no mid-turn KV move yet)
+
     def __init__(self, actor_id, config, nc, clock, role, lm=None, tokenizer=None) -> None:
         super().__init__(actor_id, config, nc, clock, role)
         self.core.allow_preemption = False  # recompute preemption has no real KV behind it here

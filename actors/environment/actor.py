@@ -17,16 +17,17 @@ from nats.aio.msg import Msg
 
 from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
+from actors.environment.router import Router
 from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
-from bus_schemas.status import ActorStatus
+from bus_schemas.status import ActorStatus, EngineStatus
 from bus_schemas.streams import pull_subscription, results_consumer, tasks_consumer
 from bus_schemas.train import FinishedTrajectory, TaskAssignment
 from bus_schemas.work import PrefillWork, TurnResult, make_work_id
 
-FETCH_WAIT_WALL_S = 0.2
+FETCH_WAIT_WALL_S = 1.0  # a pull returns as soon as a message is there
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class Trajectory:
     generated_tokens: int = 0
     observation_tokens: int = 0
     awaiting_result: bool = False
+    prefix_engine_id: str = ""  # the engine that prefilled the last turn (holds the prefix up to it)
+    kv_engine_id: str = ""  # the engine that decoded the last turn (holds all of the context)
 
 
 class EnvironmentActor(Actor):
@@ -58,6 +61,14 @@ class EnvironmentActor(Actor):
         ack_wait = self.config.run.ack_wait_wall_s
         self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
         self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
+        self.router = Router(self.config.engine_ids(), self.config.local_prefill_max_tokens) if self.config.affinity_routing else None
+        if self.router is not None:
+            await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_engine_status)
+
+    async def _on_engine_status(self, msg: Msg) -> None:
+        status = self.decode_or_count(EngineStatus, msg)
+        if status is not None and self.router is not None:
+            self.router.observe(status)
 
     async def serve(self, burst: bool) -> None:
         self.spawn(self._result_loop(), "results")
@@ -65,14 +76,21 @@ class EnvironmentActor(Actor):
         await self._task_loop(burst)
 
     async def teardown(self) -> None:
+        self._router_counters()
         for trajectory in self.live.values():  # hand unfinished trajectories back at once
             self.counters["returned_on_shutdown"] += 1
             with contextlib.suppress(Exception):
                 await trajectory.task_msg.nak()
 
+    def _router_counters(self) -> None:
+        if self.router is not None:
+            for name, value in self.router.counters().items():
+                self.counters[name] = value  # cumulative: assigned, never added
+
     def heartbeat(self) -> ActorStatus:
+        self._router_counters()
         return ActorStatus(
-            actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), live_trajectories=len(self.live)
+            actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), live_trajectories=len(self.live), counters=dict(self.counters)
         )
 
     # --- taking assignments ----------------------------------------------------------------
@@ -147,7 +165,11 @@ class EnvironmentActor(Actor):
             **self._turn_fields(t),
         )
         t.awaiting_result = True
-        await publish_durable(self.js, subjects.work_prefill(), encode(work), work.work_id, self.counters, self.log, self.stopping)
+        engine_id = None
+        if self.router is not None:
+            engine_id = self.router.route(t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens)
+        subject = subjects.work_prefill(engine_id)
+        await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)
 
     async def _result_loop(self) -> None:
@@ -166,6 +188,7 @@ class EnvironmentActor(Actor):
             self.counters["stale_results"] += 1  # a duplicate from a redelivered turn
             return
         t.awaiting_result = False
+        t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
         t.versions.append(r.policy_version)
         t.generated_tokens += r.output_tokens
         t.context_tokens += t.new_tokens + r.output_tokens

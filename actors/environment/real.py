@@ -75,6 +75,7 @@ class RealEnvironmentActor(EnvironmentActor):
             self.log.error("turn result %s carries %d ids / %d logprobs for %d tokens", r.work_id, len(r.token_ids), len(r.logprobs), r.output_tokens)
             return
         t.awaiting_result = False
+        t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
         t.versions.append(r.policy_version)
         t.ids = t.ids + t.new_ids + list(r.token_ids)
         t.generated_mask += [0] * len(t.new_ids) + [1] * len(r.token_ids)

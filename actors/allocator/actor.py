@@ -1,0 +1,187 @@
+"""The allocator actor: engine heartbeats (and forecasts) in, SetRole commands out.
+
+    prorsa.status.engine.*  ──▶ fleet view ─┐
+    prorsa.forecast (prorsa) ───────────────┼─▶ policy.decide(demand, fleet) ──▶ SetRole
+    recorded log (oracle) ──────────────────┘       every allocator.tick_s      (request/reply)
+
+Each decision round that changes anything takes the next epoch; a restarted allocator
+starts above the highest epoch its engines report, so it never issues a stale command. An
+engine that does not ack in time is marked unresponsive, reported, and left out of the
+decisions until a later heartbeat shows it alive and not switching. Engines keep their roles
+and keep serving whatever the allocator does (or if it is gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from actors.allocator.demand import RecordedDemand, from_forecast, from_queues
+from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Policy, RoleChange, Split
+from actors.base import Actor
+from actors.config import Config, initial_roles
+from actors.engine.costmodel import switch_reconfig_s
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import CommandAck, Role, SetRole
+from bus_schemas.forecast import DemandForecast
+from bus_schemas.status import ActorStatus, EngineStatus
+
+STARTUP_WAIT_WALL_S = 120.0  # every engine must have sent a heartbeat within this
+
+
+def make_policy(config: Config) -> Policy:
+    policy = config.run.policy
+    if policy in ("reactive", "prorsa", "oracle"):
+        return Split(policy, config.engines, config.allocator, weigh_cost=policy != "reactive")
+    return Fixed(policy, initial_roles(config))
+
+
+class AllocatorActor(Actor):
+    kind = "allocator"
+
+    def __init__(self, actor_id, config, nc, clock) -> None:
+        super().__init__(actor_id, config, nc, clock)
+        self.policy = make_policy(config)
+        self.statuses: dict[str, EngineStatus] = {}
+        self.pending: dict[str, Role] = {}  # engine -> role commanded, ack not yet in
+        self.unresponsive: dict[str, float] = {}  # engine -> model time it failed to ack
+        self.epoch = 0
+        self.forecast: DemandForecast | None = None
+        self.recorded = RecordedDemand(config.allocator.oracle_log) if config.run.policy == "oracle" else None
+        self.last_demand: Demand | None = None
+        self.env_tokens: dict[str, tuple[int, int]] = {}  # environment -> (short, long) prefill tokens, cumulative
+        self._seen_tokens = (0, 0)
+        self.remote_share = 1.0  # share of prefill tokens that go to prefill engines (EWMA per tick)
+
+    async def setup(self) -> None:
+        await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_status)
+        await self.nc.subscribe(subjects.status_of_kind("environment"), cb=self._on_env_status)
+        if self.config.run.policy == "prorsa":
+            await self.nc.subscribe(subjects.forecast(), cb=self._on_forecast)
+
+    async def _on_status(self, msg: Msg) -> None:
+        status = self.decode_or_count(EngineStatus, msg)
+        if status is None:
+            return
+        self.statuses[status.engine_id] = status
+        failed_at_s = self.unresponsive.get(status.engine_id)
+        if failed_at_s is not None and status.at_s > failed_at_s and not status.switching:  # alive and settled
+            del self.unresponsive[status.engine_id]
+            self.log.info("engine %s answers again (epoch %d, %s)", status.engine_id, status.epoch, status.role.value)
+
+    async def _on_env_status(self, msg: Msg) -> None:
+        status = self.decode_or_count(ActorStatus, msg)
+        if status is not None:
+            c = status.counters
+            self.env_tokens[status.actor_id] = (c.get("prefill_short_tokens", 0), c.get("prefill_long_tokens", 0))
+
+    def _update_remote_share(self) -> float:
+        short = sum(s for s, _ in self.env_tokens.values())
+        long = sum(g for _, g in self.env_tokens.values())
+        d_short, d_long = short - self._seen_tokens[0], long - self._seen_tokens[1]
+        self._seen_tokens = (short, long)
+        if d_short + d_long > 0:
+            self.remote_share = 0.5 * self.remote_share + 0.5 * d_long / (d_short + d_long)
+        return self.remote_share
+
+    async def _on_forecast(self, msg: Msg) -> None:
+        forecast = self.decode_or_count(DemandForecast, msg)
+        if forecast is not None:
+            self.forecast = forecast
+
+    async def serve(self, burst: bool) -> None:
+        await self.wait_for_heartbeats("engine", self.config.engine_ids(), STARTUP_WAIT_WALL_S)
+        self.epoch = max((s.epoch for s in self.statuses.values()), default=0)
+        self.log.info("allocator up: policy=%s, fleet epoch %d", self.policy.name, self.epoch)
+        while not self.stopping.is_set():
+            await self.decide_once()
+            await self.clock.sleep(self.config.allocator.tick_s)
+
+    def fleet(self) -> Fleet:
+        engines = []
+        for engine_id in self.config.engine_ids():
+            s = self.statuses.get(engine_id)
+            if s is None:
+                continue
+            pending = self.pending.get(engine_id)
+            engines.append(
+                EngineState(
+                    engine_id=engine_id,
+                    role=pending or s.role,
+                    epoch=s.epoch,
+                    waiting_prefill=s.waiting_prefill,
+                    waiting_prefill_tokens=s.waiting_prefill_tokens,
+                    running_decode=s.running_decode,
+                    decode_context_tokens=s.decode_context_tokens,
+                    held_kv_handles=s.held_kv_handles,
+                    role_since_s=s.role_since_s,
+                    switching=s.switching or pending is not None,
+                    responsive=engine_id not in self.unresponsive,
+                )
+            )
+        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines))
+
+    def demand(self, fleet: Fleet) -> Demand | None:
+        horizon_s = self.config.allocator.horizon_s
+        match self.config.run.policy:
+            case "reactive":
+                return from_queues(fleet, horizon_s)
+            case "prorsa":
+                return None if self.forecast is None else from_forecast(self.forecast, fleet, horizon_s)
+            case "oracle":
+                return self.recorded.at(fleet, horizon_s) if self.recorded is not None else None
+        return None
+
+    async def decide_once(self) -> list[RoleChange]:
+        fleet = self.fleet()
+        share = self._update_remote_share()
+        demand = self.demand(fleet)
+        if demand is not None:
+            demand = dataclasses.replace(demand, remote_share=share)
+        self.last_demand = demand
+        changes = self.policy.decide(demand, fleet)
+        self.counters["decisions"] += 1
+        if changes:
+            self.epoch += 1
+            self.counters["rounds_with_switches"] += 1
+            self.log.info("epoch %d: %s", self.epoch, ", ".join(f"{c.engine_id}->{c.role.value}" for c in changes))
+            for change in changes:
+                self.pending[change.engine_id] = change.role
+                self.spawn(self._command(change, self.epoch), f"set-role-{change.engine_id}-{self.epoch}")
+        return changes
+
+    async def _command(self, change: RoleChange, epoch: int) -> None:
+        ac = self.config.allocator
+        engines = self.config.engines
+        old = self.statuses[change.engine_id].role
+        model_s = ac.drain_deadline_s + switch_reconfig_s(engines, old, change.role)
+        timeout_wall_s = ac.ack_timeout_wall_s + model_s / self.config.run.time_scale
+        command = SetRole(role=change.role, epoch=epoch, drain_deadline_s=ac.drain_deadline_s)
+        try:
+            reply = await self.nc.request(subjects.ctl_engine(change.engine_id), encode(command), timeout=timeout_wall_s)
+            ack = decode(CommandAck, reply.data)
+        except (TimeoutError, NoRespondersError) as err:
+            self.unresponsive[change.engine_id] = self.clock.now_s()
+            self.counters["unacked_commands"] += 1
+            self.log.warning("engine %s did not ack SetRole(%s, epoch %d): %s; left out until it answers", change.engine_id, change.role.value, epoch, err or "timeout")
+            return
+        except Exception as err:  # a malformed ack: count it, treat the engine as unresponsive
+            self.unresponsive[change.engine_id] = self.clock.now_s()
+            self.counters["invalid_messages"] += 1
+            self.log.error("engine %s sent a malformed ack: %s", change.engine_id, err)
+            return
+        finally:
+            self.pending.pop(change.engine_id, None)
+        if ack.ok:
+            self.counters["switches"] += 1
+            self.counters["drain_ms"] += round(ack.drain_s * 1e3)
+        else:
+            self.counters["refused_commands"] += 1
+            self.epoch = max(self.epoch, ack.epoch)
+            self.log.warning("engine %s refused SetRole(%s, epoch %d): %s", change.engine_id, change.role.value, epoch, ack.error)
+
+    def heartbeat(self) -> ActorStatus:
+        return ActorStatus(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))

@@ -1,0 +1,78 @@
+"""What one engine can serve, from the cost model (pure): the allocator's unit of capacity.
+
+* prefill: engine-seconds per prefill token, for full chunks (`max_batch_tokens` on every
+  DP rank) on top of a typical prefix;
+* decode: the batch at which a decode step takes `slack` times its fastest (one sequence per
+  rank) — beyond it, adding sequences mostly slows every one of them — and the KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.config import EngineSection
+from actors.engine.costmodel import CostPreset, RankLoad, group_iteration_s, switch_reconfig_s
+from bus_schemas.control import Role
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    prefill_s_per_token: float  # engine-seconds one prefill token costs on a prefill engine
+    decode_full_seqs: int  # sequences a decode engine serves at `slack` x its fastest step
+    decode_kv_tokens: int  # KV pool of a decode engine
+    min_tpot_s: float  # a decode engine's fastest step (one sequence per rank)
+    switch_s: float  # reconfiguration of a prefill <-> decode switch (drain comes on top)
+
+
+def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
+    ranks = [RankLoad(((chunk_tokens, prefix_tokens),), 0, 0)] * preset.dp_ranks
+    return group_iteration_s(preset, ranks) / (chunk_tokens * preset.dp_ranks)
+
+
+def decode_step_s(preset: CostPreset, seqs: int, context_tokens: int) -> float:
+    """One decode step of `seqs` sequences of `context_tokens` each, spread over the ranks."""
+    ranks = preset.dp_ranks
+    per_rank = [seqs // ranks + (1 if r < seqs % ranks else 0) for r in range(ranks)]
+    return group_iteration_s(preset, [RankLoad((), n, n * context_tokens) for n in per_rank])
+
+
+def decode_full_seqs(preset: CostPreset, context_tokens: int, slack: float, cap: int) -> int:
+    """Largest batch (<= cap) whose step time stays within `slack` x the fastest step."""
+    limit_s = slack * decode_step_s(preset, preset.dp_ranks, context_tokens)
+    lo, hi = preset.dp_ranks, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_step_s(preset, mid, context_tokens) <= limit_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class CapacityModel:
+    """Capacity of the fleet's engines at a typical context, computed once per context bucket
+    (a power of two, so the figure is stable while contexts drift a little)."""
+
+    def __init__(self, engines: EngineSection, slack: float) -> None:
+        self.engines = engines
+        self.slack = slack
+        self._cache: dict[int, Capacity] = {}
+
+    def at(self, context_tokens: float) -> Capacity:
+        bucket = 1 << max(8, round(max(1.0, context_tokens)).bit_length() - 1)
+        if bucket not in self._cache:
+            self._cache[bucket] = self._compute(bucket)
+        return self._cache[bucket]
+
+    def _compute(self, context_tokens: int) -> Capacity:
+        engines = self.engines
+        prefill, decode = engines.cost_preset(Role.PREFILL), engines.cost_preset(Role.DECODE)
+        kv_seq_cap = max(decode.dp_ranks, int(0.9 * decode.kv_capacity_tokens / context_tokens))
+        cap = min(engines.max_decode_seqs * decode.dp_ranks, kv_seq_cap)
+        return Capacity(
+            prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),
+            decode_full_seqs=decode_full_seqs(decode, context_tokens, self.slack, cap),
+            decode_kv_tokens=decode.kv_capacity_tokens,
+            min_tpot_s=decode_step_s(decode, decode.dp_ranks, context_tokens),
+            switch_s=switch_reconfig_s(engines, Role.PREFILL, Role.DECODE),
+        )

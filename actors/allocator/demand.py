@@ -1,0 +1,70 @@
+"""Where a policy's demand estimate comes from (pure): queues, forecasts, or a recorded log.
+
+* `from_queues` (`reactive`): what waits now — prefill tokens to clear within the horizon,
+  sequences decoding now;
+* `from_forecast` (`prorsa`): the forecaster's expected demand over the horizon, plus the
+  backlog of now (forecast flows count work done, which under-states demand while a
+  stage is the bottleneck);
+* `RecordedDemand` (`oracle`): the true demand over the horizon, read from the lifecycle log
+  of a recorded run of the same workload, plus the backlog of now.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from actors.allocator.policy import Demand, Fleet
+from bus_schemas.forecast import DemandForecast
+from forecasting.series import bin_events, totals
+from ops.export import load_events
+
+ORACLE_BIN_S = 1.0
+
+
+def from_queues(fleet: Fleet, horizon_s: float) -> Demand:
+    return Demand(
+        prefill_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
+        decode_seqs=float(fleet.running_decode),
+        decode_context_tokens=fleet.mean_decode_context_tokens,
+        source="queues",
+    )
+
+
+def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float) -> Demand:
+    """Mean expected demand over the horizons up to `horizon_s` (at least the first one)."""
+    by_target = {t.target: t.mean for t in forecast.targets}
+    within = [i for i, h in enumerate(forecast.horizons_s) if h <= horizon_s + 1e-9] or [0]
+
+    def mean(target: str) -> float:
+        return float(np.mean([max(0.0, by_target[target][i]) for i in within]))
+
+    per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
+    return Demand(
+        prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + fleet.waiting_prefill_tokens / horizon_s,
+        decode_seqs=max(mean("decode_active_seqs"), 0.0),
+        decode_context_tokens=fleet.mean_decode_context_tokens,
+        source=f"forecast@{forecast.as_of_s:.0f}s",
+    )
+
+
+class RecordedDemand:
+    """The true per-second demand of a recorded run (events.parquet), by model time."""
+
+    def __init__(self, events_path: str | Path) -> None:
+        series = bin_events(load_events(events_path), ORACLE_BIN_S)
+        self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
+        self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
+
+    def at(self, fleet: Fleet, horizon_s: float) -> Demand:
+        lo = int(fleet.now_s // ORACLE_BIN_S)
+        hi = max(lo + 1, int((fleet.now_s + horizon_s) // ORACLE_BIN_S))
+        window_p, window_d = self.prefill_tokens[lo:hi], self.decode_seqs[lo:hi]
+        return Demand(
+            prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S
+            + fleet.waiting_prefill_tokens / horizon_s,
+            decode_seqs=float(window_d.mean()) if len(window_d) else 0.0,
+            decode_context_tokens=fleet.mean_decode_context_tokens,
+            source="oracle",
+        )

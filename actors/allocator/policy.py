@@ -1,0 +1,220 @@
+"""Allocation policies (pure): `decide(demand, fleet) -> role changes`, no bus, no clock.
+
+Every PD policy here sizes the prefill side the same way, from a demand estimate:
+
+    prefill load (engines) = prefill tokens/s x engine-s per token / target utilisation
+    decode load (engines)  = max(decode seqs / seqs a decode engine serves at `slack` x its
+                                 fastest step,  decode KV / a decode engine's KV pool)
+    prefill engines        = round(n x prefill load / (prefill + decode load)), in [1, n-1]
+
+— equal utilisation of the two stages. They differ in where the demand comes from:
+`reactive` reads the queues of now, `prorsa` the forecast over its horizon (plus the
+backlog of now), `oracle` the true future of a recorded log. `prorsa` and `oracle` also
+weigh a change: it must save more engine-seconds over the horizon (the bottleneck stage's
+utilisation, before vs after, times the fleet) than the switching engines lose (drain +
+reconfiguration), with hysteresis (`min_gain_s`) and a minimum dwell per engine. The
+engines that switch are those with the least in-flight work.
+
+Colocation is one of the choices: when the long prefills (those per-turn placement sends to
+prefill engines; short appends are prefilled where their KV lives, on the decode side) would
+not keep `disaggregate_above_engines` of an engine busy, or too little is decoding for them
+to stall (`DECODE_LOAD_FOR_PD` times that), every engine goes colocated, and the fleet
+splits again above that (back below `colocate_below_engines`: hysteresis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from actors.allocator.capacity import Capacity, CapacityModel
+from actors.config import AllocatorSection, EngineSection
+from bus_schemas.control import Role
+
+DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
+DECODE_LOAD_FOR_PD = 2.0  # splitting also needs this many times the prefill threshold of decode load
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the allocator knows of one engine (its last heartbeat, and its own bookkeeping)."""
+
+    engine_id: str
+    role: Role
+    epoch: int = 0
+    waiting_prefill: int = 0
+    waiting_prefill_tokens: int = 0
+    running_decode: int = 0
+    decode_context_tokens: int = 0
+    held_kv_handles: int = 0
+    role_since_s: float = 0.0
+    switching: bool = False
+    responsive: bool = True  # False: it missed a SetRole ack; left out until it answers again
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting_prefill + self.running_decode + self.held_kv_handles
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    now_s: float
+    engines: tuple[EngineState, ...]
+
+    def count(self, role: Role) -> int:
+        return sum(e.role is role for e in self.engines)
+
+    @property
+    def mean_decode_context_tokens(self) -> float:
+        seqs = sum(e.running_decode for e in self.engines)
+        return sum(e.decode_context_tokens for e in self.engines) / seqs if seqs else DEFAULT_CONTEXT_TOKENS
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(e.waiting_prefill_tokens for e in self.engines)
+
+    @property
+    def running_decode(self) -> int:
+        return sum(e.running_decode for e in self.engines)
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Demand over the decision horizon."""
+
+    prefill_tokens_per_s: float  # prefill compute asked for (cache-missed tokens)
+    decode_seqs: float  # sequences decoding at once
+    decode_context_tokens: float = DEFAULT_CONTEXT_TOKENS  # their mean context
+    source: str = ""  # "queues", "forecast", "oracle"
+    remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChange:
+    engine_id: str
+    role: Role
+    why: str = ""
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, demand: Demand | None, fleet: Fleet) -> list[RoleChange]: ...
+
+
+# --- the fixed policies --------------------------------------------------------------------
+@dataclass(slots=True)
+class Fixed:
+    """`colocated`, `colocated-sticky` and `static`: a role per engine that never changes
+    (a restarted engine found in another role is put back)."""
+
+    name: str
+    roles: dict[str, Role]
+
+    def decide(self, demand: Demand | None, fleet: Fleet) -> list[RoleChange]:
+        return [
+            RoleChange(e.engine_id, self.roles[e.engine_id], "fixed role")
+            for e in fleet.engines
+            if e.engine_id in self.roles and e.role is not self.roles[e.engine_id] and not e.switching and e.responsive
+        ]
+
+
+# --- sizing the split -------------------------------------------------------------------------
+def stage_loads(demand: Demand, cap: Capacity, util: float) -> tuple[float, float]:
+    """(prefill, decode) load in engines. Short appends prefilled where their KV lives (the
+    non-remote share) load the decode side."""
+    remote = demand.prefill_tokens_per_s * demand.remote_share
+    local = demand.prefill_tokens_per_s - remote
+    prefill = remote * cap.prefill_s_per_token / util
+    decode = max(demand.decode_seqs / cap.decode_full_seqs, demand.decode_seqs * demand.decode_context_tokens / (0.9 * cap.decode_kv_tokens))
+    return prefill, decode + local * cap.prefill_s_per_token
+
+
+def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:
+    prefill, decode = loads
+    if n < 2:
+        return current
+    if prefill + decode <= 0:
+        return current  # nothing to go by: stay
+    return min(n - 1, max(1, round(n * prefill / (prefill + decode))))
+
+
+def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:
+    """Utilisation of the busier stage with `n_prefill` prefill engines."""
+    prefill, decode = loads
+    return max(prefill / max(n_prefill, 1e-9), decode / max(n - n_prefill, 1e-9))
+
+
+@dataclass(slots=True)
+class Split:
+    """`reactive`, `prorsa` and `oracle`: a P:D split resized from a demand estimate."""
+
+    name: str
+    engines: EngineSection
+    config: AllocatorSection
+    weigh_cost: bool = True  # prorsa / oracle: a change must pay for its switches
+    capacity: CapacityModel = field(init=False)
+    last_reason: str = ""
+
+    def __post_init__(self) -> None:
+        self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
+
+    def decide(self, demand: Demand | None, fleet: Fleet) -> list[RoleChange]:
+        if demand is None:
+            self.last_reason = "no demand estimate yet"
+            return []
+        usable = [e for e in fleet.engines if e.responsive]
+        n = len(usable)
+        if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
+            self.last_reason = "a switch is under way or within its dwell"
+            return []
+        cap = self.capacity.at(demand.decode_context_tokens)
+        loads = stage_loads(demand, cap, self.config.prefill_target_util)
+        if sum(loads) <= 0:
+            self.last_reason = "idle: no demand, no change"
+            return []
+        colocated_now = all(e.role is Role.COLOCATED for e in usable)
+        threshold = self.config.disaggregate_above_engines if colocated_now else self.config.colocate_below_engines
+        # PD pays when long prefills would stall decodes: both stages need work (a sync step's
+        # opening burst of prompts, with nothing decoding yet, is served best colocated)
+        contended = loads[0] >= threshold and loads[1] >= threshold * DECODE_LOAD_FOR_PD
+        if n < 2 or (not contended and self.config.colocate_below_engines > 0):
+            self.last_reason = f"colocated: prefill load {loads[0]:.2f}, decode load {loads[1]:.2f} engines ({demand.source})"
+            return [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
+        current = sum(e.role is Role.PREFILL for e in usable)
+        target = target_prefill_engines(loads, n, current)
+        pd_roles = all(e.role is not Role.COLOCATED for e in usable)
+        if target == current and pd_roles:
+            self.last_reason = f"hold {current}:{n - current}"
+            return []
+        moves = abs(target - current) if pd_roles else n
+        if self.weigh_cost and pd_roles:
+            gain_s = (bottleneck(loads, current, n) - bottleneck(loads, target, n)) * n * self.config.horizon_s
+            to_prefill = max(0, target - current)  # only a switch to prefill drains decodes
+            cost_s = to_prefill * self.config.drain_deadline_s + moves * cap.switch_s
+            if gain_s - cost_s < self.config.min_gain_s:
+                self.last_reason = f"keep {current}:{n - current}: {target}:{n - target} gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
+                return []
+        self.last_reason = f"{current}:{n - current} -> {target}:{n - target} ({demand.source})"
+        return self._pick(usable, target, fleet.now_s)
+
+    def _pick(self, usable: list[EngineState], target: int, now_s: float) -> list[RoleChange]:
+        """Role changes reaching `target` prefill engines, moving the least busy engines that
+        are past their dwell; colocated engines (a fleet's start) are assigned first."""
+        dwell_ok = [e for e in usable if not e.switching and now_s - e.role_since_s >= self.config.min_dwell_s]
+        changes: list[RoleChange] = []
+        prefill = [e for e in usable if e.role is Role.PREFILL]
+        colocated = sorted((e for e in usable if e.role is Role.COLOCATED), key=lambda e: (e.in_flight, e.engine_id))
+        for e in colocated:  # not a PD split yet: every colocated engine gets a stage
+            role = Role.PREFILL if len(prefill) < target else Role.DECODE
+            if role is Role.PREFILL:
+                prefill.append(e)
+            changes.append(RoleChange(e.engine_id, role, self.last_reason))
+        have = len(prefill)
+        if have < target:
+            pool = sorted((e for e in dwell_ok if e.role is Role.DECODE), key=lambda e: (e.in_flight, e.engine_id))
+            changes += [RoleChange(e.engine_id, Role.PREFILL, self.last_reason) for e in pool[: target - have]]
+        elif have > target:
+            pool = sorted((e for e in dwell_ok if e.role is Role.PREFILL), key=lambda e: (e.in_flight, e.engine_id))
+            changes += [RoleChange(e.engine_id, Role.DECODE, self.last_reason) for e in pool[: have - target]]
+        return changes

@@ -1,0 +1,174 @@
+"""Allocation policy cores and the turn router on hand-built fleets (pure: no bus, no clock)."""
+
+from __future__ import annotations
+
+from actors.allocator.capacity import CapacityModel
+from actors.allocator.demand import from_forecast, from_queues
+from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Split, stage_loads
+from actors.config import AllocatorSection, EngineSection, LayoutSection
+from actors.environment.router import Router
+from bus_schemas.control import Role
+from bus_schemas.forecast import DemandForecast, TargetForecast
+from bus_schemas.status import EngineStatus
+
+P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
+ENGINES = EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4))
+
+
+def fleet(roles: list[Role], now_s: float = 100.0, **per_engine) -> Fleet:
+    engines = []
+    for i, role in enumerate(roles):
+        fields = {k: v[i] for k, v in per_engine.items()}
+        engines.append(EngineState(engine_id=f"e{i}", role=role, **fields))
+    return Fleet(now_s=now_s, engines=tuple(engines))
+
+
+def split(name="prorsa", weigh_cost=True, **allocator) -> Split:
+    return Split(name, ENGINES, AllocatorSection(**allocator), weigh_cost=weigh_cost)
+
+
+def demand_for(loads: tuple[float, float], context_tokens: float = 4096.0) -> Demand:
+    """A demand whose stage loads (in engines) are `loads`."""
+    cap = CapacityModel(ENGINES, AllocatorSection().decode_tpot_slack).at(context_tokens)
+    util = AllocatorSection().prefill_target_util
+    return Demand(loads[0] * util / cap.prefill_s_per_token, loads[1] * cap.decode_full_seqs, context_tokens, "test")
+
+
+def test_short_appends_load_the_decode_side():
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    full = demand_for((3.0, 5.0))
+    p, d = stage_loads(Demand(full.prefill_tokens_per_s, full.decode_seqs, 4096.0, "t", remote_share=0.25), cap, 0.8)
+    assert abs(p - 0.75) < 1e-6  # a quarter of the prefill tokens go to prefill engines
+    assert abs(d - (5.0 + 0.75 * 3.0 * 0.8)) < 1e-6  # the rest is computed on decode engines, at full utilisation
+
+
+def test_demand_for_builds_the_loads_it_claims():
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    p, d = stage_loads(demand_for((3.0, 5.0)), cap, AllocatorSection().prefill_target_util)
+    assert abs(p - 3.0) < 1e-6 and abs(d - 5.0) < 1e-6
+
+
+def test_fixed_policies_only_restore_roles_that_drifted():
+    policy = Fixed("static", {f"e{i}": P if i < 2 else D for i in range(4)})
+    assert policy.decide(None, fleet([P, P, D, D])) == []
+    [change] = policy.decide(None, fleet([P, D, D, D]))
+    assert (change.engine_id, change.role) == ("e1", P)
+    assert Fixed("colocated", {"e0": C}).decide(None, fleet([C])) == []
+
+
+def test_split_follows_the_ratio_of_stage_loads():
+    roles = [P, P, D, D, D, D, D, D]
+    changes = split().decide(demand_for((6.0, 2.0)), fleet(roles))  # prefill-heavy: 6 of 8 should prefill
+    assert sorted(c.engine_id for c in changes) == ["e2", "e3", "e4", "e5"] and all(c.role is P for c in changes)
+    changes = split().decide(demand_for((1.0, 7.0)), fleet(roles))  # decode-heavy: 1 of 8
+    assert len(changes) == 1 and changes[0].role is D
+
+
+def test_split_keeps_one_engine_per_stage():
+    roles = [P, P, D, D, D, D, D, D]
+    to_prefill = split().decide(demand_for((50.0, 1.0)), fleet(roles))
+    assert len(to_prefill) == 5  # 7 prefill, never 8
+    to_decode = split().decide(demand_for((0.3, 9.0)), fleet(roles))
+    assert len(to_decode) == 1  # 1 prefill left
+
+
+def test_colocation_when_long_prefills_would_not_keep_a_prefill_engine_busy_with_hysteresis():
+    pd, colocated = [P, P, D, D, D, D], [C] * 6
+    to_colocated = split().decide(demand_for((0.1, 4.0)), fleet(pd))
+    assert {c.role for c in to_colocated} == {C} and len(to_colocated) == 6
+    assert split().decide(demand_for((0.4, 4.0)), fleet(colocated)) == []  # below the 0.5 to split again
+    assert split().decide(demand_for((0.4, 4.0)), fleet(pd, role_since_s=[0.0] * 6))[0].role is D  # PD stays PD (2 -> 1 prefill)
+    assert split().decide(demand_for((3.0, 0.5)), fleet(colocated)) == []  # a burst of prompts, little decoding: stay
+    to_pd = split().decide(demand_for((2.0, 4.0)), fleet(colocated))
+    assert sorted(c.role.value for c in to_pd) == ["decode"] * 4 + ["prefill"] * 2
+
+
+def test_the_least_busy_engines_switch_and_nothing_moves_within_the_dwell():
+    roles = [P, D, D, D]
+    busy = dict(running_decode=[0, 50, 3, 9])
+    [change] = split(min_gain_s=0.0).decide(demand_for((2.0, 2.0)), fleet(roles, **busy))
+    assert (change.engine_id, change.role) == ("e2", P)  # e2 (3 in flight) rather than e1 (50) or e3 (9)
+    recent = fleet(roles, now_s=100.0, role_since_s=[0.0, 0.0, 0.0, 95.0], **busy)  # e3 switched 5 s ago
+    assert split(min_gain_s=0.0, min_dwell_s=10.0).decide(demand_for((2.0, 2.0)), recent) == []  # the fleet dwells
+
+
+def test_prorsa_skips_a_change_that_does_not_pay_for_its_switches_but_reactive_makes_it():
+    roles = [P, P, P, D, D, D, D, D]
+    shifted = demand_for((3.6, 4.4))  # wants 4:4; the bottleneck drops 1.2 -> 1.1: 8 engine-s over 10 s
+    assert split(drain_deadline_s=10.0, min_gain_s=2.0).decide(shifted, fleet(roles)) == []  # one switch costs 10
+    [change] = split(drain_deadline_s=5.0, min_gain_s=2.0).decide(shifted, fleet(roles))  # costs 5: pays
+    assert change.role is P
+    assert split(drain_deadline_s=5.0, min_gain_s=4.0).decide(shifted, fleet(roles)) == []  # hysteresis
+    reactive = split("reactive", weigh_cost=False, drain_deadline_s=50.0)
+    assert len(reactive.decide(shifted, fleet(roles))) == 1  # reactive never weighs the cost
+
+
+def test_unresponsive_engines_are_left_out_and_no_decision_during_a_switch():
+    roles = [P, D, D, D]
+    state = fleet(roles, responsive=[True, False, True, True], running_decode=[0, 0, 5, 1])
+    [change] = split(min_gain_s=0.0).decide(demand_for((3.0, 1.0)), state)  # 3 engines usable: wants 2 prefill
+    assert change.engine_id == "e3"  # e1 does not answer; e2 is busier
+    assert split().decide(demand_for((3.0, 1.0)), fleet(roles, switching=[False, True, False, False])) == []
+
+
+def test_a_colocated_fleet_gets_a_stage_for_every_engine():
+    changes = split().decide(demand_for((1.0, 3.0)), fleet([C, C, C, C], running_decode=[5, 0, 2, 9]))
+    assert {c.engine_id: c.role for c in changes} == {"e1": P, "e0": D, "e2": D, "e3": D}
+
+
+def test_no_demand_no_change():
+    assert split().decide(None, fleet([P, D])) == []
+    assert split().decide(Demand(0.0, 0.0), fleet([P, D, D])) == []
+
+
+def test_demand_from_queues_and_from_a_forecast():
+    state = fleet([P, D], waiting_prefill_tokens=[5000, 0], running_decode=[0, 40], decode_context_tokens=[0, 40 * 3000])
+    q = from_queues(state, horizon_s=10.0)
+    assert (q.prefill_tokens_per_s, q.decode_seqs, q.decode_context_tokens) == (500.0, 40.0, 3000.0)
+    forecast = DemandForecast(
+        forecaster_id="f", model="lifecycle", tick=1, as_of_s=90.0, computed_at_s=92.0, bin_s=1.0,
+        horizons_s=[1.0, 5.0, 10.0, 20.0], live_trajectories=10, events_total=100,
+        targets=[
+            TargetForecast(target="prefill_miss_tokens", mean=[100.0, 200.0, 300.0, 9999.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
+            TargetForecast(target="prefill_new_tokens", mean=[10.0, 10.0, 10.0, 10.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
+            TargetForecast(target="decode_active_seqs", mean=[30.0, 40.0, -5.0, 9999.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
+        ],
+    )  # fmt: skip
+    f = from_forecast(forecast, state, horizon_s=10.0)
+    assert f.prefill_tokens_per_s == 200.0 + 500.0  # mean over h <= 10 s, plus the backlog of now
+    assert abs(f.decode_seqs - 70.0 / 3) < 1e-9  # a negative forecast counts as zero
+
+
+def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False) -> EngineStatus:
+    return EngineStatus(
+        engine_id=engine_id, at_s=0.0, role=role, epoch=0, policy_version=0, backend="emulated",
+        waiting_prefill=0, running_decode=0, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0,
+        busy_fraction=0.0, waiting_prefill_tokens=waiting_tokens, switching=switching,
+    )  # fmt: skip
+
+
+def test_router_spreads_new_trajectories_before_any_heartbeat():
+    router = Router(["e0", "e1", "e2"])
+    assert [router.route("", "", 0, 1000) for _ in range(4)] == ["e0", "e1", "e2", "e0"]
+
+
+def test_router_prefers_the_engine_holding_the_prefix_unless_it_is_far_busier():
+    router = Router(["e0", "e1", "e2", "e3"])
+    for s in (_status("e0", C, 5000), _status("e1", C, 0), _status("e2", D, 0), _status("e3", P, 0, switching=True)):
+        router.observe(s)
+    assert router.route("e0", "e0", 8000, 100) == "e0"  # 5000 queued < the 8000-token prefix a miss recomputes
+    assert router.route("e0", "e0", 1000, 100) == "e1"  # too busy for a 1000-token prefix: least loaded
+    assert router.route("", "", 0, 300) == "e1"  # a new trajectory: least loaded (decode and switching engines never)
+    assert router.route("e2", "e2", 50_000, 10) in ("e0", "e1")  # its last engine decodes: no local prefill here
+    assert router.counters()["prefill_short_tokens"] == 0  # placement is off
+
+
+def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
+    router = Router(["e0", "e1", "e2"], local_prefill_max_tokens=1024)
+    for s in (_status("e0", P, 0), _status("e1", D, 0), _status("e2", D, 0)):
+        router.observe(s)
+    assert router.route("e1", "e0", 6000, 400) == "e1"  # a short append: prefilled on the decode engine holding the KV
+    assert router.route("e2", "e0", 12_000, 3000) == "e2"  # long, but short of half its context: recompute would cost more
+    assert router.route("", "", 0, 3000) == "e0"  # a first prompt goes to the prefill engine
+    assert router.route("e1", "e0", 2000, 1500) == "e0"  # a long append on a short context too
+    assert router.counters()["prefill_short_tokens"] == 3400 and router.counters()["prefill_long_tokens"] == 4500
