@@ -38,6 +38,7 @@ from ops.export import forecasts_frame, read_run, write_run
 
 console = Console(stderr=True)
 STOP_TIMEOUT_S = 60.0  # model seconds the other actors get to stop once the trainer is done
+VIRTUAL_DECODE_STEP_S = 30.0  # a decode-only step ends at the next finish, new work, or this
 
 
 def build_actors(config: Config, server: InProcServer) -> list[Actor]:
@@ -45,7 +46,10 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
         raise ConfigError(f"simulation runs the emulated backend only (config has engines.backend = {config.engines.backend!r})")
     clock = LoopClock()
     roles = initial_roles(config)
-    actors: list[Actor] = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
+    engines = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
+    for engine in engines:  # no wall clock to keep up with: a decode step runs to the next event
+        engine.max_decode_step_s = VIRTUAL_DECODE_STEP_S
+    actors: list[Actor] = [*engines]
     actors += [EnvironmentActor(env, config, server.connect(env), clock) for env in config.env_ids()]
     if config.runs_forecaster:
         actors.append(ForecasterActor("forecaster", config, server.connect("forecaster"), clock))

@@ -28,8 +28,8 @@ from bus_schemas.status import EngineStatus
 from bus_schemas.streams import affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
 from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult, retry_work_id
 
-FETCH_WAIT_WALL_S = 1.0  # a pull request lasts this long (it returns as soon as a message is there)
-IDLE_WAKE_WALL_S = 1.0  # waits on events (work, room, a role change) look again after this at the latest
+FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long (it returns as soon as a message is there)
+IDLE_WAKE_WALL_S = 0.1  # waits on events (work, room, a role change) look again after this at the latest
 KV_REQUEST_TIMEOUT_WALL_S = 5.0
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
@@ -58,6 +58,9 @@ class EngineActor(EngineCommands, Actor):
         self._last_heartbeat = (0.0, 0.0)  # (model time, busy time)
         self.switching = False
         self.role_since_s = 0.0
+        # longest decode-only step in model seconds (None: the config's wall quantum x the time
+        # scale); virtual time sets it high, steps then end at the next finish or new work
+        self.max_decode_step_s: float | None = None
         self.prefilled_tokens_total = 0
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
@@ -207,7 +210,7 @@ class EngineActor(EngineCommands, Actor):
     # --- the scheduler loop in model time ------------------------------------------------
     async def _step_loop(self, burst: bool) -> None:
         scale = self.config.run.time_scale
-        quantum_s = self.config.engines.decode_quantum_wall_s * scale
+        quantum_s = self.max_decode_step_s or self.config.engines.decode_quantum_wall_s * scale
         cursor_s = self.clock.now_s()
         while not self.stopping.is_set():
             self._expire_held()

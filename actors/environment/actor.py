@@ -27,7 +27,7 @@ from bus_schemas.streams import pull_subscription, results_consumer, tasks_consu
 from bus_schemas.train import FinishedTrajectory, TaskAssignment
 from bus_schemas.work import PrefillWork, TurnResult, make_work_id
 
-FETCH_WAIT_WALL_S = 1.0  # a pull returns as soon as a message is there
+FETCH_WAIT_WALL_S = 0.2
 
 
 @dataclass(slots=True)

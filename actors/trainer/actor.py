@@ -23,7 +23,7 @@ from bus_schemas.status import ActorStatus
 from bus_schemas.streams import finished_consumer, pull_subscription
 from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, TaskAssignment
 
-FETCH_WAIT_WALL_S = 1.0  # a pull returns as soon as a message is there
+FETCH_WAIT_WALL_S = 0.2
 COMMAND_TIMEOUT_WALL_S = 2.0
 
 
