@@ -241,9 +241,11 @@ class AllocatorSection(_Section):
     decode_tpot_slack: float = 2.0  # a decode engine is "full" at the batch whose step time is this x its minimum
     min_gain_s: float = 2.0  # a change must save at least this many engine-seconds over the horizon, net of its cost
     # Colocation or PD: with prefill load (in engines, long prefills only) above this the fleet
-    # splits into prefill and decode engines; below `colocate_below_engines` it goes back to colocated
-    disaggregate_above_engines: float = 0.5
-    colocate_below_engines: float = 0.25
+    # splits into prefill and decode engines; below `colocate_below_engines` it goes back to
+    # colocated. Set from the rollout bench: PD phases at ~0.8 engines of long-prefill load cost
+    # 3-4% against staying colocated with per-turn placement (README, "The rollout bench")
+    disaggregate_above_engines: float = 1.0
+    colocate_below_engines: float = 0.5
     oracle_log: str = ""  # oracle: events.parquet of a recorded run of the same workload
 
     def __post_init__(self) -> None:

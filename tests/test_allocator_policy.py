@@ -24,7 +24,8 @@ def fleet(roles: list[Role], now_s: float = 100.0, **per_engine) -> Fleet:
 
 
 def split(name="prorsa", weigh_cost=True, **allocator) -> Split:
-    return Split(name, ENGINES, AllocatorSection(**allocator), weigh_cost=weigh_cost)
+    thresholds = {"disaggregate_above_engines": 0.5, "colocate_below_engines": 0.25}  # the mechanism, not the defaults
+    return Split(name, ENGINES, AllocatorSection(**{**thresholds, **allocator}), weigh_cost=weigh_cost)
 
 
 def demand_for(loads: tuple[float, float], context_tokens: float = 4096.0) -> Demand:
