@@ -33,6 +33,7 @@ from bus_schemas.status import ActorReport
 from bus_schemas.streams import ensure_streams
 
 T = TypeVar("T")
+SERVE_STOP_WALL_S = 8.0  # a serve loop gets this long to end after a stop request
 
 
 class Actor:
@@ -86,7 +87,13 @@ class Actor:
             else:
                 self.log.info("stop requested")
             self.stopping.set()
-            await asyncio.wait_for(asyncio.shield(serving), timeout=10)
+            try:
+                await asyncio.wait_for(asyncio.shield(serving), timeout=SERVE_STOP_WALL_S)
+            except TimeoutError:  # still hand back work and report: never hang the launcher
+                self.counters["slow_stops"] += 1
+                self.log.error("serve loop still running %.0f s after the stop request; cancelling it", SERVE_STOP_WALL_S)
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
         finally:
             stopped.cancel()
             await self._shutdown_tasks()

@@ -93,6 +93,10 @@ class EnvironmentActor(Actor):
             actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), live_trajectories=len(self.live), counters=dict(self.counters)
         )
 
+    def request_stop(self, reason: str = "") -> None:
+        super().request_stop(reason)
+        self._room.set()  # a task loop waiting for room sees the stop at once
+
     # --- taking assignments ----------------------------------------------------------------
     async def _task_loop(self, burst: bool) -> None:
         cap = self.config.environments.max_live_trajectories
