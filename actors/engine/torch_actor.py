@@ -31,7 +31,8 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from actors.engine.actor import KV_REQUEST_TIMEOUT_WALL_S, EngineActor
+from actors.engine.actor import EngineActor
+from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.core import Seq
 from actors.engine.torch_backend import KvError, TorchBackend
 from actors.engine.torch_model import (
