@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from actors.config import Config
+from actors.config import Config, initial_roles
+from bus_schemas.control import Role
 from bus_schemas.lifecycle import TOOL_KINDS, TURN_KINDS_COLOCATED, TURN_KINDS_PD, EventKind
 
 
@@ -53,6 +54,6 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
 
 def expects_pd_turns(config: Config) -> bool | None:
     """Which turns a run's log should show: PD (True), colocated (False) or either (None)."""
-    if config.run.policy in ("colocated", "colocated-sticky"):
-        return False
-    return True if config.run.policy == "static" else None
+    if config.runs_allocator:  # roles change during the run
+        return None
+    return Role.PREFILL in initial_roles(config).values()

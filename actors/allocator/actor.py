@@ -34,7 +34,7 @@ STARTUP_WAIT_WALL_S = 120.0  # every engine must have sent a heartbeat within th
 
 def make_policy(config: Config) -> Policy:
     policy = config.run.policy
-    if policy in ("reactive", "prorsa", "oracle"):
+    if config.runs_allocator:  # the dynamic policies resize the split; the others hold their roles
         return Split(policy, config.engines, config.allocator, weigh_cost=policy != "reactive")
     return Fixed(policy, initial_roles(config))
 
