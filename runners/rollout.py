@@ -141,10 +141,10 @@ def _run_one(args: tuple[bytes, str, bool]) -> dict:
 
 def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     """Sum over steps of the longest trajectory's critical path: every prefill alone on a
-    prefill engine (new tokens on a cached prefix), every decode at the fastest step, its
-    tool latencies, no queueing."""
+    prefill engine (new tokens on a cached prefix), every decode at the fastest step (one
+    sequence alone on the engine), its tool latencies, no queueing."""
     prefill, decode = config.engines.cost_preset(Role.PREFILL), config.engines.cost_preset(Role.DECODE)
-    tpot_s = decode_step_s(decode, decode.dp_ranks, 0)
+    tpot_s = decode_step_s(decode, 1, 0)  # one sequence alone: under DP attention, busy peers slow a step
     turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "step", "new_tokens", "context_tokens")
     prefill_col = pl.struct("new_tokens", "context_tokens").map_elements(
         lambda r: prefill_s(prefill, max(1, r["new_tokens"]), r["context_tokens"]), return_dtype=pl.Float64

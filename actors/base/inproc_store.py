@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 EPS_S = 1e-9  # times closer than this are equal (float sums of timeouts drift by ~1e-16)
 
 
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass(slots=True)
 class _Stored:
     seq: int
@@ -81,7 +86,6 @@ class _Stream:
         self.next_seq = 1
         self.dedup: dict[str, tuple[int, float]] = {}  # msg id -> (seq, stored at)
         self.consumers: dict[str, _Consumer] = {}
-        self.changed = asyncio.Event()
 
     @property
     def work_queue(self) -> bool:
@@ -102,8 +106,9 @@ class _Stream:
         self.messages[seq] = _Stored(seq, subject, data, headers)
         if msg_id is not None:
             self.dedup[msg_id] = (seq, now)
-        self.changed.set()
-        self.changed = asyncio.Event()
+        for consumer in self.consumers.values():  # one open pull per consumer that wants it
+            if consumer.filter == ">" or subject_matches(consumer.filter, subject):
+                consumer.offer()
         return seq, False
 
     def purge(self) -> None:
@@ -126,6 +131,7 @@ class _Consumer:
         self.pending: dict[int, _Pending] = {}
         self._timers: list[tuple[float, int]] = []  # (redeliver_at, seq), stale entries skipped
         self._time = loop_time
+        self._waiters: list[asyncio.Future] = []  # open pulls waiting for a message, oldest first
 
     def _matches(self, stored: _Stored) -> bool:
         return subject_matches(self.filter, stored.subject)
@@ -178,12 +184,60 @@ class _Consumer:
     def nak(self, seq: int, delay_s: float) -> None:
         if seq in self.pending:
             self._schedule(seq, self._time() + delay_s)
-            self.stream.changed.set()
-            self.stream.changed = asyncio.Event()
+            if delay_s > 0:
+                self._look_again()
+            else:
+                self.offer()
+
+    async def wait(self, timeout_s: float) -> tuple[_Stored, int] | None:
+        """Open a pull: the message handed to it (`offer`), or None after `timeout_s` or when
+        asked to look again."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiters.append(future)
+        timer = loop.call_later(max(0.0, timeout_s), _expire, future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.result() is not None:
+                self._give_back(future.result()[0].seq)  # handed over, then cancelled
+            raise
+        finally:
+            timer.cancel()
+            if future in self._waiters:
+                self._waiters.remove(future)
+
+    def offer(self) -> None:
+        """Hand the messages due now to the open pulls, the one that has waited longest first,
+        as nats-server serves pull requests: a pull opened later cannot overtake it."""
+        while True:
+            while self._waiters and self._waiters[0].done():
+                self._waiters.pop(0)
+            if not self._waiters:
+                return
+            found = self.next_message()
+            if found is None:
+                return
+            self._waiters.pop(0).set_result(found)
+
+    def _look_again(self) -> None:
+        """Every open pull recomputes when to look (a redelivery time changed)."""
+        waiters, self._waiters = self._waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
 
     def touch(self, seq: int) -> None:
         if seq in self.pending:
             self._schedule(seq, self._time() + self.ack_wait_s)
+
+    def _give_back(self, seq: int) -> None:
+        if seq in self.pending:
+            self.pending[seq].deliveries -= 1
+            self._schedule(seq, self._time())
+        elif seq == self.cursor - 1:
+            self.cursor = seq
+        self.offer()
 
 
 class _Metadata:
@@ -219,10 +273,12 @@ class _PullSubscription:
             if now >= deadline - EPS_S:
                 raise NatsTimeoutError
             wake_at = min(t for t in (deadline, self._consumer.next_redelivery_at()) if t is not None)
-            try:
-                await asyncio.wait_for(self._consumer.stream.changed.wait(), timeout=max(0.0, wake_at - now))
-            except TimeoutError:
-                pass
+            found = await self._consumer.wait(wake_at - now)
+            if found is not None:
+                msgs = [self._deliver(*found)]
+                while len(msgs) < batch and (found := self._consumer.next_message()) is not None:
+                    msgs.append(self._deliver(*found))
+                return msgs
 
     def _deliver(self, stored: _Stored, deliveries: int) -> InProcMsg:
         msg = InProcMsg(self._client, stored.subject, stored.data, headers=stored.headers)

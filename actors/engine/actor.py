@@ -13,6 +13,7 @@ import contextlib
 from nats.aio.msg import Msg
 
 from actors.base import Actor
+from actors.base.flag import Flag
 from actors.base.publish import pull_one
 from actors.engine.backend import Backend, EmulatedBackend
 from actors.engine.commands import EngineCommands
@@ -27,7 +28,9 @@ from bus_schemas.streams import affinity_consumer, decode_consumer, prefill_cons
 from bus_schemas.work import DecodeWork, PrefillWork
 
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long (it returns as soon as a message is there)
-IDLE_WAKE_WALL_S = 0.1  # waits on events (work, room, a role change) look again after this at the latest
+IDLE_WAKE_WALL_S = 0.1  # a full engine looks for room again after this at the latest
+IDLE_SAFETY_WALL_S = 1.0  # an idle scheduler looks again after this even if nothing woke it
+EXPIRY_SLACK_S = 1e-3  # held KV counts as expired once past its time: look just after it
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
@@ -40,17 +43,17 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         ec = config.engines
         self.link = LINKS[ec.link]
         self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
-        self._wake = asyncio.Event()  # new work admitted (or a stop requested)
+        self._wake = Flag()  # new work admitted (or a stop requested)
         self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it
         self.epoch = 0
         self.policy_version = 0
         self._msgs: dict[str, Msg] = {}  # work key -> the JetStream message to ack when done
         self._pending_transfers = 0
         self._effects = 0  # result / decode-work publishes in flight
-        self._room = asyncio.Event()  # capacity freed
-        self._progress = asyncio.Event()  # a step or transfer finished
+        self._room = Flag()  # capacity freed
+        self._progress = Flag()  # a step or transfer finished
         self._pulling = True
-        self._roles_changed = asyncio.Event()  # a switch began or ended: fetch loops look again
+        self._roles_changed = Flag()  # a switch began or ended (or a stop): fetch loops look again
         self._queue_empty = {"prefill": False, "decode": False}  # the last pull found nothing
         self._last_heartbeat = (0.0, 0.0)  # (model time, busy time)
         self.switching = False
@@ -58,6 +61,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         # longest decode-only step in model seconds (None: the config's wall quantum x the time
         # scale); virtual time sets it high, steps then end at the next finish or new work
         self.max_decode_step_s: float | None = None
+        # how long one pull request stays open, in loop seconds: wall seconds live; the
+        # simulator sets what that lasts in model time in the live run at the config's scale
+        self.pull_wait_s = FETCH_WAIT_WALL_S
         self.prefilled_tokens_total = 0
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
@@ -113,15 +119,13 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         while not self.stopping.is_set():
             if not (self._pulling and queue in self._queues()):
                 self._roles_changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._roles_changed.wait(), timeout=IDLE_WAKE_WALL_S)
+                await self._roles_changed.wait()  # set by every switch, drain and stop
                 continue
             if self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
+                await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S)
+            msg = await pull_one(self._subs[queue], self.pull_wait_s)
             self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
@@ -137,10 +141,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             serving = self._pulling and self._prefills_routed_turns()
             if serving and self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), timeout=IDLE_WAKE_WALL_S)
+                await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(sub, FETCH_WAIT_WALL_S)
+            msg = await pull_one(sub, self.pull_wait_s)
             if msg is None:
                 continue
             if self._pulling and self._prefills_routed_turns():
@@ -218,8 +221,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             if batch is None:
                 if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held:
                     return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=IDLE_WAKE_WALL_S)
+                await self._wake.wait(self._idle_wait_wall_s(burst))
                 cursor_s = self.clock.now_s()
                 continue
             now_s = self.clock.now_s()
@@ -236,9 +238,19 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             self._room.set()
             self._progress.set()
 
+    def _idle_wait_wall_s(self, burst: bool) -> float:
+        """How long an idle scheduler sleeps unless new work wakes it: until the next held KV
+        expires (a burst run also watches for the queues to run dry)."""
+        wait_s = IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S
+        if self.core.held:
+            expires_s = min(held.expires_at_s for held in self.core.held.values()) + EXPIRY_SLACK_S
+            wait_s = min(wait_s, self.clock.to_wall_s(max(0.0, expires_s - self.clock.now_s())))
+        return wait_s
+
     def request_stop(self, reason: str = "") -> None:
         super().request_stop(reason)
         self._wake.set()  # end a long decode step now
+        self._roles_changed.set()  # idle fetch loops see the stop
 
     async def _before_step(self) -> bool:
         """A backend hook, awaited before each step is planned; True when it waited (the

@@ -13,10 +13,10 @@ backend *runs* that step and says when it ended, in model seconds:
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 
 from actors.base.clock import Clock
+from actors.base.flag import Flag
 from actors.engine.core import Batch
 
 
@@ -36,7 +36,7 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def __init__(self, clock: Clock, interrupt: asyncio.Event | None = None) -> None:
+    def __init__(self, clock: Clock, interrupt: Flag | None = None) -> None:
         self.clock = clock
         self.interrupt = interrupt
 
@@ -45,16 +45,9 @@ class EmulatedBackend:
         if batch.iterations <= 1 or self.interrupt is None:
             await self.clock.sleep_until(end_s)
             return end_s
-        if not self.interrupt.is_set():
-            sleeper = asyncio.ensure_future(self.clock.sleep_until(end_s))
-            waker = asyncio.ensure_future(self.interrupt.wait())
-            try:
-                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-                waker.cancel()
-            if not self.interrupt.is_set():
-                return end_s
+        if not await self.interrupt.wait(self.clock.to_wall_s(end_s - self.clock.now_s())):
+            await self.clock.sleep_until(end_s)  # timed out: at end_s, give or take rounding
+            return end_s
         per_iteration_s = batch.duration_s / batch.iterations
         done = min(batch.iterations, int((self.clock.now_s() - cursor_s) / per_iteration_s) + 1)
         batch.iterations = done

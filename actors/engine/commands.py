@@ -11,9 +11,6 @@ switch regime and layouts give, pulls for the new role, and acks with the drain 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from nats.aio.msg import Msg
 
 from actors.engine.costmodel import switch_reconfig_s
@@ -113,6 +110,7 @@ class EngineCommands:
         self._pulling = True
         self._room.set()
         self._roles_changed.set()
+        self._wake.set()  # the scheduler plans under the new role now
         self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
         await self.publish_heartbeat()  # the fleet view sees the new role now, not a period later
@@ -125,8 +123,7 @@ class EngineCommands:
 
     async def _next_progress(self) -> None:
         self._progress.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._progress.wait(), timeout=DRAIN_CHECK_WALL_S)
+        await self._progress.wait(DRAIN_CHECK_WALL_S)
 
     async def _reply(self, msg: Msg, command: str, ok: bool, error: str = "", drain_s: float = 0.0) -> None:
         if not msg.reply:

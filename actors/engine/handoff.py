@@ -183,3 +183,4 @@ class EngineHandoff:
         for seq in self.core.expire(self.clock.now_s()):
             self.counters["kv_expired"] += 1
             self.log.warning("KV of %s expired before a decode engine fetched it", seq.key)
+            self._room.set()
