@@ -3,6 +3,8 @@
     python -m runners.bench calibration --out DIR    cost model vs published figures
     python -m runners.bench rollout [--suite paper] [--out DIR] [--live] [--jobs N]
                                                      every policy side by side (runners.rollout)
+    python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
+                                                     simulation wall time vs fleet size (runners.simscale)
 """
 
 from __future__ import annotations
@@ -46,9 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument("--out", type=Path, default=None, help="default runs/rollout-<suite>")
     roll.add_argument("--live", action="store_true", help="run on a real nats-server in real time (slow) instead of virtual time")
     roll.add_argument("--jobs", type=int, default=2, help="runs at once (virtual time: one core each)")
+    sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
+    sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
+    sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
+    sim.add_argument("--out", type=Path, default=Path("runs/simscale"))
     args = parser.parse_args(argv)
     if args.bench == "calibration":
         return calibration(args.out)
+    if args.bench == "simulation":
+        from runners.simscale import run
+
+        rows = run(args.engines, args.turns_max or None, args.out)
+        return 0 if all(r["status"] == "completed" for r in rows) else 1
     if args.bench == "rollout":
         return rollout(args.suite, args.out or Path("runs") / f"rollout-{args.suite}", args.live, 1 if args.live else args.jobs)
     return 2

@@ -27,7 +27,7 @@ from actors.base.inproc import InProcServer
 from actors.base.virtual import LoopClock, VirtualTimeLoop
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from actors.allocator.actor import AllocatorActor
-from actors.engine.actor import FETCH_WAIT_WALL_S, EngineActor
+from actors.engine.actor import EngineActor
 from actors.forecaster.actor import ForecasterActor
 from actors.environment.actor import EnvironmentActor
 from actors.trainer.actor import TrainerActor
@@ -49,7 +49,6 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
     engines = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
     for engine in engines:  # no wall clock to keep up with: a decode step runs to the next event
         engine.max_decode_step_s = VIRTUAL_DECODE_STEP_S
-        engine.pull_wait_s = FETCH_WAIT_WALL_S * config.run.time_scale  # as long as live at this scale
     actors: list[Actor] = [*engines]
     actors += [EnvironmentActor(env, config, server.connect(env), clock) for env in config.env_ids()]
     if config.runs_forecaster:
@@ -58,6 +57,8 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
         actors.append(AllocatorActor("allocator", config, server.connect("allocator"), clock))
     actors.append(TrainerActor("trainer", config, server.connect("trainer"), clock))
     for actor in actors:
+        if not isinstance(actor, ForecasterActor):  # (its pulls pace its ticks: left in model time)
+            actor.pull_scale = config.run.time_scale  # a pull lasts what it does live at this scale
         counter = itertools.count()
         actor.new_id = lambda a=actor.actor_id, c=counter: f"{a}-{next(c):09d}"
     return actors

@@ -106,8 +106,8 @@ class _Stream:
         self.messages[seq] = _Stored(seq, subject, data, headers)
         if msg_id is not None:
             self.dedup[msg_id] = (seq, now)
-        for consumer in self.consumers.values():  # one open pull per consumer that wants it
-            if consumer.filter == ">" or subject_matches(consumer.filter, subject):
+        for consumer in self.consumers.values():
+            if consumer.wants(subject):
                 consumer.offer()
         return seq, False
 
@@ -132,9 +132,16 @@ class _Consumer:
         self._timers: list[tuple[float, int]] = []  # (redeliver_at, seq), stale entries skipped
         self._time = loop_time
         self._waiters: list[asyncio.Future] = []  # open pulls waiting for a message, oldest first
+        self._wants: dict[str, bool] = {}  # subject -> matches the filter
+
+    def wants(self, subject: str) -> bool:
+        wanted = self._wants.get(subject)
+        if wanted is None:
+            wanted = self._wants[subject] = subject_matches(self.filter, subject)
+        return wanted
 
     def _matches(self, stored: _Stored) -> bool:
-        return subject_matches(self.filter, stored.subject)
+        return self.wants(stored.subject)
 
     def _schedule(self, seq: int, at_s: float) -> None:
         self.pending[seq].redeliver_at = at_s

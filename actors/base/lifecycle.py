@@ -69,7 +69,9 @@ class LifecyclePublisher:
         while True:
             try:
                 future = await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": event.event_id})
-                await asyncio.wait_for(future, timeout=_ACK_TIMEOUT_WALL_S)
+                if not future.done():  # (the in-process bus acks at once)
+                    await asyncio.wait_for(future, timeout=_ACK_TIMEOUT_WALL_S)
+                future.result()
                 break
             except asyncio.CancelledError:
                 raise

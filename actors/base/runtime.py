@@ -54,6 +54,11 @@ class Actor:
         self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex  # simulations make ids deterministic
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
+        # a pull request on a work queue lasts the actor's FETCH_WAIT_WALL_S x this in loop
+        # seconds: 1 live; the simulator sets the config's time scale, so a simulated pull
+        # lasts in model time what it does in a live run at that scale (with pulls served
+        # oldest first, how long they last does not change who gets the work)
+        self.pull_scale = 1.0
 
     # --- to override -------------------------------------------------------------------
     async def setup(self) -> None:

@@ -61,9 +61,6 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         # longest decode-only step in model seconds (None: the config's wall quantum x the time
         # scale); virtual time sets it high, steps then end at the next finish or new work
         self.max_decode_step_s: float | None = None
-        # how long one pull request stays open, in loop seconds: wall seconds live; the
-        # simulator sets what that lasts in model time in the live run at the config's scale
-        self.pull_wait_s = FETCH_WAIT_WALL_S
         self.prefilled_tokens_total = 0
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
@@ -125,7 +122,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self._room.clear()
                 await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(self._subs[queue], self.pull_wait_s)
+            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.pull_scale)
             self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
@@ -143,7 +140,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self._room.clear()
                 await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(sub, self.pull_wait_s)
+            msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.pull_scale)
             if msg is None:
                 continue
             if self._pulling and self._prefills_routed_turns():
