@@ -4,7 +4,7 @@ Each case is `configs/sim-swe-64.toml` resized to N engines: N/8 environments, 8
 trajectories per engine (N/8 tasks x G = 8), one sync step, the same seed. `--turns-max`
 caps the SWE episodes so the largest fleets finish in minutes; the full profile is
 `python -m runners.simulate configs/sim-swe-64.toml`. Prints, per fleet, the model seconds
-simulated, the wall seconds they took and both ratios, and writes `simscale.json`.
+simulated, the wall (and CPU) seconds they took and both ratios, and writes `simscale.json`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def run(engine_counts: list[int], turns_max: int | None, out: Path) -> list[dict
     rows = []
     for engines in engine_counts:
         config = scaled_config(engines, turns_max)
-        started = time.monotonic()
+        started, started_cpu = time.monotonic(), time.process_time()
         summary = simulate.run(config, out / f"engines-{engines}", show_progress=False)
-        wall_s = time.monotonic() - started
+        wall_s, cpu_s = time.monotonic() - started, time.process_time() - started_cpu
         model_s = last_event_s(out / f"engines-{engines}")
         row = {
             "engines": engines,
@@ -54,13 +54,14 @@ def run(engine_counts: list[int], turns_max: int | None, out: Path) -> list[dict
             "events": summary["events"],
             "model_s": round(model_s, 1),
             "wall_s": round(wall_s, 2),
+            "cpu_s": round(cpu_s, 2),  # (wall > cpu: the machine was shared)
             "model_s_per_wall_s": round(model_s / wall_s, 1),
             "wall_ms_per_model_s": round(1e3 * wall_s / model_s, 2),
         }
         rows.append(row)
         print(
             f"{engines:5d} engines: {row['trajectories']} trajectories, {row['model_s']:,.0f} model s in {row['wall_s']:,.1f} s wall "
-            f"= {row['model_s_per_wall_s']:,.1f} model s per wall s ({row['wall_ms_per_model_s']:.1f} ms wall per model s), "
+            f"({row['cpu_s']:,.1f} s CPU) = {row['model_s_per_wall_s']:,.1f} model s per wall s ({row['wall_ms_per_model_s']:.1f} ms wall per model s), "
             f"{row['events']:,} events, {row['status']}",
             flush=True,
         )
