@@ -5,7 +5,8 @@
 A synthetic log (forecasting.synthetic) with every trajectory started in the first 10 s and
 long enough (>= 20 turns) that none has finished by the end is replayed tick by tick (1 s
 bins, horizons up to 30 s); the ticks after 15 s, when all are live, are timed: the whole
-tick (binning + ingest + models) and the models alone.
+tick (binning + ingest + models; the median and the best, for a busy machine) and the
+models alone.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def bench(trajectories: int, models: tuple[str, ...], timed_ticks: int = 10) -> 
         for model in core.models.values():
             model.predict(core.config.horizon_bins)
         model_ms.append((time.perf_counter() - began) * 1e3)
-    return {"live": float(np.mean(live)), "tick_ms": float(np.median(tick_ms)), "predict_ms": float(np.median(model_ms)),
+    return {"live": float(np.mean(live)), "tick_ms": float(np.median(tick_ms)), "tick_best_ms": float(np.min(tick_ms)),
+            "predict_ms": float(np.median(model_ms)),
             "events_per_tick": float((at_s.searchsorted(16 + timed_ticks) - at_s.searchsorted(16)) / timed_ticks)}  # fmt: skip
 
 
@@ -50,7 +52,7 @@ def main() -> None:
     for n in args.trajectories:
         r = bench(n, tuple(args.models))
         print(f"{'+'.join(args.models)}: {r['live']:.0f} live trajectories, {r['events_per_tick']:.0f} events/tick: "
-              f"tick {r['tick_ms']:.1f} ms (median), of which predict {r['predict_ms']:.1f} ms")  # fmt: skip
+              f"tick {r['tick_ms']:.1f} ms (median; best {r['tick_best_ms']:.1f}), of which predict {r['predict_ms']:.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,25 +13,40 @@ trajectories, live ones censored at their current turn, shrunk towards the mean)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 class Empirical:
     def __init__(self, max_samples: int = 2000, tail_weight: float = 1.0) -> None:
         self._samples: deque[float] = deque(maxlen=max_samples)
         self._sorted: np.ndarray | None = None
+        self._memo: dict = {}  # derived tables, dropped when a sample is added
         self.tail_weight = tail_weight
 
     def add(self, value: float) -> None:
         self._samples.append(float(value))
-        self._sorted = None
+        self._changed()
 
     def add_many(self, values: np.ndarray) -> None:
         """Add values in order (the oldest drop out first, as with add)."""
         if len(values):
             self._samples.extend(np.asarray(values, float)[-self._samples.maxlen :].tolist())
-            self._sorted = None
+            self._changed()
+
+    def _changed(self) -> None:
+        self._sorted = None
+        self._memo.clear()
+
+    def memo(self, key, compute: Callable[[], T]) -> T:
+        """compute(), remembered under `key` until the samples change."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def extend(self, other: "Empirical") -> None:
         for v in other._samples:
@@ -47,11 +62,10 @@ class Empirical:
         return self._sorted
 
     def mean(self) -> float:
-        return float(self.values().mean()) if self.n else 0.0
+        return self.memo("mean", lambda: float(self.values().mean()) if self.n else 0.0)
 
     def second_moment(self) -> float:
-        v = self.values()
-        return float((v * v).mean()) if self.n else 0.0
+        return self.memo("second_moment", lambda: float((self.values() ** 2).mean()) if self.n else 0.0)
 
     def survival(self, t_s: np.ndarray, censored: np.ndarray | None = None) -> np.ndarray:
         """P(duration > t), smoothed with an exponential tail of the same mean. `censored`:
@@ -83,16 +97,17 @@ class Empirical:
     def residual_sums(self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None = None) -> np.ndarray:
         """(len(weights), slots): Σ_i weights[m, i] · P(end in slot j | lasted bucket[i]·step_s).
 
-        One survival curve on the grid and a correlation per weight row: O(buckets · slots)
+        One survival curve on the grid, the weights summed per bucket, then one matrix
+        product with the residual end masses of the buckets in use: O(buckets · slots)
         however many trajectories share the buckets."""
         b_max = int(bucket.max()) if len(bucket) else 0
         surv = self.survival(step_s * np.arange(b_max + slots + 1), censored)
         d_surv = surv[:-1] - surv[1:]
-        out = np.empty((len(weights), slots))
-        for m, w in enumerate(weights):
-            a = np.bincount(bucket, w, minlength=b_max + 1) / np.maximum(surv[: b_max + 1], 1e-300)
-            out[m] = np.correlate(d_surv, a, mode="valid")[:slots]
-        return out
+        rows = len(weights)
+        per_bucket = np.bincount((bucket + (b_max + 1) * np.arange(rows)[:, None]).ravel(), np.ravel(weights), rows * (b_max + 1))
+        used = np.flatnonzero(np.bincount(bucket, minlength=b_max + 1))
+        a = per_bucket.reshape(rows, b_max + 1)[:, used] / np.maximum(surv[used], 1e-300)
+        return a @ d_surv[used[:, None] + np.arange(slots)]
 
     def centred_pmf(self, step_s: float, slots: int) -> np.ndarray:
         """P(duration in ((j-½)·step, (j+½)·step]): convolving these keeps the mean in place."""

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 import polars as pl
 
 from forecasting.empirical import Empirical, TurnHazard
+from forecasting.series import kind_codes, of_fleet
 
 PRE, DEC, TOOL = 0, 1, 2
 PHASES = ("pre", "dec", "tool")
@@ -36,7 +38,6 @@ POOLED = "*"  # statistics over every family (used for trajectories not yet assi
 # Event kinds the trajectory state machine reads, as small integer codes.
 _KINDS = ("started", "prefill_queued", "reprefill", "prefill_done", "decode_started", "decode_done", "tool_done", "finished")
 STARTED, QUEUED, REPREFILL, PREFILLED, DEC_STARTED, DEC_DONE, TOOL_DONE, FINISHED = range(len(_KINDS))
-_CODE = {k: i for i, k in enumerate(_KINDS)}
 # phase an event moves its trajectory into (-1: none), and whether it restarts the phase clock
 _SETS_PHASE = np.array([-1, PRE, PRE, -1, DEC, TOOL, PRE, -1], np.int8)
 _SETS_CLOCK = np.array([0, 1, 0, 0, 1, 1, 1, 0], bool)
@@ -55,8 +56,18 @@ class FamilyStats:
     turns: TurnHazard = field(default_factory=TurnHazard)
 
 
-_COLUMNS = ("kind", "at_s", "trajectory_id", "turn", "task_family", "new_tokens", "context_tokens",
-            "cached_prefix_tokens", "generated_tokens", "step")  # fmt: skip
+_NUMERIC = ("at_s", "turn", "new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens", "step")
+
+
+def _up_to_finish(slot: np.ndarray, code: np.ndarray) -> np.ndarray:
+    """Events of live trajectories (slot >= 0) up to their first `finished` in the chunk."""
+    keep = slot >= 0
+    done = np.flatnonzero((code == FINISHED) & keep)
+    if len(done):
+        first_done = np.full(int(slot.max()) + 1, len(slot))
+        np.minimum.at(first_done, slot[done], done)
+        keep &= np.arange(len(slot)) <= first_done[np.maximum(slot, 0)]
+    return keep
 
 
 class LiveState:
@@ -80,6 +91,7 @@ class LiveState:
         self._step_started_at_s: dict[int, float] = {}
         self.start_offset_s = Empirical(1000)  # step_started → a trajectory of that step started
         self.started_per_step: Counter[int] = Counter()
+        self.started_per_step_family: Counter[tuple[int, int]] = Counter()  # (step, family index)
         self.last_step = -1
         self.events = 0
 
@@ -92,6 +104,12 @@ class LiveState:
 
     def last_step_size(self) -> int:
         return self.started_per_step.get(self.last_step, 0)
+
+    def step_mix(self, step: int) -> dict[int, float]:
+        """Share of each family (by index) among the trajectories that step started."""
+        counts = {f: n for (k, f), n in self.started_per_step_family.items() if k == step}
+        total = sum(counts.values())
+        return {f: n / total for f, n in sorted(counts.items())} if total else {}
 
     def pending_starts(self) -> int:
         """Trajectories of the running step not started yet, if it is as big as the one before."""
@@ -106,16 +124,14 @@ class LiveState:
         self.events += events.height
         if events.height == 0:
             return
-        fleet = events.filter(pl.col("trajectory_id") == "")
-        for kind, at_s, step in fleet.select("kind", "at_s", "step").iter_rows():
-            self._fleet_event(kind, at_s, step)
-        chunk = events.filter((pl.col("trajectory_id") != "") & pl.col("kind").is_in(_KINDS)).select(_COLUMNS)
-        if chunk.height and (chunk["kind"] == "finished").any():  # nothing after a trajectory's finish counts
-            row = pl.int_range(pl.len()).alias("row")
-            ended = pl.col("row").filter(pl.col("kind") == "finished").min().over("trajectory_id")
-            chunk = chunk.with_columns(row).filter(ended.is_null() | (pl.col("row") <= ended)).drop("row")
-        if chunk.height:
-            self._ingest_chunk(chunk)
+        fleet = np.flatnonzero(of_fleet(events))
+        if len(fleet):
+            for kind, at_s, step in events[fleet, ["kind", "at_s", "step"]].iter_rows():
+                self._fleet_event(kind, at_s, step)
+        code = kind_codes(events, _KINDS)
+        rows = np.flatnonzero(code >= 0)
+        if len(rows):
+            self._ingest_chunk(events, rows, code[rows])
 
     def _fleet_event(self, kind: str, at_s: float, step: int) -> None:
         if kind == "rollout_done":
@@ -126,47 +142,50 @@ class LiveState:
             self.step_pending_since_s, self.step_started_s, self.step = None, at_s, step
             self._step_started_at_s[step] = at_s
 
-    def _ingest_chunk(self, chunk: pl.DataFrame) -> None:
-        ids = chunk["trajectory_id"].to_list()
-        known = [i not in self._finished for i in ids]
-        if not all(known):
-            chunk = chunk.filter(pl.Series(known))
-            ids = [i for i, k in zip(ids, known) if k]
-            if not ids:
-                return
-        code = chunk["kind"].replace_strict(_CODE, return_dtype=pl.Int8).to_numpy()
-        at_s = chunk["at_s"].to_numpy()
-        turn = chunk["turn"].to_numpy()
-        fam = chunk["task_family"].replace_strict(self._families_of(chunk), return_dtype=pl.Int32).to_numpy()
-        slot, opened = self._slots(ids, fam, at_s, turn)
-        self._learn_chunk(chunk, code, at_s, turn, fam, slot, opened)
+    def _ingest_chunk(self, events: pl.DataFrame, rows: np.ndarray, code: np.ndarray) -> None:
+        """Apply the trajectory events at `rows` of the frame (their kind codes: `code`)."""
+        ids = (events["trajectory_id"] if len(rows) == events.height else events[rows, "trajectory_id"]).to_list()
+        col = {c: events[c].to_numpy()[rows] for c in _NUMERIC}
+        slot, opened = self._slots(ids, events["task_family"], rows, col["at_s"], col["turn"])
+        keep = _up_to_finish(slot, code)  # not after a trajectory's finish, nor of one finished before
+        if not keep.any():
+            return
+        if not keep.all():
+            ids = [ids[i] for i in np.flatnonzero(keep)]
+            slot, opened, code = slot[keep], opened[keep], code[keep]
+            col = {c: v[keep] for c, v in col.items()}
+        self._learn_chunk(code, col, self.family[slot], slot, opened)
         self._close(ids, code)
 
-    def _families_of(self, chunk: pl.DataFrame) -> dict[str, int]:
-        for family in chunk["task_family"].unique(maintain_order=True).to_list():
-            if family not in self._family_index:
-                self._family_index[family] = len(self.families)
-                self.families.append(family)
-                self.stats[family] = FamilyStats()
-        return self._family_index
+    def _family(self, name: str) -> int:
+        if name not in self._family_index:
+            self._family_index[name] = len(self.families)
+            self.families.append(name)
+            self.stats[name] = FamilyStats()
+        return self._family_index[name]
 
-    def _slots(self, ids: list[str], fam: np.ndarray, at_s: np.ndarray, turn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slot of every event; trajectories seen for the first time open one at their first event."""
-        first = {t: i for i, t in reversed(list(enumerate(ids))) if t not in self._slot}  # its first event
-        new: dict[str, int] = {}
-        if first:
-            while len(self._free) < len(first):
-                self._grow()
-            new = {t: self._free.pop() for t in first}
-            self._slot.update(new)
-            f = np.fromiter(first.values(), np.int64, len(first))
-            s = np.fromiter(new.values(), np.int64, len(new))
-            self.family[s], self.phase[s], self.entered_s[s] = fam[f], PRE, at_s[f]
-            self.turn[s], self.prefilled[s], self.alive[s] = np.maximum(turn[f], 0), False, True
-        slot = np.fromiter((self._slot[t] for t in ids), np.int64, len(ids))
+    def _slots(self, ids: list[str], families: pl.Series, rows: np.ndarray, at_s: np.ndarray, turn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slot of every event (-1: its trajectory has finished), and whether it opened in
+        this chunk: a trajectory seen for the first time opens one at its first event."""
+        slot = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
+        unknown = np.flatnonzero(slot < 0)
+        first: dict[str, int] = {}  # trajectory seen for the first time -> its first event
+        for i in unknown.tolist():
+            if ids[i] not in first and ids[i] not in self._finished:
+                first[ids[i]] = i
         opened = np.zeros(len(ids), bool)
-        if new:
-            opened = np.isin(slot, np.fromiter(new.values(), np.int64, len(new)))
+        if not first:
+            return slot, opened
+        while len(self._free) < len(first):
+            self._grow()
+        f = np.fromiter(first.values(), np.int64, len(first))
+        s = np.array([self._free.pop() for _ in first], np.int64)
+        self._slot.update(zip(first, s.tolist()))
+        self.family[s] = np.fromiter(map(self._family, families[rows[f]].to_list()), np.int32, len(f))
+        self.phase[s], self.entered_s[s] = PRE, at_s[f]
+        self.turn[s], self.prefilled[s], self.alive[s] = np.maximum(turn[f], 0), False, True
+        slot[unknown] = np.fromiter((self._slot.get(ids[i], -1) for i in unknown.tolist()), np.int64, len(unknown))
+        opened[unknown] = slot[unknown] >= 0
         return slot, opened
 
     def _grow(self) -> None:
@@ -179,7 +198,8 @@ class LiveState:
             setattr(self, name, grown)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
-    def _learn_chunk(self, chunk, code, at_s, turn, fam, slot, opened) -> None:
+    def _learn_chunk(self, code, col, fam, slot, opened) -> None:
+        at_s, turn = col["at_s"], col["turn"]
         phase_before, entered_before = self._walk(code, at_s, turn, slot)
         for kind, phase in _ENDS.items():
             done = (code == kind) & (phase_before == phase)
@@ -187,7 +207,6 @@ class LiveState:
             if kind == DEC_STARTED:
                 first = done & (turn == 0)
                 self._learn("prompt_pre_s", fam[first], np.maximum(at_s[first] - entered_before[first], 0.0))
-        col = {c: chunk[c].to_numpy() for c in ("new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens", "step")}
         miss = col["context_tokens"] - col["cached_prefix_tokens"] + col["new_tokens"]
         done = code == PREFILLED
         self._learn("prompt_miss_tokens", fam[done & (turn == 0)], miss[done & (turn == 0)])
@@ -200,6 +219,7 @@ class LiveState:
         self._learn("prompt_tokens", fam[started], col["new_tokens"][started])
         steps = col["step"][started]
         self.started_per_step.update(steps.tolist())
+        self.started_per_step_family.update(zip(steps.tolist(), fam[started].tolist()))
         if len(steps):
             self.last_step = max(self.last_step, int(steps.max()))
         since = np.array([self._step_started_at_s.get(int(k), np.nan) for k in steps])
@@ -250,7 +270,7 @@ class LiveState:
         if len(fam) == 0:
             return
         yield POOLED, np.ones(len(fam), bool)
-        for f in np.unique(fam):
+        for f in np.flatnonzero(np.bincount(fam)):
             yield self.families[f], fam == f
 
     def _learn(self, what: str, fam: np.ndarray, values: np.ndarray) -> None:

@@ -127,29 +127,55 @@ def bin_chunk(
     return out.select("bin", "bin_start_s", "task_family", *COLUMNS), carry_out
 
 
+def kind_codes(events: pl.DataFrame, kinds: tuple[str, ...]) -> np.ndarray:
+    """Each event's kind as its index in `kinds`, as int8; -1 for another kind and for the
+    fleet's events. Series methods where they exist: every expression is a query of its own."""
+    code = events["kind"].cast(pl.Enum(kinds), strict=False).to_physical().to_numpy().astype(float)  # NaN: another kind
+    return np.where(np.isnan(code) | ~of_trajectory(events), -1, code).astype(np.int8)
+
+
+def of_trajectory(events: pl.DataFrame) -> np.ndarray:
+    """Events of a trajectory: a non-empty trajectory_id (a missing one is no one's)."""
+    return _id_mask(events["trajectory_id"] != "", events)
+
+
+def of_fleet(events: pl.DataFrame) -> np.ndarray:
+    """Events of the fleet (the trainer's steps): trajectory_id "" (a missing one is no one's)."""
+    return _id_mask(events["trajectory_id"] == "", events)
+
+
+def _id_mask(test: pl.Series, events: pl.DataFrame) -> np.ndarray:
+    return (test.fill_null(False) if events["trajectory_id"].null_count() else test).to_numpy()
+
+
+_TOTALS_KINDS = ("prefill_queued", "prefill_done", "decode_done", "started", "finished", "decode_started", "tool_started", "tool_done")
+
+
 def chunk_totals(
     events: pl.DataFrame, start_s: float, end_s: float, bin_s: float, carry: dict[str, float] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """`bin_chunk`'s "all" rows as arrays (column -> value per bin), carrying total levels only."""
     n_bins = _whole_bins(start_s, end_s, bin_s)
     carry = carry or {}
-    ev = events.filter(pl.col("trajectory_id") != "")
-    kind = ev["kind"].to_numpy()
-    at_s = np.maximum(ev["at_s"].to_numpy(), start_s)
+    code = kind_codes(events, _TOTALS_KINDS)
+    rows = code >= 0
+    code = code[rows]
+    kind = {k: code == i for i, k in enumerate(_TOTALS_KINDS)}
+    at_s = np.maximum(events["at_s"].to_numpy()[rows], start_s)
     local = np.clip(np.floor((at_s - start_s) / bin_s).astype(np.int64), 0, n_bins - 1)
-    new, ctx, cached = (ev[c].to_numpy().astype(float) for c in ("new_tokens", "context_tokens", "cached_prefix_tokens"))
+    new, ctx, cached = (events[c].to_numpy()[rows].astype(float) for c in ("new_tokens", "context_tokens", "cached_prefix_tokens"))
     flows = {
-        "prefill_new_tokens": np.where(kind == "prefill_queued", new, 0.0),
-        "prefill_miss_tokens": np.where(kind == "prefill_done", ctx - cached + new, 0.0),
-        "decode_tokens": np.where(kind == "decode_done", ev["generated_tokens"].to_numpy().astype(float), 0.0),
-        "arrivals": (kind == "started").astype(float),
-        "finishes": (kind == "finished").astype(float),
+        "prefill_new_tokens": np.where(kind["prefill_queued"], new, 0.0),
+        "prefill_miss_tokens": np.where(kind["prefill_done"], ctx - cached + new, 0.0),
+        "decode_tokens": np.where(kind["decode_done"], events["generated_tokens"].to_numpy()[rows].astype(float), 0.0),
+        "arrivals": kind["started"].astype(float),
+        "finishes": kind["finished"].astype(float),
     }
     out = {c: np.bincount(local, w, minlength=n_bins) for c, w in flows.items()}
-    sizes = {"decode_active_seqs": np.ones(len(kind)), "kv_tokens": ctx + new, "tool_active_trajs": np.ones(len(kind))}
+    sizes = {"decode_active_seqs": np.ones(len(code)), "kv_tokens": ctx + new, "tool_active_trajs": np.ones(len(code))}
     carry_out = {}
     for column, (up, down) in _LEVEL_STEPS.items():
-        delta = np.where(kind == up, sizes[column], 0.0) - np.where(kind == down, sizes[column], 0.0)
+        delta = np.where(kind[up], sizes[column], 0.0) - np.where(kind[down], sizes[column], 0.0)
         before = carry.get(column, 0.0) + np.r_[0.0, np.cumsum(np.bincount(local, delta, minlength=n_bins))[:-1]]
         bin_end_s = start_s + (local + 1) * bin_s
         out[column] = before + np.bincount(local, delta * (bin_end_s - at_s), minlength=n_bins) / bin_s

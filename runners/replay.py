@@ -90,7 +90,7 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
                 out.append(Scored(
                     model, target, h_s,
                     actual=np.array([actual[target][b] for _, b in rows]),
-                    forecast=np.array([r.outcomes[model].prediction.mean[target][hi] for r, _ in rows]),
+                    forecast=np.array([r.outcomes[model].prediction.point_forecast(target)[hi] for r, _ in rows]),
                     quantiles=np.array([[r.outcomes[model].prediction.quantiles[target][q, hi] for r, _ in rows] for q in range(len(QUANTILES))]),
                     naive=np.array([r.outcomes["naive"].prediction.mean[target][hi] for r, _ in rows]),
                 ))  # fmt: skip

@@ -65,3 +65,30 @@ def test_step_cadence_and_pending_starts_of_the_running_step():
     assert state.start_offset_s.values().tolist() == [0.5, 1.0, 1.0, 1.5, 2.0]
     assert state.step == 1 and state.pending_starts() == 3  # step 0 started 4; step 1 one so far
     assert state.live_count() == 1 and state.stats["swe"].turns.n == 4
+
+
+def test_events_after_a_finish_are_ignored_in_the_same_chunk_and_later():
+    turn = [ev(0, K.STARTED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
+            ev(1, K.PREFILL_QUEUED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
+            ev(2, K.DECODE_STARTED, 1.0, trajectory_id="a", task_family="swe"),
+            ev(3, K.DECODE_DONE, 2.0, trajectory_id="a", task_family="swe", generated_tokens=5),
+            ev(4, K.FINISHED, 2.0, trajectory_id="a", task_family="swe"),
+            ev(5, K.STARTED, 2.5, trajectory_id="b", task_family="math", new_tokens=7)]  # fmt: skip
+    strays = [ev(6, K.DECODE_STARTED, 2.6, trajectory_id="a", task_family="swe"),
+              ev(7, K.DECODE_DONE, 3.5, trajectory_id="a", task_family="swe", generated_tokens=99)]  # fmt: skip
+    clean, same_chunk, later = LiveState(), LiveState(), LiveState()
+    clean.ingest(events_frame(turn))
+    same_chunk.ingest(events_frame(turn + strays))
+    later.ingest(events_frame(turn))
+    later.ingest(events_frame(strays))
+    assert _view(same_chunk)[:-1] == _view(later)[:-1] == _view(clean)[:-1]  # all but the event count
+    assert clean.live_count() == 1 and clean.stats["swe"].gen_tokens.values().tolist() == [5.0]
+
+
+def test_the_step_mix_is_the_share_of_each_family_started():
+    log = [ev(0, K.STEP_STARTED, 0.0, step=0)]
+    log += [ev(1 + i, K.STARTED, 0.1 * i, trajectory_id=f"a{i}", task_family=("swe", "swe", "swe", "math")[i], step=0) for i in range(4)]
+    state = LiveState()
+    state.ingest(events_frame(log))
+    assert {state.families[f]: share for f, share in state.step_mix(0).items()} == {"swe": 0.75, "math": 0.25}
+    assert state.step_mix(1) == {}

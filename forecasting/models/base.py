@@ -5,6 +5,7 @@
     model.update(history)                     # each tick: history grew by >= 1 closed bin
     p = model.predict(horizon_bins)           # p.mean[target][h-1]: bin h after now
                                               # p.quantiles[target][i, h-1]: QUANTILES[i]
+                                              # p.point_forecast(target): what MAE scores
 
 Targets are totals over task families, per bin of `history.bin_s`: flows are per-bin sums,
 levels per-bin time-weighted means (see forecasting.series). A model that cannot fit
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import numpy as np
@@ -49,6 +50,13 @@ class History:
 class Prediction:
     mean: dict[str, np.ndarray]  # target -> (H,)
     quantiles: dict[str, np.ndarray]  # target -> (len(QUANTILES), H)
+    # target -> (H,): the point forecast where it is not the mean (the median, which
+    # minimises absolute error, of a zero-inflated heavy-tailed flow); demand consumers
+    # (the allocator) use the mean, accuracy tables score the point forecast
+    point: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def point_forecast(self, target: str) -> np.ndarray:
+        return self.point.get(target, self.mean[target])
 
     @staticmethod
     def normal(mean: dict[str, np.ndarray], sd: dict[str, np.ndarray]) -> "Prediction":

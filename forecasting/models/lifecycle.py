@@ -10,13 +10,19 @@ with the family's turn-continuation probability. That gives, per slot, the expec
     decode starts and completions  → decode sequences active; × generation tokens
     plus the sync-RL steps' start bursts: the running step's trajectories not started yet
     (as many as the step before had, launched with the learned spread after step_started),
-    and between steps the next step's (the learned trainer gap, then that spread). A
-    prompt's first PRE uses the turn-0 queue distribution: a burst queues longer.
+    and between steps the next step's (the learned trainer gap, then that spread), in the
+    families' shares of the step before. A start queues its prompt (prompt tokens); its
+    first PRE uses the turn-0 queue distribution (a burst queues longer), and its later
+    turns are like any other's.
 
-Trajectories that share (family, phase, elapsed slot) share their vectors, so the cost
-grows with those groups, not with the number of trajectories. Uncertainty: a compound
-Poisson spread per slot (variance = Σ p · E[size²]); the next step's burst arrives as a
-block (variance N² p (1-p) · size²). Quantiles are normal on that spread.
+Trajectories that share (family, phase, elapsed slot, turn) share their vectors, so the cost
+grows with those groups, not with the number of trajectories; the chains of phases are
+walked as spectra (`_Chain`). Uncertainty: a compound Poisson spread per slot (variance =
+Σ p · E[size²]); the next step's burst arrives as a block (variance N² p (1-p) · size²);
+quantiles are normal on that spread. Prefill new tokens instead take the compound Poisson
+distribution itself (forecasting.compound: arrivals per family × its learned sizes): the
+per-bin flow is often zero and heavy-tailed, so its point forecast is the median (the one
+that minimises the absolute error; `median_new_tokens`), and the quantiles are its own.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from typing import Self
 
 import numpy as np
 
+from forecasting.compound import compound_poisson_quantiles
+from forecasting.empirical import Empirical
 from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
-from forecasting.models.base import TARGETS, FitError, Forecaster, History, Prediction, register
+from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.timeseries import Naive
 
 
@@ -41,8 +49,10 @@ class _Demand:
     decode_tokens: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
     var: dict[str, np.ndarray] = field(init=False)
+    arrivals: list[tuple[np.ndarray, Empirical]] = field(init=False)  # expected arrivals per slot, their sizes
 
     def __post_init__(self) -> None:
+        self.arrivals = []
         for name in ("new_tokens", "miss_tokens", "decode_tokens", "decode_active"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
@@ -50,44 +60,103 @@ class _Demand:
 
 @dataclass(slots=True)
 class _Flows:
-    arrivals: np.ndarray
-    starts: np.ndarray
-    ends: np.ndarray
+    arrivals: np.ndarray  # TOOL ends (and trajectory starts): prefills queued
+    starts: np.ndarray  # PRE ends: decodes started
+    ends: np.ndarray  # DEC ends: decodes completed
+
+    @staticmethod
+    def of(by_phase: np.ndarray) -> "_Flows":
+        """From the (3, slots) ends per phase."""
+        return _Flows(arrivals=by_phase[TOOL], starts=by_phase[PRE], ends=by_phase[DEC])
 
 
-def _chain(phase: int, ends_by_cycle: np.ndarray, pmfs: list[np.ndarray], slots: int, first_pre: np.ndarray | None = None) -> _Flows:
-    """Walk the phase chain from `phase`: ends_by_cycle[m] is the current phase's end mass
-    weighted by the probability of going on through m more decode completions. The first
-    PRE entered uses `first_pre` where given (a new trajectory's prompt)."""
-    flows = _Flows(np.zeros(slots), np.zeros(slots), np.zeros(slots))
-    kernel: np.ndarray | None = None
+def _walk(phase: int, cycles: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stages of the phase chain from `phase`: each one's phase and m, the decode
+    completions passed before it (the chain stops after cycles + 1 of them)."""
+    phases, passed = [], []
     m, stage = 0, phase
-    if first_pre is not None:
-        pmfs = list(pmfs)
-        pmfs[PRE], later_pre = first_pre, pmfs[PRE]
-    while m < len(ends_by_cycle):
-        mass = ends_by_cycle[m] if kernel is None else np.convolve(ends_by_cycle[m], kernel)[:slots]
-        if stage == PRE:
-            flows.starts += mass
-        elif stage == DEC:
-            flows.ends += mass
+    while m <= cycles:
+        phases.append(stage)
+        passed.append(m)
+        if stage == DEC:
             m += 1  # past a decode completion only the continuing share goes on
-        else:
-            flows.arrivals += mass
         stage = (stage + 1) % 3
-        kernel = pmfs[stage] if kernel is None else np.convolve(kernel, pmfs[stage])[:slots]
-        if stage == PRE and first_pre is not None:
-            pmfs[PRE] = later_pre
-    return flows
+    return np.array(phases), np.array(passed)
 
 
-def _continuation_weights(cont: np.ndarray, first_turn: np.ndarray, cycles: int) -> np.ndarray:
-    """(cycles + 1, n): W[m] = P(the trajectory goes on past its next m decode completions)."""
-    top = len(cont) - 1
-    weights = np.ones((cycles + 1, len(first_turn)))
+class _Chain:
+    """One family's phase chain PRE → DEC → TOOL → PRE …, as spectra.
+
+    The kernel from a phase to the end of the r-th stage after it in cycle k is C^k times
+    the r stages' durations (C: one whole cycle, PRE ∗ DEC ∗ TOOL; C^k kept to `slots`,
+    which leaves the first `slots` slots exact). A mass times C^k times two stages is four
+    factors of `slots` each, so an FFT of n_fft ≥ 4·slots gives the exact (linear)
+    convolutions, and a chain costs a few vector products instead of a convolution per
+    stage."""
+
+    def __init__(self, pmfs: np.ndarray, cycles: int) -> None:
+        self.slots, self.cycles = pmfs.shape[1], cycles
+        self.n_fft = 1 << (4 * self.slots - 4).bit_length()
+        cycle = _truncated(_truncated(pmfs[PRE], pmfs[DEC]), pmfs[TOOL])
+        powers = [np.eye(1, self.slots)[0]]
+        for _ in range(cycles):
+            powers.append(_truncated(powers[-1], cycle))
+        self._powers_hat = self.forward(np.array(powers))
+        self._pmf_hats = self.forward(pmfs)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return np.fft.rfft(x, self.n_fft)
+
+    def inverse(self, x_hat: np.ndarray) -> np.ndarray:
+        return np.fft.irfft(x_hat, self.n_fft)[..., : self.slots]
+
+    def spectrum(self, phase: int, ends_by_cycle: np.ndarray) -> np.ndarray:
+        """(3, F): spectra of the PRE, DEC and TOOL ends that follow, from ends_by_cycle[m]:
+        the current phase's end mass weighted by the probability of going on through m
+        more decode completions."""
+        ends_hat = self.forward(ends_by_cycle)
+        phases, passed = _walk(phase, self.cycles)
+        out = np.zeros((3, self._pmf_hats.shape[1]), complex)
+        between = np.ones(self._pmf_hats.shape[1])
+        for r in range(3):  # stages r, r + 3, r + 6, …: phase + r, in cycles k = 0, 1, 2, …
+            m = passed[r::3]
+            out[phases[r]] += between * (ends_hat[m] * self._powers_hat[: len(m)]).sum(axis=0)
+            between = between * self._pmf_hats[phases[(r + 1) % 3]]
+        return out
+
+
+def _truncated(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.convolve(a, b)[: len(a)]
+
+
+def _continuation_weights(cont: np.ndarray, cycles: int) -> np.ndarray:
+    """(cycles + 1, turns): W[m, t] = P(a trajectory at turn t goes on past its next m
+    decode completions); turns past the last are at the last."""
+    turns = np.arange(len(cont))
+    weights = np.ones((cycles + 1, len(cont)))
     for m in range(1, cycles + 1):
-        weights[m] = weights[m - 1] * cont[np.minimum(first_turn + m - 1, top)]
+        weights[m] = weights[m - 1] * cont[np.minimum(turns + m - 1, len(cont) - 1)]
     return weights
+
+
+def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Trajectories with the same (elapsed bucket, first turn) have the same future: the
+    distinct pairs' buckets, and their continuation weights times how many share each."""
+    turn = np.minimum(first_turn, weights.shape[1] - 1)
+    low, width = int(turn.min()), int(bucket.max()) + 1
+    counts = np.bincount((turn - low) * width + bucket)
+    pairs = np.flatnonzero(counts)
+    return pairs % width, weights[:, pairs // width + low] * counts[pairs]
+
+
+def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
+    """The stage's centred pmf on the slot grid, kept until the stage learns a new sample."""
+    return stage.memo(("centred_pmf", step_s, slots), lambda: stage.centred_pmf(step_s, slots))
+
+
+def _stages(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
+    """The family's PRE, DEC and TOOL durations, pooled ones where it has none yet."""
+    return [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
 
 
 def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
@@ -97,9 +166,14 @@ def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
 
 @register
 class Lifecycle(Forecaster):
+    """substeps: slots per bin; cycles: turns followed ahead; censoring: running stages count
+    at risk; median_new_tokens: the point forecast (`Prediction.point`) of prefill_new_tokens
+    is its median; `mean` stays its expected value, which is what the allocator sizes on."""
+
     name = "lifecycle"
 
-    def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True) -> None:
+    def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True, median_new_tokens: bool = True) -> None:
+        self.median_new_tokens = median_new_tokens
         self.substeps = substeps
         self.censoring = censoring
         self.cycles = cycles
@@ -122,24 +196,23 @@ class Lifecycle(Forecaster):
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
         demand = _Demand(slots)
         alive = np.flatnonzero(live.alive)
-        for family in np.unique(live.family[alive]):
-            members = alive[live.family[alive] == family]
-            self._add_family(demand, live, members, live.family_stats(int(family)), step_s, h.now_s)
+        family_of = live.family[alive]
+        for family in np.flatnonzero(np.bincount(family_of)):
+            self._add_family(demand, live, alive[family_of == family], live.family_stats(int(family)), step_s, h.now_s)
         self._add_starts(demand, live, step_s, h.now_s)
         return self._to_bins(demand, horizon_bins)
 
     # --- per family --------------------------------------------------------------------------
     def _add_family(self, demand: _Demand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float) -> None:
         pooled = live.stats[POOLED]
-        stages = [st if st.n else pooled.stage_s[i] for i, st in enumerate(stats.stage_s)]
-        pmfs = [st.centred_pmf(step_s, demand.slots) for st in stages]
+        stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        cont = turns.continue_prob(live.turn[members])
+        weights = _continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
-        flows = _Flows(np.zeros(demand.slots), np.zeros(demand.slots), np.zeros(demand.slots))
-        groups = [(PRE, (live.phase[members] == PRE) & (live.turn[members] == 0), prompt_pre),
-                  (PRE, (live.phase[members] == PRE) & (live.turn[members] != 0), stages[PRE]),
-                  (DEC, live.phase[members] == DEC, stages[DEC]), (TOOL, live.phase[members] == TOOL, stages[TOOL])]  # fmt: skip
+        ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk
+        phase_of, turn_of = live.phase[members], live.turn[members]
+        groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
+                  (DEC, phase_of == DEC, stages[DEC]), (TOOL, phase_of == TOOL, stages[TOOL])]  # fmt: skip
         for phase, mask, stage in groups:
             sel = members[mask]
             if len(sel) == 0:
@@ -147,24 +220,23 @@ class Lifecycle(Forecaster):
             elapsed_s = np.maximum(now_s - live.entered_s[sel], 0.0)  # also: the stages still running (censored)
             bucket = np.minimum(np.floor(elapsed_s / step_s).astype(np.int64), 20 * demand.slots)
             first_turn = live.turn[sel] + (1 if phase == TOOL else 0)
-            weights = _continuation_weights(cont, first_turn, self.cycles)
-            ends = stage.residual_sums(bucket, weights, step_s, demand.slots, elapsed_s if self.censoring else None)
-            part = _chain(phase, ends, pmfs, demand.slots)
-            flows.arrivals += part.arrivals
-            flows.starts += part.starts
-            flows.ends += part.ends
+            ends = stage.residual_sums(*_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
+            ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
             if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
                 waiting = int((~live.prefilled[sel]).sum())
                 demand.miss_tokens[0] += waiting * _stat(stats, pooled, "miss_tokens").mean()
-        self._add_sizes(demand, flows, stats, pooled, turn0=False)
+        chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
+        flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
+        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
 
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool) -> None:
         obs = _stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
         miss = _stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
         gen = _stat(stats, pooled, "gen_tokens")
         demand.new_tokens += flows.arrivals * obs.mean()
+        demand.arrivals.append((flows.arrivals, obs))
         demand.miss_tokens += flows.arrivals * miss.mean()
         demand.decode_tokens += flows.ends * gen.mean()
         occupancy = np.cumsum(flows.starts - flows.ends)
@@ -176,12 +248,14 @@ class Lifecycle(Forecaster):
 
     # --- sync-RL start bursts ----------------------------------------------------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
-        """Trajectories still to start: the running step's pending ones, or the next step's."""
+        """Trajectories still to start: the running step's pending ones, or the next step's;
+        their families in the shares of the running step (or the step before)."""
         pending = live.pending_starts()
         offsets = live.start_offset_s
         if pending and offsets.n:
             waited = np.array([int(max(now_s - live.step_started_s, 0.0) / step_s)])
-            self._add_burst(demand, live, pending, offsets.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0], step_s)
+            p = offsets.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
+            self._add_burst(demand, live, pending, live.step_mix(live.step) or live.step_mix(live.step - 1), p, step_s)
         size = live.last_step_size()
         if live.step_pending_since_s is None or live.step_gap_s.n == 0 or size == 0:
             return
@@ -189,20 +263,34 @@ class Lifecycle(Forecaster):
         p = live.step_gap_s.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
         if offsets.n:
             p = np.convolve(p, offsets.centred_pmf(step_s, demand.slots))[: demand.slots]
-        self._add_burst(demand, live, size, p, step_s)
+        self._add_burst(demand, live, size, live.step_mix(live.last_step), p, step_s)
 
-    def _add_burst(self, demand: _Demand, live: LiveState, size: int, p: np.ndarray, step_s: float) -> None:
+    def _add_burst(self, demand: _Demand, live: LiveState, size: int, mix: dict[int, float], p: np.ndarray, step_s: float) -> None:
+        """`size` trajectories that start in each slot with probability p, as one block, in
+        the families' shares `mix` (pooled statistics where it is empty)."""
         pooled = live.stats[POOLED]
-        cont = pooled.turns.continue_prob(np.zeros(0, np.int64))
-        weights = _continuation_weights(cont, np.zeros(1, np.int64), self.cycles)[:, 0]
-        ends = size * weights[:, None] * p[None, :]
-        pmfs = [st.centred_pmf(step_s, demand.slots) for st in pooled.stage_s]
-        first_pre = pooled.prompt_pre_s.centred_pmf(step_s, demand.slots) if pooled.prompt_pre_s.n else None
-        flows = _chain(TOOL, ends, pmfs, demand.slots, first_pre)  # a start is an arrival, like a tool end
-        self._add_sizes(demand, flows, pooled, pooled, turn0=True)
+        prompt_new = prompt_miss = 0.0  # a start's expected prompt and its prefill compute
+        for key, share in ({live.families[f]: share for f, share in mix.items()} or {POOLED: 1.0}).items():
+            stats = live.stats[key]
+            self._add_family_starts(demand, stats, pooled, size * share, p, step_s)
+            prompt_new += share * _stat(stats, pooled, "prompt_tokens").mean()
+            prompt_miss += share * _stat(stats, pooled, "prompt_miss_tokens").mean()
         burst_var = size**2 * p * (1 - np.minimum(p, 1.0))
-        demand.var["prefill_new_tokens"] += burst_var * pooled.prompt_tokens.mean() ** 2
-        demand.var["prefill_miss_tokens"] += burst_var * pooled.prompt_miss_tokens.mean() ** 2
+        demand.var["prefill_new_tokens"] += burst_var * prompt_new**2
+        demand.var["prefill_miss_tokens"] += burst_var * prompt_miss**2
+
+    def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float) -> None:
+        stages = _stages(stats, pooled)
+        turns = stats.turns if stats.turns.n else pooled.turns
+        weights = _continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
+        chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
+        prompt_pre = _stat(stats, pooled, "prompt_pre_s")
+        first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
+        # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
+        queued = size * weights[:, None] * _truncated(p, first_pre)[None, :]
+        self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, queued))), stats, pooled, turn0=False)
+        none = np.zeros(demand.slots)
+        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none), stats, pooled, turn0=True)
 
     # --- slots → bins ------------------------------------------------------------------------
     def _to_bins(self, d: _Demand, horizon_bins: int) -> Prediction:
@@ -219,7 +307,14 @@ class Lifecycle(Forecaster):
             "decode_tokens": flow(d.decode_tokens),
         }
         var = {t: (level if t == "decode_active_seqs" else flow)(v) for t, v in d.var.items()}
-        return Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
+        prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
+        if d.arrivals:  # prefill new tokens: the compound Poisson distribution of arrivals × sizes
+            rates = np.array([flow(r) for r, _ in d.arrivals])
+            quantiles = compound_poisson_quantiles(rates, [sizes.values() for _, sizes in d.arrivals], QUANTILES)
+            prediction.quantiles["prefill_new_tokens"] = quantiles
+            if self.median_new_tokens:
+                prediction.point["prefill_new_tokens"] = quantiles[QUANTILES.index(0.5)]
+        return prediction
 
 
 @register

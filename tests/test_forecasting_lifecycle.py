@@ -1,0 +1,117 @@
+"""The lifecycle model's numerics against their plain definitions: the phase chain walked
+as spectra equals a convolution per stage, the residual end masses summed per bucket equal
+the per-trajectory sum, the compound Poisson quantiles match a simulation, and the point
+forecast of prefill new tokens is their median."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from forecasting.compound import compound_poisson_quantiles
+from forecasting.core import CoreConfig, ForecastCore
+from forecasting.empirical import Empirical
+from forecasting.live import DEC, PRE, TOOL
+from forecasting.models import QUANTILES, History
+from forecasting.models.lifecycle import Lifecycle, _Chain, _truncated
+from forecasting.synthetic import synthetic_log
+
+SLOTS, CYCLES = 40, 5
+
+
+def _walk_by_convolution(phase: int, ends_by_cycle: np.ndarray, pmfs: np.ndarray, first_pre: np.ndarray | None = None) -> np.ndarray:
+    """(3, slots) ends of PRE, DEC and TOOL: one convolution per stage of the chain."""
+    out = np.zeros((3, SLOTS))
+    kernel, m, stage = np.eye(1, SLOTS)[0], 0, phase
+    entered_pre = False
+    while m < len(ends_by_cycle):
+        out[stage] += _truncated(ends_by_cycle[m], kernel)
+        m += stage == DEC
+        stage = (stage + 1) % 3
+        duration = first_pre if stage == PRE and first_pre is not None and not entered_pre else pmfs[stage]
+        entered_pre |= stage == PRE
+        kernel = _truncated(kernel, duration)
+    return out
+
+
+@pytest.fixture
+def pmfs() -> np.ndarray:
+    rng = np.random.default_rng(3)
+    raw = rng.gamma(2.0, 1.0, (3, SLOTS)) * np.exp(-np.arange(SLOTS) / rng.uniform(3, 15, (3, 1)))
+    return 0.97 * raw / raw.sum(axis=1, keepdims=True)  # some mass beyond the horizon
+
+
+@pytest.mark.parametrize("phase", [PRE, DEC, TOOL])
+def test_the_chain_as_spectra_equals_a_convolution_per_stage(pmfs, phase):
+    ends = np.random.default_rng(phase).uniform(0, 5, (CYCLES + 1, SLOTS))
+    chain = _Chain(pmfs, CYCLES)
+    np.testing.assert_allclose(chain.inverse(chain.spectrum(phase, ends)), _walk_by_convolution(phase, ends, pmfs), rtol=1e-9, atol=1e-12)
+
+
+def test_a_start_is_an_arrival_then_a_chain_from_its_prompt_prefill(pmfs):
+    """A burst walks from TOOL with its first PRE the prompt's: the same as its arrival plus
+    a chain from PRE of the arrivals convolved with the prompt's PRE."""
+    starts = np.random.default_rng(7).uniform(0, 3, SLOTS)
+    weights = np.cumprod(np.r_[1.0, np.full(CYCLES, 0.8)])
+    first_pre = np.roll(pmfs[PRE], 3)
+    chain = _Chain(pmfs, CYCLES)
+    via_pre = chain.inverse(chain.spectrum(PRE, weights[:, None] * _truncated(starts, first_pre)[None, :]))
+    via_pre[TOOL] += starts
+    expected = _walk_by_convolution(TOOL, weights[:, None] * starts[None, :], pmfs, first_pre)
+    np.testing.assert_allclose(via_pre, expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("censored", [False, True])
+def test_residual_sums_are_the_per_trajectory_residual_masses_summed(censored):
+    rng = np.random.default_rng(11)
+    stage = Empirical()
+    stage.add_many(rng.lognormal(0.0, 1.0, 300))
+    bucket = rng.integers(0, 60, 500)
+    weights = rng.uniform(0, 1, (4, 500))
+    step_s = 0.25
+    if censored:  # a stage still running counts at risk: one grid for everyone, as the model does
+        elapsed_s = bucket * step_s + rng.uniform(0, step_s, 500)
+        got = stage.residual_sums(bucket, weights, step_s, SLOTS, elapsed_s)
+        surv = stage.survival(step_s * np.arange(bucket.max() + SLOTS + 1), elapsed_s)
+        per_trajectory = np.array([(surv[b : b + SLOTS] - surv[b + 1 : b + SLOTS + 1]) / surv[b] for b in bucket])
+    else:
+        got = stage.residual_sums(bucket, weights, step_s, SLOTS)
+        per_trajectory = stage.residual_mass(bucket * step_s, step_s, SLOTS)
+    np.testing.assert_allclose(got, weights @ per_trajectory, rtol=1e-10, atol=1e-13)
+
+
+def test_compound_poisson_quantiles_match_a_simulation():
+    rng = np.random.default_rng(5)
+    samples = [rng.lognormal(np.log(400), 1.2, 2000), rng.normal(3000, 500, 500).clip(1)]
+    rates = np.array([[0.05, 0.9, 3.0, 8.0, 0.0], [0.0, 0.0, 0.5, 2.0, 0.0]])
+    levels = (0.1, 0.5, 0.9)
+    got = compound_poisson_quantiles(rates, samples, levels)
+    draws = 100_000
+    totals = np.zeros((draws, rates.shape[1]))
+    for rate, sizes in zip(rates, samples):
+        counts = rng.poisson(rate, (draws, len(rate)))
+        picks = sizes[rng.integers(0, len(sizes), counts.sum())]
+        totals += np.bincount(np.repeat(np.arange(counts.size), counts.ravel()), picks, counts.size).reshape(counts.shape)
+    expected = np.quantile(totals, levels, axis=0)
+    assert got[:, 0].tolist() == [0.0, 0.0, 0.0]  # P(no arrival) = e^-0.05 > 0.9
+    assert got[:, -1].tolist() == [0.0, 0.0, 0.0]
+    np.testing.assert_allclose(got[:, 2:4], expected[:, 2:4], rtol=0.03, atol=60)
+    assert got[1, 1] == pytest.approx(expected[1, 1], rel=0.03, abs=60)  # past P(none) = e^-0.9 < 0.5
+
+
+def test_the_point_forecast_of_prefill_new_tokens_is_its_median_while_its_mean_stays_the_mean():
+    core = ForecastCore(CoreConfig(models=("naive",)))
+    events = synthetic_log(trajectories=40, seed=1)
+    at_s = events["at_s"].to_numpy()
+    for until_s in range(1, 61):
+        core.tick(events.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
+    history = History(1.0, 60.0, {t: s.view() for t, s in core.series.items()}, core.live)
+    median, mean = Lifecycle().update(history).predict(10), Lifecycle(median_new_tokens=False).update(history).predict(10)
+    new = "prefill_new_tokens"
+    np.testing.assert_array_equal(median.point_forecast(new), median.quantiles[new][QUANTILES.index(0.5)])
+    np.testing.assert_array_equal(median.quantiles[new], mean.quantiles[new])
+    np.testing.assert_array_equal(median.mean[new], mean.mean[new])  # demand consumers still get the mean
+    np.testing.assert_array_equal(mean.point_forecast(new), mean.mean[new])
+    assert mean.mean[new].sum() > median.point_forecast(new).sum() > 0  # sizes are skewed: the median is lower
+    for target in ("prefill_miss_tokens", "decode_active_seqs", "decode_tokens"):
+        np.testing.assert_array_equal(median.point_forecast(target), median.mean[target])
