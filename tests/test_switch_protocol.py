@@ -16,7 +16,7 @@ from actors.config import with_policy
 from actors.engine.actor import EngineActor
 from bus_schemas import subjects
 from bus_schemas.codec import encode
-from bus_schemas.control import Role, SetRole
+from bus_schemas.control import Drain, Role, SetRole
 from bus_schemas.lifecycle import EventKind
 from tests.test_engine_actor import command, events, results
 from tests.test_engine_core import work
@@ -155,3 +155,19 @@ async def test_an_engine_that_does_not_ack_is_left_out_until_it_answers(bus, nat
     await until(lambda: allocator.counters["switches"] == 1)
     assert e1[0].core.role is Role.DECODE and e1[0].epoch == allocator.epoch == 2
     await stop(e0, e1)
+
+
+async def test_a_set_role_to_the_same_role_ends_a_drain(bus, tiny_config):
+    e0 = start(bus, tiny_config, "e0", Role.COLOCATED)
+    await asyncio.wait_for(e0[0].ready.wait(), timeout=10)
+    try:
+        drained = await command(bus, "e0", Drain(reason="test"))
+        assert drained.ok and not e0[0]._pulling
+        await bus.jetstream().publish(subjects.work_prefill(), encode(work("after-drain", new=100, out=5)))
+        ack = await command(bus, "e0", SetRole(role=Role.COLOCATED, epoch=1))
+        assert ack.ok and ack.epoch == 1 and ack.role is Role.COLOCATED
+        await until(lambda: e0[0].counters.get("lifecycle_events", 0) > 0 and e0[0].core.idle and not e0[0]._msgs)
+    finally:
+        await stop(e0)
+    got = await results(bus)
+    assert [(r.trajectory_id, r.output_tokens) for r in got] == [("after-drain", 5)]  # served once the drain ended

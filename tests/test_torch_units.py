@@ -7,7 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from actors.config import ModelSection  # noqa: E402
-from actors.engine.torch_backend import PrefixCache  # noqa: E402
+from actors.engine.core import Batch, Seq  # noqa: E402
+from actors.engine.torch_actor import KvChunkView  # noqa: E402
+from actors.engine.torch_backend import DECODE_KV_SPARE_TOKENS, KvBufferLayer, PrefixCache, TorchBackend  # noqa: E402
 from actors.engine.torch_model import (  # noqa: E402
     ByteTokenizer,
     build_tiny,
@@ -15,8 +17,12 @@ from actors.engine.torch_model import (  # noqa: E402
     load_weights_bytes,
     model_spec,
     spec_differences,
+    tune_allocator,
     weights_to_bytes,
 )
+from bus_schemas.codec import decode, encode  # noqa: E402
+from bus_schemas.work import KvChunk  # noqa: E402
+from tests.torch_helpers import prompt_ids, real_work  # noqa: E402
 from actors.environment.tasks import TASKS  # noqa: E402
 from actors.trainer.grpo import group_advantages, grpo_update, token_logprobs  # noqa: E402
 from bus_schemas.train import FinishedTrajectory  # noqa: E402
@@ -106,3 +112,67 @@ def test_calc_task_rewards_digits_and_its_tool_sums_them():
     assert task.tool("a1b2c3") == "\n= 1+2+3 = 6\n"
     assert task.reward(["12ab", "x9"]) == pytest.approx(3 / 48)
     assert task.prompt(0, 5) == task.prompt(0, 5) != task.prompt(0, 6)
+
+
+def test_a_kv_buffer_layer_writes_new_tokens_in_place_and_grows_only_when_full():
+    keys, values = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    layer = KvBufferLayer(keys, values, spare=3)
+    expected_k, expected_v = keys, values
+    storage = layer.keys.untyped_storage().data_ptr()
+    for step in range(5):  # 3 fit in the spare room, the 4th grows the buffer
+        k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+        got_k, got_v = layer.update(k, v)
+        expected_k, expected_v = torch.cat([expected_k, k], dim=2), torch.cat([expected_v, v], dim=2)
+        assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+        assert layer.get_seq_length() == 6 + step
+        assert (layer.keys.untyped_storage().data_ptr() == storage) == (step < 3)
+
+
+@pytest.mark.parametrize("lengths", [(9, 9, 9), (9, 4, 13)], ids=["no padding", "left padded"])
+def test_batched_decode_matches_a_plain_forward_across_buffer_growth(checkpoint, lengths):
+    """Decode more tokens than the KV buffer's spare room (it grows once), with and without
+    padding: every sampled token's logits equal one plain forward over prompt + output."""
+    model = ModelSection(seed=0, stop_at_eos=False, decode_chunk_tokens=16)
+    lm, tok = load_model(checkpoint), ByteTokenizer()
+    backend = TorchBackend("e0", lm, tok, model, clock=None, time_scale=1.0)
+    backend.record_logits = {}
+    out = DECODE_KV_SPARE_TOKENS + 10
+    seqs = []
+    for i, n in enumerate(lengths):
+        seq = Seq(work=real_work(f"t{i}", prompt_ids(i, n), out=out), target_tokens=out, cached_prefix_tokens=0,
+                  prefill_tokens=n, handoff=False)  # fmt: skip
+        backend.admit_prefill(seq)
+        backend.execute(Batch([(seq, n)], [], 1, 0.0))
+        seq.generated = 1
+        seqs.append(seq)
+    while seqs[0].decode_left > 0:
+        batch = Batch([], list(seqs), 1, 0.0)
+        backend.execute(batch)
+        for seq in seqs:
+            seq.generated += batch.iterations
+    for seq in seqs:
+        prompt = list(seq.work.token_ids)
+        ids, _ = backend.finish(seq)
+        assert len(ids) == out
+        with torch.inference_mode():
+            reference = lm(torch.tensor([prompt + ids])).logits[0]
+        recorded = torch.stack(backend.record_logits[seq.key])  # the first token's, then each decode step's
+        assert torch.allclose(recorded, reference[len(prompt) - 1 : len(prompt) - 1 + out], atol=1e-4)
+
+
+def test_a_kv_reply_is_read_as_a_view_of_the_message():
+    data = bytes(range(256)) * 64
+    message = encode(KvChunk(handle_id="h", ok=True, tokens=3, checksum="crc32:0", data=data))
+    view = decode(KvChunkView, message)
+    assert view.data.obj is message and bytes(view.data) == data  # no copy of the payload
+    assert (view.handle_id, view.ok, view.tokens, view.checksum) == ("h", True, 3, "crc32:0")
+    assert decode(KvChunkView, encode(KvChunk(handle_id="h", ok=False, error="gone"))).error == "gone"
+
+
+def test_the_allocator_is_tuned_once_and_only_where_glibc_is():
+    import platform
+
+    first = tune_allocator()
+    assert tune_allocator() is first
+    if platform.libc_ver()[0] != "glibc":
+        assert first is False

@@ -6,6 +6,7 @@ import logging
 import time
 
 import msgspec
+import nats.aio.client
 from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -14,7 +15,20 @@ from bus_schemas.codec import decode, encode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 
 
+NATS_READ_BYTES = 1 << 20  # what nats-py's read loop takes from the socket per turn (its default: 32 KiB)
+
+
+def widen_nats_reads() -> None:
+    """Let nats-py's read loop take up to NATS_READ_BYTES per turn. It reads
+    `nats.aio.client.DEFAULT_BUFFER_SIZE` bytes at a time, looked up on every read (and used as
+    the stream's buffer limit at the next (re)connect): 32 KiB made a 1 MiB KV reply 32 loop
+    turns, each a read, a parser call and a bytearray extend. Process-wide: it is one knob of
+    the library, and a larger read only returns what is already there."""
+    nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, NATS_READ_BYTES)
+
+
 async def connect(url: str, name: str, log: logging.Logger) -> NATS:
+    widen_nats_reads()
     async def on_error(err: Exception) -> None:
         log.warning("nats error: %s", err)
 

@@ -70,6 +70,7 @@ class EngineCommands:
             return
         if command.role is self.target_role and not self.switching:  # nothing to change but the epoch
             self.epoch = command.epoch
+            self._resume_pulling()  # a SetRole also ends a Drain
             await self._reply(msg, "set_role", ok=True)
             return
         await self._switched.wait()  # a newer command waits for the switch under way
@@ -107,13 +108,16 @@ class EngineCommands:
         self.core.role = command.role
         self.role_since_s = self.clock.now_s()
         self.switching = False
-        self._pulling = True
-        self._room.set()
-        self._roles_changed.set()
-        self._wake.set()  # the scheduler plans under the new role now
+        self._resume_pulling()
         self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
         await self.publish_heartbeat()  # the fleet view sees the new role now, not a period later
+
+    def _resume_pulling(self) -> None:
+        self._pulling = True
+        self._room.set()
+        self._roles_changed.set()
+        self._wake.set()  # the scheduler plans under the (new) role now
 
     async def _drain_decodes(self, deadline_s: float) -> None:
         """Wait for the running decodes to finish, until the deadline (no deadline for a

@@ -6,7 +6,9 @@ keyed by `Seq.key` (the work id), and a prefix cache keyed by trajectory@policy-
     admit_prefill(seq) ── prefix-cache hit? ──▶ SeqState(ids, kv of ids[:kv_len])
     execute(batch)  (worker thread) ── prefill chunks on top of each sequence's KV; sample the
                      first token ── decode: one persistent left-padded batch (rows join and
-                     leave without rebuilding the rest), k iterations, temperature sampling
+                     leave without rebuilding the rest), k iterations, temperature sampling;
+                     its KV sits in buffers with room for new tokens (`KvBufferLayer`), so a
+                     step writes one column per layer instead of copying the whole KV
     hold / export(handle, have_tokens) ──▶ bytes of KV positions have_tokens.. (+ checksum)
     admit_decode(seq, item, payload)  ◀── own cached prefix + received suffix
     finish(seq) ──▶ generated ids + logprobs; the KV goes into the prefix cache
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from actors.engine.core import Batch, Seq
 from actors.engine.torch_model import load_weights_bytes
@@ -106,15 +109,61 @@ class SeqState:
     out_logprobs: list[float] = field(default_factory=list)
 
 
+DECODE_KV_SPARE_TOKENS = 64  # room the decode batch's KV keeps for new tokens: it is copied once per this many steps
+
+
+class KvBufferLayer(DynamicLayer):
+    """One layer of the decode batch's KV in a buffer [rows, kv_heads, capacity, head_dim] whose
+    first `length` columns are in use. A step writes its new column in place; `DynamicLayer`
+    concatenates instead, a copy of the whole KV (and a fresh allocation) per token and layer.
+    The buffer is copied into a larger one only when full."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, spare: int) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.spare = max(1, spare)
+        self._allocate(keys, values, keys.shape[2] + self.spare)
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        rows, heads, length, head_dim = keys.shape
+        self._k = keys.new_empty(rows, heads, capacity, head_dim)
+        self._v = values.new_empty(rows, heads, capacity, head_dim)
+        self._k[:, :, :length] = keys
+        self._v[:, :, :length] = values
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[2]
+        if end > self._k.shape[2]:
+            self._allocate(self.keys, self.values, end + self.spare)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
 class DecodeBatch:
     """Sequences decoding together: one left-padded KV per layer [rows, heads, L, head_dim]."""
 
     def __init__(self) -> None:
         self.keys: list[str] = []
-        self.kv: KV = []
+        self.kv: KV = []  # views of the cache's buffers while `cache` is set
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         self.pos = torch.zeros(0, dtype=torch.long)  # next position of each row (= its true length)
-        self.cache: DynamicCache | None = None  # wraps `kv` while the rows stay the same (no copy per step)
+        self.cache: Cache | None = None  # buffers holding `kv` while the rows stay the same (no copy per step)
+
+    def cache_for(self, steps: int) -> Cache:
+        """The model's cache over the batch's KV, with room for at least `steps` more tokens."""
+        if self.cache is None:
+            spare = max(steps, DECODE_KV_SPARE_TOKENS)
+            self.cache = Cache(layers=[KvBufferLayer(k, v, spare) for k, v in self.kv])
+        return self.cache
 
     def remove(self, keys: set[str], states: dict[str, SeqState]) -> None:
         """Take rows out, giving each its unpadded KV back."""
@@ -298,16 +347,17 @@ class TorchBackend:
         states = [self.states[key] for key in b.keys]
         seqs = {s.key: s for s in live}
         stopped = [False] * len(states)
+        cache = b.cache_for(iterations)
+        padded = not bool(b.mask.all())  # new columns are never padding: fixed for the whole step
+        column = torch.ones(len(states), 1, dtype=torch.long)
         for step in range(iterations):
             last = torch.tensor([[st.ids[-1]] for st in states], device=self.device)
-            mask = torch.cat([b.mask, torch.ones(len(states), 1, dtype=torch.long)], dim=1)
-            if b.cache is None:
-                b.cache = DynamicCache(ddp_cache_data=b.kv)
+            mask = torch.cat([b.mask, column], dim=1)
             out = self.lm(
-                input_ids=last, attention_mask=mask.to(self.device), position_ids=b.pos[:, None].to(self.device),
-                past_key_values=b.cache, use_cache=True,
+                input_ids=last, attention_mask=mask.to(self.device) if padded else None,  # no padding: no mask to build
+                position_ids=b.pos[:, None].to(self.device), past_key_values=cache, use_cache=True,
             )  # fmt: skip
-            b.kv = [(layer.keys, layer.values) for layer in b.cache.layers]
+            b.kv = [(layer.keys, layer.values) for layer in cache.layers]
             b.mask, b.pos = mask, b.pos + 1
             tokens, logprobs = self._sample(out.logits[:, -1], b.keys)
             for i, st in enumerate(states):
