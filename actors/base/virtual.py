@@ -27,6 +27,8 @@ class _VirtualSelector(selectors.DefaultSelector):
         self._advance = advance
 
     def select(self, timeout: float | None = None):
+        if timeout == 0:  # callbacks are ready: run them (the self-pipe is read at the next wait)
+            return []
         ready = super().select(0)
         if ready:
             return ready
