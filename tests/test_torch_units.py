@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from actors.config import ModelSection  # noqa: E402
 from actors.engine.core import Batch, Seq  # noqa: E402
 from actors.engine.torch_actor import KvChunkView  # noqa: E402
-from actors.engine.torch_backend import DECODE_KV_SPARE_TOKENS, KvBufferLayer, PrefixCache, TorchBackend  # noqa: E402
+from actors.engine.torch_backend import TorchBackend  # noqa: E402
+from actors.engine.torch_kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, PrefixCache  # noqa: E402
 from actors.engine.torch_model import (  # noqa: E402
     ByteTokenizer,
     build_tiny,

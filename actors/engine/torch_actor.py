@@ -37,7 +37,8 @@ from nats.errors import NoRespondersError
 from actors.engine.actor import EngineActor
 from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.core import Seq
-from actors.engine.torch_backend import KvError, TorchBackend
+from actors.engine.torch_backend import TorchBackend
+from actors.engine.torch_kv import KvError
 from actors.engine.torch_model import (
     checksum,
     kv_checksum,
