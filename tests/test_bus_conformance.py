@@ -101,6 +101,23 @@ async def test_work_queue_gives_each_item_to_one_puller_and_redelivers_unacked(c
     assert (await js.stream_info(streams.WORK_PREFILL.name)).state.messages == 0
 
 
+async def test_the_pull_waiting_longest_is_served_first(client):
+    js = client.jetstream()
+    a = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=5)
+    b = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=5)
+
+    async def waiting(n: int) -> None:
+        while (await a.consumer_info()).num_waiting < n:
+            await asyncio.sleep(0.01)  # barrier-ok: polls the consumer's open pull requests
+
+    older = asyncio.create_task(a.fetch(1, timeout=3))
+    await asyncio.wait_for(waiting(1), timeout=5)
+    await js.publish(subjects.work_prefill(), b"one")
+    with pytest.raises(NatsTimeoutError):
+        await b.fetch(1, timeout=1)  # opened after the message came: it does not overtake the older pull
+    assert [m.data for m in await older] == [b"one"]
+
+
 async def test_nak_redelivers_and_term_removes(client):
     js = client.jetstream()
     await js.publish(subjects.work_decode(), b"x")

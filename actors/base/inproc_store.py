@@ -295,7 +295,8 @@ class _PullSubscription:
         return msg
 
     async def consumer_info(self) -> Any:
-        return SimpleNamespace(name=self._consumer.name, num_pending=self._consumer.num_pending())
+        waiting = sum(1 for f in self._consumer._waiters if not f.done())
+        return SimpleNamespace(name=self._consumer.name, num_pending=self._consumer.num_pending(), num_waiting=waiting)
 
     async def unsubscribe(self) -> None:
         if not self._consumer.name.startswith("_eph"):
