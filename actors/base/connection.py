@@ -29,6 +29,7 @@ def widen_nats_reads() -> None:
 
 async def connect(url: str, name: str, log: logging.Logger) -> NATS:
     widen_nats_reads()
+
     async def on_error(err: Exception) -> None:
         log.warning("nats error: %s", err)
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 
 
-def _expire(future: asyncio.Future) -> None:
+def resolve_if_pending(future: asyncio.Future, value: object) -> None:
+    """A timer's callback: end a wait with `value` unless something ended it first."""
     if not future.done():
-        future.set_result(False)
+        future.set_result(value)
 
 
 class Flag:
@@ -48,7 +49,7 @@ class Flag:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._waiters.append(future)
-        timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), _expire, future)
+        timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), resolve_if_pending, future, False)
         try:
             return await future
         finally:

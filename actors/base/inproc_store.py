@@ -15,17 +15,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from actors.base.flag import resolve_if_pending
 from bus_schemas.subjects import matches as subject_matches
 
 if TYPE_CHECKING:
     from actors.base.inproc import InProcClient
 
 EPS_S = 1e-9  # times closer than this are equal (float sums of timeouts drift by ~1e-16)
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 @dataclass(slots=True)
@@ -202,7 +198,7 @@ class _Consumer:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._waiters.append(future)
-        timer = loop.call_later(max(0.0, timeout_s), _expire, future)
+        timer = loop.call_later(max(0.0, timeout_s), resolve_if_pending, future, None)
         try:
             return await future
         except asyncio.CancelledError:
@@ -213,6 +209,9 @@ class _Consumer:
             timer.cancel()
             if future in self._waiters:
                 self._waiters.remove(future)
+
+    def num_waiting(self) -> int:
+        return sum(1 for future in self._waiters if not future.done())
 
     def offer(self) -> None:
         """Hand the messages due now to the open pulls, the one that has waited longest first,
@@ -295,8 +294,8 @@ class _PullSubscription:
         return msg
 
     async def consumer_info(self) -> Any:
-        waiting = sum(1 for f in self._consumer._waiters if not f.done())
-        return SimpleNamespace(name=self._consumer.name, num_pending=self._consumer.num_pending(), num_waiting=waiting)
+        c = self._consumer
+        return SimpleNamespace(name=c.name, num_pending=c.num_pending(), num_waiting=c.num_waiting())
 
     async def unsubscribe(self) -> None:
         if not self._consumer.name.startswith("_eph"):
