@@ -57,8 +57,7 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
         actors.append(AllocatorActor("allocator", config, server.connect("allocator"), clock))
     actors.append(TrainerActor("trainer", config, server.connect("trainer"), clock))
     for actor in actors:
-        if not isinstance(actor, ForecasterActor):  # (its pulls pace its ticks: left in model time)
-            actor.pull_scale = config.run.time_scale  # a pull lasts what it does live at this scale
+        actor.wall_scale = config.run.time_scale  # pulls and heartbeats span what they do live
         counter = itertools.count()
         actor.new_id = lambda a=actor.actor_id, c=counter: f"{a}-{next(c):09d}"
     return actors

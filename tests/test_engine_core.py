@@ -168,3 +168,42 @@ def test_any_workload_finishes_without_overflowing_the_kv_pool(turns, capacity, 
                 decoded[seq.work.trajectory_id] = seq.generated
         assert c.kv_resident_tokens <= capacity
     assert c.idle and decoded == {f"t{i}": out for i, (_, out) in enumerate(turns)}
+
+
+def timeline(c: EngineCore, repeat_prefill: bool, max_advance_s: float = 1.0):
+    """(model time, kind, trajectory) of every finish, and the number of steps taken."""
+    now_s, done, steps = 0.0, [], 0
+    while (batch := c.plan(max_advance_s, repeat_prefill)) is not None:
+        now_s += batch.duration_s
+        done += [(round(now_s, 9), kind, s.work.trajectory_id, s.generated) for kind, s in c.complete(batch)]
+        steps += 1
+    return done, steps
+
+
+@pytest.mark.parametrize("max_advance_s", [1.0, 0.2])  # 0.2: about two iterations a step
+def test_repeated_prefill_iterations_give_the_same_timeline_in_fewer_steps(max_advance_s):
+    def loaded() -> EngineCore:
+        c = core(budget=2048)
+        c.admit_prefill(work("d", new=200, out=40))
+        c.complete(c.plan(1.0))  # "d" decodes while the long prompts prefill in chunks beside it
+        c.admit_prefill(work("p", new=20_000, out=30))
+        c.admit_prefill(work("q", context=0, new=9_000, out=5))
+        return c
+
+    one_by_one, steps_one = timeline(loaded(), False, max_advance_s)
+    repeated, steps_repeated = timeline(loaded(), True, max_advance_s)
+    assert [(k, t, g) for _, k, t, g in repeated] == [(k, t, g) for _, k, t, g in one_by_one]
+    assert [at for at, *_ in repeated] == pytest.approx([at for at, *_ in one_by_one], rel=1e-9)
+    assert steps_repeated < steps_one
+
+
+def test_a_repeated_prefill_step_stops_before_a_decode_finishes():
+    c = core(budget=2048)
+    c.admit_prefill(work("d", new=200, out=4))
+    c.complete(c.plan(1.0))
+    c.admit_prefill(work("p", new=20_000, out=30))
+    batch = c.plan(10.0, repeat_prefill=True)
+    assert [(s.work.trajectory_id, n) for s, n in batch.prefill] == [("p", 2047)]
+    assert batch.iterations == 3  # "d" has 3 tokens left: it finishes at the end of this step
+    assert batch.prefill_tokens == 3 * 2047 and len(batch.ends_s) == 3
+    assert [k for k, _ in c.complete(batch)] == ["decode_done"]

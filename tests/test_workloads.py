@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from actors.environment.workloads import PROFILES, choose_family, plan_trajectory
+import numpy as np
+
+from actors.environment.workloads import PROFILES, choose_family, cumulative, pick, plan_trajectory
 
 
 def test_same_seeds_give_the_same_trajectory():
@@ -34,3 +36,11 @@ def test_overrides_clip_and_scale():
 def test_family_mix_is_followed():
     picks = [choose_family({"swe": 0.25, "math": 0.75}, 0, 0, k) for k in range(2000)]
     assert 0.2 < picks.count("swe") / len(picks) < 0.3
+
+
+def test_pick_draws_what_rng_choice_draws_from_the_same_stream():
+    probs = (0.35, 0.35, 0.2, 0.1)
+    ours, numpys = np.random.default_rng(3), np.random.default_rng(3)
+    cdf = cumulative(probs)
+    assert [pick(ours, cdf) for _ in range(5000)] == [int(numpys.choice(4, p=probs)) for _ in range(5000)]
+    assert ours.random() == numpys.random()  # one uniform per draw, as numpy's choice

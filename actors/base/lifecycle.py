@@ -58,18 +58,33 @@ class LifecyclePublisher:
             event = await self._queue.get()
             while len(in_flight) >= _MAX_IN_FLIGHT:
                 _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            task = asyncio.create_task(self._publish(event))
+            data, subject = encode(event), subjects.lifecycle(event.kind.value)
+            future = await self._publish_once(event, subject, data)
+            if isinstance(future, asyncio.Future) and future.done() and not future.cancelled() and future.exception() is None:
+                self._acked()  # (the in-process bus acks at once: no task per event)
+                continue
+            task = asyncio.create_task(self._publish(event, subject, data, future))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
 
-    async def _publish(self, event: LifecycleEvent) -> None:
-        data = encode(event)
-        subject = subjects.lifecycle(event.kind.value)
+    async def _publish_once(self, event: LifecycleEvent, subject: str, data: bytes) -> asyncio.Future | Exception:
+        """Send once: the ack's future, or why it could not be sent."""
+        try:
+            return await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": event.event_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            return err
+
+    async def _publish(self, event: LifecycleEvent, subject: str, data: bytes, future: asyncio.Future | Exception) -> None:
+        """Wait for the ack of an attempt (`future`, or the error that stopped it being sent),
+        retrying with the same id until one is acked."""
         attempt = 0
         while True:
             try:
-                future = await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": event.event_id})
-                if not future.done():  # (the in-process bus acks at once)
+                if isinstance(future, Exception):
+                    raise future
+                if not future.done():
                     await asyncio.wait_for(future, timeout=_ACK_TIMEOUT_WALL_S)
                 future.result()
                 break
@@ -81,6 +96,10 @@ class LifecyclePublisher:
                 if attempt in (1, 10, 100):
                     self._log.warning("lifecycle publish of %s failed (attempt %d): %s", event.kind.value, attempt, err)
                 await asyncio.sleep(_RETRY_WALL_S)
+                future = await self._publish_once(event, subject, data)
+        self._acked()
+
+    def _acked(self) -> None:
         self._unacked -= 1
         if self._unacked == 0:
             self._idle.set()

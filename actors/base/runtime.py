@@ -54,11 +54,11 @@ class Actor:
         self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex  # simulations make ids deterministic
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
-        # a pull request on a work queue lasts the actor's FETCH_WAIT_WALL_S x this in loop
-        # seconds: 1 live; the simulator sets the config's time scale, so a simulated pull
-        # lasts in model time what it does in a live run at that scale (with pulls served
-        # oldest first, how long they last does not change who gets the work)
-        self.pull_scale = 1.0
+        # loop seconds per wall second: 1 live; the simulator sets the config's time scale, so
+        # that what a live actor does on the wall clock (a work-queue pull lasting
+        # FETCH_WAIT_WALL_S, a heartbeat every run.heartbeat_wall_s) spans in simulated model
+        # time what it spans in a live run at that scale
+        self.wall_scale = 1.0
 
     # --- to override -------------------------------------------------------------------
     async def setup(self) -> None:
@@ -183,7 +183,7 @@ class Actor:
             await self.nc.publish(subjects.status(self.kind, self.actor_id), encode(status))
 
     async def _heartbeats(self) -> None:
-        period_s = self.config.run.heartbeat_wall_s
+        period_s = self.config.run.heartbeat_wall_s * self.wall_scale
         while True:
             await self.publish_heartbeat()
             await asyncio.sleep(period_s)

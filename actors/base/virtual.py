@@ -4,56 +4,81 @@ task is waiting, and the clock actors read from it.
     loop = VirtualTimeLoop()
     loop.run_until_complete(main())      # asyncio.sleep(3600) returns at once, loop.time() == 3600
 
-The loop's selector never blocks on a timeout: when asyncio would sleep until its next
-timer, the virtual clock advances by that timeout instead. Real file descriptors (the
-loop's self-pipe) are still polled, without waiting. If nothing is scheduled at all while
-tasks still wait, the simulation can never progress: the selector raises instead of
-hanging.
+The loop never blocks: when asyncio would sleep until its next timer, the virtual clock
+jumps onto that timer instead. Real file descriptors (the loop's self-pipe) are still
+polled, without waiting. If nothing is scheduled at all while tasks still wait, the
+simulation can never progress: the loop raises instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
-import selectors
+import heapq
+import itertools
+
+
+_MIN_TIMERS_TO_PURGE = 100  # rebuild the heap when more than half of at least this many are cancelled
 
 
 class SimulationDeadlock(RuntimeError):
     """Every task waits on something no timer and no message will ever set."""
 
 
-class _VirtualSelector(selectors.DefaultSelector):
-    def __init__(self, advance) -> None:
-        super().__init__()
-        self._advance = advance
-
-    def select(self, timeout: float | None = None):
-        if timeout == 0:  # callbacks are ready: run them (the self-pipe is read at the next wait)
-            return []
-        ready = super().select(0)
-        if ready:
-            return ready
-        if timeout is None:
-            raise SimulationDeadlock("simulation deadlock: tasks wait, but no timer is scheduled")
-        if timeout > 0:
-            self._advance(timeout)
-        return []
-
-
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """asyncio's selector loop with its own scheduler turn (`_run_once`): timers sit in a heap
+    of (when, order, handle) tuples, compared in C and fired in the order they were set when
+    due together; with nothing ready, the clock jumps onto the earliest timer."""
+
     def __init__(self, start_s: float = 0.0) -> None:
         self._virtual_now_s = start_s
-        super().__init__(selector=_VirtualSelector(self._advance))
-
-    def _advance(self, duration_s: float) -> None:
-        # Jump exactly onto the next timer: adding a tiny timeout to a large time can round
-        # to no change at all in floating point, and the loop would spin without progress.
-        target_s = self._virtual_now_s + duration_s
-        if self._scheduled:
-            target_s = max(target_s, self._scheduled[0].when())
-        self._virtual_now_s = target_s
+        self._timer_order = itertools.count()
+        super().__init__()
 
     def time(self) -> float:
         return self._virtual_now_s
+
+    def call_at(self, when, callback, *args, context=None):
+        self._check_closed()
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._scheduled, (when, next(self._timer_order), timer))
+        timer._scheduled = True
+        return timer
+
+    def _run_once(self) -> None:
+        heap, ready = self._scheduled, self._ready
+        if len(heap) > _MIN_TIMERS_TO_PURGE and 2 * self._timer_cancelled_count > len(heap):
+            live = []
+            for entry in heap:
+                if entry[2]._cancelled:
+                    entry[2]._scheduled = False
+                else:
+                    live.append(entry)
+            heapq.heapify(live)
+            self._scheduled = heap = live
+            self._timer_cancelled_count = 0
+        if not ready and not self._stopping:
+            events = self._selector.select(0)  # real file descriptors (the self-pipe): never wait
+            if events:
+                self._process_events(events)
+            else:
+                while heap and heap[0][2]._cancelled:  # a cancelled timer must not move the clock
+                    heapq.heappop(heap)[2]._scheduled = False
+                    self._timer_cancelled_count -= 1
+                if not heap:
+                    raise SimulationDeadlock("simulation deadlock: tasks wait, but no timer is scheduled")
+                self._virtual_now_s = max(self._virtual_now_s, heap[0][0])
+        now_s = self._virtual_now_s
+        while heap and heap[0][0] <= now_s:
+            timer = heapq.heappop(heap)[2]
+            timer._scheduled = False
+            if timer._cancelled:
+                self._timer_cancelled_count -= 1
+            else:
+                ready.append(timer)
+        for _ in range(len(ready)):  # not those the callbacks add: they run next turn
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
 
 
 class LoopClock:

@@ -122,7 +122,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self._room.clear()
                 await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.pull_scale)
+            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.wall_scale)
             self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
@@ -140,7 +140,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self._room.clear()
                 await self._room.wait(IDLE_WAKE_WALL_S)
                 continue
-            msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.pull_scale)
+            msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.wall_scale)
             if msg is None:
                 continue
             if self._pulling and self._prefills_routed_turns():
@@ -209,12 +209,13 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         scale = self.config.run.time_scale
         quantum_s = self.max_decode_step_s or self.config.engines.decode_quantum_wall_s * scale
         cursor_s = self.clock.now_s()
+        repeat_prefill = getattr(self.backend, "repeats_prefill", False)
         while not self.stopping.is_set():
             self._expire_held()
             if await self._before_step():  # waited on purpose: not lag
                 cursor_s = max(cursor_s, self.clock.now_s())
             self._wake.clear()  # from here on, new work interrupts the step being planned
-            batch = self.core.plan(max_advance_s=quantum_s)
+            batch = self.core.plan(max_advance_s=quantum_s, repeat_prefill=repeat_prefill)
             if batch is None:
                 if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held:
                     return
@@ -229,7 +230,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             for kind, seq in batch.started:
                 self._turn_event(EventKind(kind), seq, cursor_s)
             cursor_s = await self.backend.run(batch, cursor_s)
-            self.prefilled_tokens_total += sum(n for _, n in batch.prefill)
+            self.prefilled_tokens_total += batch.prefill_tokens
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
             self._room.set()

@@ -22,6 +22,7 @@ from actors.engine.core import Batch
 
 class Backend(Protocol):
     name: str
+    repeats_prefill: bool  # runs steps whose prefill chunks repeat over several iterations
 
     async def run(self, batch: Batch, cursor_s: float) -> float:
         """Run one planned step that starts at model time `cursor_s`; return when it ended."""
@@ -29,12 +30,13 @@ class Backend(Protocol):
 
 
 class EmulatedBackend:
-    """Waits the modelled duration. A decode-only step spanning several iterations ends early
-    when `interrupt` is set (new work arrived): the iteration in progress completes, the
-    batch is shortened to the iterations done, and the scheduler replans with the newcomer,
-    as continuous batching would at the next iteration boundary."""
+    """Waits the modelled duration. A step spanning several iterations ends early when
+    `interrupt` is set (new work arrived): the iteration in progress completes, the batch is
+    shortened to the iterations done, and the scheduler replans with the newcomer, as
+    continuous batching would at the next iteration boundary."""
 
     name = "emulated"
+    repeats_prefill = True
 
     def __init__(self, clock: Clock, interrupt: Flag | None = None) -> None:
         self.clock = clock
@@ -48,10 +50,15 @@ class EmulatedBackend:
         if not await self.interrupt.wait(self.clock.to_wall_s(end_s - self.clock.now_s())):
             await self.clock.sleep_until(end_s)  # timed out: at end_s, give or take rounding
             return end_s
-        per_iteration_s = batch.duration_s / batch.iterations
-        done = min(batch.iterations, int((self.clock.now_s() - cursor_s) / per_iteration_s) + 1)
+        elapsed_s = self.clock.now_s() - cursor_s
+        if batch.ends_s is not None:  # iterations of their own lengths
+            done = min(batch.iterations, 1 + sum(1 for e in batch.ends_s if e <= elapsed_s))
+            batch.duration_s = batch.ends_s[done - 1]
+        else:  # a decode-only run: iterations of about equal length
+            per_iteration_s = batch.duration_s / batch.iterations
+            done = min(batch.iterations, int(elapsed_s / per_iteration_s) + 1)
+            batch.duration_s = done * per_iteration_s
         batch.iterations = done
-        batch.duration_s = done * per_iteration_s
         end_s = cursor_s + batch.duration_s
         await self.clock.sleep_until(end_s)
         return end_s

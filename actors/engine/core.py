@@ -6,7 +6,8 @@ One `plan` / `complete` pair is one scheduler step of continuous batching:
   2. prefill: the waiting sequences' uncached tokens fill the rest of the token budget in
      chunks (first come, first served);
   3. a decode-only batch may advance several iterations at once, up to the next sequence
-     that finishes or `max_advance_s`, so a long decode costs few loop turns;
+     that finishes or `max_advance_s`, so a long decode costs few loop turns; so may a
+     batch whose prefill chunks would be planned again unchanged (`repeat_prefill`);
   4. `complete` applies the step and returns what finished.
 
 Roles: `prefill` holds the KV of a prefilled turn for a decode engine (`hold` / `release`);
@@ -71,9 +72,14 @@ class Seq:
 class Batch:
     prefill: list[tuple[Seq, int]]  # (sequence, chunk tokens)
     decode: list[Seq]
-    iterations: int  # decode iterations this step covers (1 whenever prefill is present)
+    iterations: int  # iterations this step covers: each decodes a token and prefills each chunk's tokens again
     duration_s: float  # modelled time of the step
     started: list[tuple[str, Seq]] = field(default_factory=list)  # ("prefill_started" | "decode_started", seq)
+    ends_s: list[float] | None = None  # when each iteration ends, from the step's start (multi-iteration prefill)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) * self.iterations
 
 
 @dataclass(slots=True)
@@ -198,7 +204,10 @@ class EngineCore:
         return seq
 
     # --- one scheduler step --------------------------------------------------------------
-    def plan(self, max_advance_s: float) -> Batch | None:
+    def plan(self, max_advance_s: float, repeat_prefill: bool = False) -> Batch | None:
+        """The next step. `repeat_prefill`: a step whose prefill chunks all continue (none
+        finishes, each fills its rank's budget) may cover several identical iterations, as a
+        decode-only step does; for backends that model time rather than run tokens."""
         self._preempt_to_fit(1)
         decode = list(self.running.values())
         ranks = self.preset.dp_ranks
@@ -221,10 +230,18 @@ class EngineCore:
             partial = [s for s in self.waiting if s.prefill_done_tokens > 0]
             if len(partial) > 1 and self.allow_preemption:  # part-filled prefills block each other
                 self._evict(max(partial, key=lambda s: self._order.get(s.key, 0)))
-                return self.plan(max_advance_s)
+                return self.plan(max_advance_s, repeat_prefill)
             return None
+        ends_s = None
         if chunks:
-            iterations, duration_s = 1, group_iteration_s(self.preset, self._loads(chunks, decode))
+            repeats = self._repeatable(chunks, decode, budget, free) if repeat_prefill else 1
+            ends_s = [0.0]
+            while len(ends_s) <= repeats and (len(ends_s) == 1 or ends_s[-1] < max_advance_s):
+                ends_s.append(ends_s[-1] + group_iteration_s(self.preset, self._loads(chunks, decode, len(ends_s) - 1)))
+            if ends_s[-1] > max_advance_s and len(ends_s) > 2:
+                ends_s.pop()  # a repeat past max_advance_s: end before it
+            ends_s = ends_s[1:]
+            iterations, duration_s = len(ends_s), ends_s[-1]
         else:
             loads = self._loads([], decode)
             one_s = group_iteration_s(self.preset, loads)
@@ -241,16 +258,28 @@ class EngineCore:
             if not seq.decode_started:
                 seq.decode_started = True
                 started.append(("decode_started", seq))
-        return Batch(chunks, decode, iterations, duration_s, started)
+        return Batch(chunks, decode, iterations, duration_s, started, ends_s)
 
-    def _loads(self, chunks: list[tuple[Seq, int]], decode: list[Seq]) -> list[RankLoad]:
+    def _repeatable(self, chunks: list[tuple[Seq, int]], decode: list[Seq], budget: list[int], free: int) -> int:
+        """How many iterations would plan exactly these chunks again: none finishes its prefill,
+        each took its rank's whole budget (not one limited by free KV), no decode finishes
+        before the last, and the KV of every repeat fits (`free`: what the first leaves)."""
+        if any(budget[seq.rank] != 0 for seq, _ in chunks):
+            return 1
+        repeats = min((seq.prefill_left - 1) // n for seq, n in chunks)
+        if decode:
+            repeats = min(repeats, min(max(1, s.decode_left) for s in decode))
+        return max(1, min(repeats, 1 + free // (sum(n for _, n in chunks) + len(decode))))
+
+    def _loads(self, chunks: list[tuple[Seq, int]], decode: list[Seq], ahead: int = 0) -> list[RankLoad]:
+        """Each rank's work in an iteration, `ahead` repeats of these chunks from now."""
         prefill: list[list[tuple[int, int]]] = [[] for _ in range(self.preset.dp_ranks)]
         seqs, context = [0] * self.preset.dp_ranks, [0] * self.preset.dp_ranks
         for seq, n in chunks:
-            prefill[seq.rank].append((n, seq.cached_prefix_tokens + seq.prefill_done_tokens))
+            prefill[seq.rank].append((n, seq.cached_prefix_tokens + seq.prefill_done_tokens + ahead * n))
         for seq in decode:
             seqs[seq.rank] += 1
-            context[seq.rank] += seq.kv_tokens
+            context[seq.rank] += seq.kv_tokens + ahead
         return [RankLoad(tuple(prefill[r]), seqs[r], context[r]) for r in range(self.preset.dp_ranks)]
 
     def _preempt_to_fit(self, iterations: int) -> None:
@@ -290,7 +319,7 @@ class EngineCore:
                 self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
                 done.append(("decode_done", seq))
         for seq, n in batch.prefill:
-            seq.prefill_done_tokens += n
+            seq.prefill_done_tokens += n * batch.iterations
             if seq.prefill_left > 0:
                 continue
             self.waiting.remove(seq)

@@ -106,7 +106,7 @@ class EnvironmentActor(Actor):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            msg = await pull_one(self._task_sub, FETCH_WAIT_WALL_S * self.pull_scale)
+            msg = await pull_one(self._task_sub, FETCH_WAIT_WALL_S * self.wall_scale)
             if msg is None:
                 if burst and not self.live:
                     return
@@ -178,7 +178,7 @@ class EnvironmentActor(Actor):
 
     async def _result_loop(self) -> None:
         while True:
-            msg = await pull_one(self._result_sub, FETCH_WAIT_WALL_S * self.pull_scale)
+            msg = await pull_one(self._result_sub, FETCH_WAIT_WALL_S * self.wall_scale)
             if msg is None:
                 continue
             result = await self.decode_work(TurnResult, msg)

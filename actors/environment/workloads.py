@@ -8,6 +8,7 @@ which environments pick up trajectories.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,7 @@ class LogNormal:
     hi: float = float("inf")
 
     def sample(self, rng: np.random.Generator) -> float:
-        return float(np.clip(self.median * np.exp(self.sigma * rng.standard_normal()), self.lo, self.hi))
+        return float(min(max(self.median * math.exp(self.sigma * rng.standard_normal()), self.lo), self.hi))
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class Normal:
     hi: float
 
     def sample(self, rng: np.random.Generator) -> float:
-        return float(np.clip(rng.normal(self.mean, self.sd), self.lo, self.hi))
+        return float(min(max(rng.normal(self.mean, self.sd), self.lo), self.hi))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,26 +52,44 @@ class GeometricPlusOne:
     hi: int
 
     def sample(self, rng: np.random.Generator) -> float:
-        return float(np.clip(rng.geometric(self.p), self.lo, self.hi))
+        return float(min(max(rng.geometric(self.p), self.lo), self.hi))
+
+
+def pick(rng: np.random.Generator, cdf: np.ndarray) -> int:
+    """An index drawn with the probabilities behind `cdf` (from `cumulative`): the same draw,
+    from the same single uniform, as `rng.choice(len(cdf), p=...)`, without its per-call checks."""
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
+def cumulative(probs: tuple[float, ...]) -> np.ndarray:
+    cdf = np.cumsum(probs)
+    return cdf / cdf[-1]
 
 
 @dataclass(frozen=True, slots=True)
 class Categorical:
     values: tuple[float, ...]
     probs: tuple[float, ...]
+    cdf: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cdf", cumulative(self.probs))
 
     def sample(self, rng: np.random.Generator) -> float:
-        return float(rng.choice(self.values, p=self.probs))
+        return float(self.values[pick(rng, self.cdf)])
 
 
 @dataclass(frozen=True, slots=True)
 class Mixture:
     parts: tuple[object, ...]
     weights: tuple[float, ...]
+    cdf: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cdf", cumulative(self.weights))
 
     def sample(self, rng: np.random.Generator) -> float:
-        k = rng.choice(len(self.parts), p=self.weights)
-        return self.parts[k].sample(rng)  # type: ignore[attr-defined]
+        return self.parts[pick(rng, self.cdf)].sample(rng)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,7 +119,7 @@ class TrainerActor(Actor):
         while missing:
             if self.stopping.is_set():
                 raise asyncio.CancelledError
-            msg = await pull_one(self._finished_sub, FETCH_WAIT_WALL_S * self.pull_scale)
+            msg = await pull_one(self._finished_sub, FETCH_WAIT_WALL_S * self.wall_scale)
             if msg is None:
                 continue
             done = await self.decode_work(FinishedTrajectory, msg)
