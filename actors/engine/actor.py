@@ -120,7 +120,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 continue
             if self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S)
+                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
                 continue
             msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.wall_scale)
             self._queue_empty[queue] = msg is None
@@ -138,7 +138,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             serving = self._pulling and self._prefills_routed_turns()
             if serving and self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S)
+                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
                 continue
             msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.wall_scale)
             if msg is None:
@@ -239,7 +239,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
     def _idle_wait_wall_s(self, burst: bool) -> float:
         """How long an idle scheduler sleeps unless new work wakes it: until the next held KV
         expires (a burst run also watches for the queues to run dry)."""
-        wait_s = IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S
+        wait_s = (IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S) * self.wall_scale
         if self.core.held:
             expires_s = min(held.expires_at_s for held in self.core.held.values()) + EXPIRY_SLACK_S
             wait_s = min(wait_s, self.clock.to_wall_s(max(0.0, expires_s - self.clock.now_s())))
