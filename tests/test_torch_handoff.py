@@ -74,10 +74,14 @@ async def test_decode_on_b_from_kv_prefilled_on_a_matches_a_single_process_forwa
         # turn 1 of t0: the history, then a new observation; B already holds most of the history
         obs = prompt_ids(99, 9)
         history = prompts["t0"] + list(turn0["t0"].token_ids)
+        # and t1 with a context B holds nothing of: A prepared its KV from the context's end, B
+        # asks for all of it, so A serialises it at the fetch instead
+        other_context, other_obs = prompt_ids(50, 20), prompt_ids(98, 5)
         results.got.clear()
         await js.publish(subjects.work_prefill(), encode(real_work("t0", obs, turn=1, context=history, out=6)))
-        await results.wait_for(1)
-        turn1 = results.got["t0"]
+        await js.publish(subjects.work_prefill(), encode(real_work("t1", other_obs, turn=1, context=other_context, out=6)))
+        await results.wait_for(2)
+        turn1, other1 = results.got["t0"], results.got["t1"]
     finally:
         a.request_stop("test over")
         b.request_stop("test over")
@@ -91,6 +95,7 @@ async def test_decode_on_b_from_kv_prefilled_on_a_matches_a_single_process_forwa
         assert len(r.token_ids) == len(r.logprobs) == 10
         worst = max(worst, _check_logits(reference, ids, r, b.torch.record_logits[r.work_id]))
     worst = max(worst, _check_logits(reference, history + obs, turn1, b.torch.record_logits[turn1.work_id]))
+    worst = max(worst, _check_logits(reference, other_context + other_obs, other1, b.torch.record_logits[other1.work_id]))
     assert worst < LOGITS_ATOL
 
     transfers = {(e.trajectory_id, e.turn): e for e in await events(bus) if e.kind is EventKind.KV_TRANSFER_DONE}
@@ -101,6 +106,10 @@ async def test_decode_on_b_from_kv_prefilled_on_a_matches_a_single_process_forwa
     assert transfers[("t0", 1)].kv_bytes == (1 + len(obs)) * per_token
     assert b.counters["kv_tokens_reused"] == len(history) - 1
     assert not a.core.held and not a._outgoing and b.counters["reprefills"] == 0
+    assert transfers[("t1", 1)].kv_bytes == (len(other_context) + len(other_obs)) * per_token
+    # turn 0 (from 0) and t0's turn 1 (from B's cached prefix) were serialised at hand-off, t1's turn 1 at the fetch
+    assert (a.counters["kv_served_prepared"], a.counters["kv_served_serialised_at_fetch"]) == (4, 1)
+    assert not a._prepared
 
 
 def _check_logits(reference, prompt: list[int], result: TurnResult, recorded: list) -> float:
@@ -151,6 +160,27 @@ async def test_unknown_handle_and_checksum_mismatch_send_the_turn_back_to_prefil
     assert not b.core.running and not b.torch.states  # nothing decoded on wrong or missing KV
     details = {e.trajectory_id: e.detail for e in await events(bus) if e.kind is EventKind.REPREFILL}
     assert "checksum" in details["corrupt"] and "unknown or expired" in details["lost"]
+
+
+async def test_kv_prepared_at_hand_off_goes_when_the_handle_expires_unfetched(bus, tmp_path, checkpoint):
+    config = torch_config(tmp_path, checkpoint, kv_ttl_s=0.5)
+    a = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL)  # no decode engine fetches
+    running = asyncio.create_task(a.run())
+    try:
+        await bus.jetstream().publish(subjects.work_prefill(), encode(real_work("t", prompt_ids(2, 30))))
+        for _ in range(100):
+            if a._prepared:
+                break
+            await asyncio.sleep(0.05)
+        assert list(a._prepared) == list(a.core.held)  # serialised and encoded at hand-off
+        for _ in range(100):
+            if a.counters["kv_expired"]:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        a.request_stop("test over")
+        await asyncio.wait_for(running, timeout=20)
+    assert a.counters["kv_expired"] == 1 and not a._prepared and not a.core.held and not a.torch.states
 
 
 async def test_malformed_token_ids_are_rejected_and_counted(bus, tmp_path, checkpoint):

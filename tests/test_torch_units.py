@@ -10,10 +10,12 @@ from actors.config import ModelSection  # noqa: E402
 from actors.engine.core import Batch, Seq  # noqa: E402
 from actors.engine.torch_actor import KvChunkView  # noqa: E402
 from actors.engine.torch_backend import TorchBackend  # noqa: E402
-from actors.engine.torch_kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, PrefixCache  # noqa: E402
+from actors.engine.torch_kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, KvError, PrefixCache  # noqa: E402
 from actors.engine.torch_model import (  # noqa: E402
     ByteTokenizer,
     build_tiny,
+    kv_checksum,
+    kv_checksum_matches,
     load_model,
     load_weights_bytes,
     model_spec,
@@ -168,6 +170,45 @@ def test_a_kv_reply_is_read_as_a_view_of_the_message():
     assert view.data.obj is message and bytes(view.data) == data  # no copy of the payload
     assert (view.handle_id, view.ok, view.tokens, view.checksum) == ("h", True, 3, "crc32:0")
     assert decode(KvChunkView, encode(KvChunk(handle_id="h", ok=False, error="gone"))).error == "gone"
+
+
+def test_kv_checksums_name_their_algorithm_and_are_checked_with_the_one_named():
+    data = bytes(range(256)) * 8
+    ours = kv_checksum(data)
+    # the standard check values of CRC-32C and CRC-32
+    assert kv_checksum(b"123456789") == "crc32c:e3069283" and kv_checksum(b"123456789", "crc32") == "crc32:cbf43926"
+    parts = [memoryview(data)[:100], memoryview(data)[100:]]  # checked chunk by chunk, no join
+    assert kv_checksum_matches(parts, ours) and kv_checksum_matches(parts, kv_checksum(data, "crc32"))
+    assert not kv_checksum_matches(parts, kv_checksum(data[:-1] + b"x"))
+    assert not kv_checksum_matches(parts, "md5:" + ours.split(":")[1])  # unknown algorithm: no match
+
+
+def test_held_kv_serialised_ahead_is_what_an_export_at_fetch_time_sends(checkpoint):
+    """`held_wire` (at hand-off) + `release` (at the fetch) = `export`: same bytes, tokens and
+    checksum; the sequence stays held until released, then its prompt KV is in the prefix cache."""
+    lm, tok = load_model(checkpoint), ByteTokenizer()
+    backend = TorchBackend("e0", lm, tok, ModelSection(seed=0), clock=None, time_scale=1.0)
+
+    def held(key: str) -> Seq:
+        seq = Seq(work=real_work(key, prompt_ids(3, 12)), target_tokens=1, cached_prefix_tokens=0, prefill_tokens=12,
+                  handoff=True)  # fmt: skip
+        backend.admit_prefill(seq)
+        backend.execute(Batch([(seq, 12)], [], 1, 0.0))
+        return seq
+
+    for have in (0, 5, 12):
+        exported = (lambda p, n, c: (bytes(p), n, c))(*backend.export(held(f"x{have}").key, have))
+        seq = held(f"w{have}")
+        payload, tokens, checksum = backend.held_wire(seq.key, have)
+        assert seq.key in backend.states and (bytes(payload), tokens, checksum) == exported
+        assert tokens == 12 - have and checksum == kv_checksum(payload) and len(payload) == tokens * backend.kv_bytes_per_token
+        assert backend.release(seq.key, have) == tokens and seq.key not in backend.states
+        assert backend.cache.peek(f"w{have}", 0) == prompt_ids(3, 12)
+    seq = held("stale")
+    backend.version = 1
+    with pytest.raises(KvError, match="policy 0"):
+        backend.export(seq.key, 0)
+    assert seq.key not in backend.states  # refused and forgotten
 
 
 def test_the_allocator_is_tuned_once_and_only_where_glibc_is():

@@ -9,7 +9,8 @@ keyed by `Seq.key` (the work id), and a prefix cache keyed by trajectory@policy-
                      leave without rebuilding the rest), k iterations, temperature sampling;
                      its KV sits in buffers with room for new tokens (`torch_kv.KvBufferLayer`), so a
                      step writes one column per layer instead of copying the whole KV
-    hold / export(handle, have_tokens) ──▶ bytes of KV positions have_tokens.. (+ checksum)
+    held_wire(handle, from_tokens) ──▶ bytes of KV positions from_tokens.. + checksum (the
+                     actor asks at hand-off); release(handle) when fetched; export = both at once
     admit_decode(seq, item, payload)  ◀── own cached prefix + received suffix
     finish(seq) ──▶ generated ids + logprobs; the KV goes into the prefix cache
 
@@ -29,7 +30,7 @@ from transformers import DynamicCache
 
 from actors.engine.core import Batch, Seq
 from actors.engine.torch_kv import KV, DecodeBatch, KvError, PrefixCache, SeqState, common_prefix, kv_cat, kv_len, kv_slice
-from actors.engine.torch_model import load_weights_bytes
+from actors.engine.torch_model import kv_checksum, load_weights_bytes
 
 
 class TorchBackend:
@@ -194,21 +195,33 @@ class TorchBackend:
         state = self.states[key]
         return state.out_ids[0], state.out_logprobs[0]
 
-    def export(self, key: str, have_tokens: int) -> tuple[memoryview, int]:
-        """Bytes of the held KV from position have_tokens on, and the token count they cover.
-        The sequence leaves the held set; its prompt KV stays in the prefix cache."""
+    def held_wire(self, key: str, from_tokens: int) -> tuple[memoryview, int, str]:
+        """Bytes of the held KV of `key` from position from_tokens on, the token count they cover
+        and their checksum; the sequence stays held. The actor calls it at hand-off, so that a
+        fetch from that position only sends (`release`), or at the fetch (`export`)."""
+        state = self.states.get(key)
+        _check_held(state, self.version, from_tokens)
+        payload = self.kv_to_bytes(kv_slice(state.kv, from_tokens, state.prompt_len))
+        return payload, state.prompt_len - from_tokens, kv_checksum(payload)
+
+    def release(self, key: str, have_tokens: int) -> int:
+        """The sequence leaves the held set; its prompt KV stays in the prefix cache. Returns the
+        tokens from have_tokens on (what the decode engine receives)."""
         state = self.states.pop(key, None)
-        if state is None:
-            raise KvError("no KV behind this handle")
-        if state.version != self.version:
-            raise KvError(f"KV was prefilled under policy {state.version}, engine is at {self.version}")
-        kv = kv_slice(state.kv, 0, state.prompt_len)
-        if not 0 <= have_tokens <= state.prompt_len:
-            raise KvError(f"have_tokens {have_tokens} outside 0..{state.prompt_len}")
-        payload = self.kv_to_bytes(kv_slice(kv, have_tokens))
+        _check_held(state, self.version, have_tokens)
         trajectory_id = key.split("/", 1)[0]
-        self.cache.put(trajectory_id, state.version, state.ids[: state.prompt_len], kv)
-        return payload, state.prompt_len - have_tokens
+        self.cache.put(trajectory_id, state.version, state.ids[: state.prompt_len], kv_slice(state.kv, 0, state.prompt_len))
+        return state.prompt_len - have_tokens
+
+    def export(self, key: str, have_tokens: int) -> tuple[memoryview, int, str]:
+        """`held_wire` then `release`: the bytes, tokens and checksum of positions have_tokens on."""
+        try:
+            wire = self.held_wire(key, have_tokens)
+        except KvError:
+            self.states.pop(key, None)
+            raise
+        self.release(key, have_tokens)
+        return wire
 
     def kv_to_bytes(self, kv: KV) -> memoryview:
         """The wire bytes of `kv`: one copy into a contiguous block, viewed, not copied again."""
@@ -225,8 +238,8 @@ class TorchBackend:
         if tokens == 0:
             return []
         flat = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=self.dtype)
-        stacked = flat.reshape(self.layers, 2, self.kv_heads, tokens, self.head_dim).to(self.device)
-        return [(stacked[i, 0], stacked[i, 1]) for i in range(self.layers)]
+        views = flat.reshape(self.layers * 2, self.kv_heads, tokens, self.head_dim).to(self.device).unbind(0)
+        return list(zip(views[0::2], views[1::2]))  # one call for all views, not one index per tensor
 
     # --- the end of a turn ---------------------------------------------------------------------
     def finish(self, seq: Seq) -> tuple[list[int], list[float]]:
@@ -251,3 +264,12 @@ class TorchBackend:
             await asyncio.to_thread(load_weights_bytes, self.lm, data)
             self.version = version
             return self.cache.drop_versions_below(version)
+
+
+def _check_held(state: SeqState | None, version: int, from_tokens: int) -> None:
+    if state is None:
+        raise KvError("no KV behind this handle")
+    if state.version != version:
+        raise KvError(f"KV was prefilled under policy {state.version}, engine is at {version}")
+    if not 0 <= from_tokens <= state.prompt_len:
+        raise KvError(f"have_tokens {from_tokens} outside 0..{state.prompt_len}")

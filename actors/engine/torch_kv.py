@@ -1,15 +1,19 @@
 """Real KV tensors of the `torch` backend: the per-layer KV of one sequence, the prefix
 cache keyed by trajectory@policy-version, and the decode batch, whose KV sits in buffers
 with room for new tokens (`KvBufferLayer`) so that a decode step writes one column per layer
-instead of copying the whole KV. `torch_backend.TorchBackend` drives them."""
+instead of copying the whole KV. `torch_backend.TorchBackend` drives them. At the end, the KV
+on the wire as `torch_actor` serves (`Outgoing`) and reads it (`KvChunkView`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from bus_schemas.work import KvChunk
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [kv_heads, tokens, head_dim]
 
@@ -23,6 +27,8 @@ def kv_len(kv: KV | None) -> int:
 
 
 def kv_slice(kv: KV, start: int, stop: int | None = None) -> KV:
+    if start == 0 and (stop is None or stop >= kv_len(kv)):
+        return list(kv)  # all of it: no view per tensor (on the hand-off's path)
     return [(k[:, start:stop], v[:, start:stop]) for k, v in kv]
 
 
@@ -202,3 +208,27 @@ def _stack_left_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     for i, t in enumerate(rows):
         out[i, :, length - t.shape[1] :] = t
     return out
+
+
+# --- KV on the wire -------------------------------------------------------------------------
+# A KvChunk as the decode side reads it: `data` a view into the received message, not a copy
+# (msgspec decodes msgpack bin into a memoryview without copying). Same fields, same wire format.
+KvChunkView = msgspec.defstruct(
+    "KvChunkView",
+    [(f.name, memoryview, f.default) if f.name == "data" else
+     (f.name, f.type) if f.required else (f.name, f.type, f.default) for f in msgspec.structs.fields(KvChunk)],
+    kw_only=True, frozen=True,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A KV transfer being served, or prepared at hand-off: kept until every chunk is fetched."""
+
+    replies: list[bytes | memoryview]  # chunk i: its encoded reply (prepared) or a view of its bytes
+    checksum: str
+    tokens: int
+    start_tokens: int
+    total_bytes: int
+    expires_at_s: float = 0.0
+    served: set[int] = field(default_factory=set)

@@ -7,8 +7,10 @@
   BOS, PAD), or the checkpoint's own tokenizer files when it has them (local files only).
 * `model_spec` is what trainer and engines must agree on; `spec_differences` says what differs.
 * Weights travel as one safetensors payload with a blake2b checksum, split in chunks; KV
-  travels with a CRC-32 (`kv_checksum`): it guards against corruption on the way, not against
-  an adversary, and costs a fifth of blake2b on the hand-off's critical path.
+  travels with a CRC-32C (`kv_checksum`, hardware CRC via the `crc32c` package; zlib's CRC-32
+  where that is missing; the prefix names the algorithm and the receiver checks with the one
+  named). It guards against corruption on the way, not against an adversary. Measured for
+  1 MiB on a 2-CPU machine: CRC-32C 0.04-0.06 ms, zlib's CRC-32 0.3-0.45 ms (blake2b ~5x that).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from bus_schemas.train import ModelSpec
+
+try:
+    from crc32c import crc32c as _crc32c
+except ImportError:  # the dependency is declared; a missing build falls back to zlib's CRC-32
+    _crc32c = None
 
 BYTE_TOKENIZER_FILE = "prorsa_tokenizer.json"
 
@@ -193,8 +200,29 @@ def checksum(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def kv_checksum(data: bytes | memoryview) -> str:
-    return f"crc32:{zlib.crc32(data):08x}"
+_KV_CRCS = {"crc32c": _crc32c, "crc32": zlib.crc32} if _crc32c is not None else {"crc32": zlib.crc32}
+KV_CHECKSUM_ALGORITHM = next(iter(_KV_CRCS))
+
+
+def kv_checksum(data: bytes | memoryview, algorithm: str = KV_CHECKSUM_ALGORITHM) -> str:
+    """The checksum of `data` as "<algorithm>:<crc in 8 hex digits>"."""
+    return kv_checksum_of([data], algorithm)
+
+
+def kv_checksum_of(parts, algorithm: str = KV_CHECKSUM_ALGORITHM) -> str:
+    """The checksum of the parts' concatenation, computed part by part (no join)."""
+    crc = _KV_CRCS[algorithm]
+    value = 0
+    for part in parts:
+        value = crc(part, value)
+    return f"{algorithm}:{value:08x}"
+
+
+def kv_checksum_matches(parts, expected: str) -> bool:
+    """Whether the parts' concatenation has checksum `expected`, computed with the algorithm that
+    `expected` names (so a sender with either algorithm is understood); an unknown one: False."""
+    algorithm = expected.partition(":")[0]
+    return algorithm in _KV_CRCS and kv_checksum_of(parts, algorithm) == expected
 
 
 def split_chunks(data: bytes | memoryview, chunk_bytes: int) -> list[memoryview]:
