@@ -119,6 +119,10 @@ class InProcJetStream:
         return self._server.buckets.setdefault(bucket or "", _KeyValue(bucket or ""))
 
 
+def _has_wildcard(subject: str) -> bool:
+    return any(token in ("*", ">") for token in subject.split("."))
+
+
 @dataclass(eq=False)
 class _CoreSub:
     client: InProcClient
@@ -128,8 +132,7 @@ class _CoreSub:
     task: asyncio.Task | None = None
 
     async def unsubscribe(self) -> None:
-        self.client.server.subs.pop(self, None)
-        self.client.server.subscriptions_changed()
+        self.client.server.remove_sub(self)
         if self.task is not None:
             self.task.cancel()
 
@@ -153,14 +156,37 @@ class InProcServer:
 
     def __init__(self) -> None:
         self.streams: dict[str, _Stream] = {}
-        self.subs: dict[_CoreSub, None] = {}  # an ordered set: delivery order is creation order
+        self.subs: dict[_CoreSub, int] = {}  # subscription -> its creation order (= delivery order)
         self.buckets: dict[str, _KeyValue] = {}
         self.ids = itertools.count(1)
-        self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions
+        self._literal: dict[str, list[_CoreSub]] = {}  # subject without wildcards -> its subscriptions
+        self._wildcard: dict[_CoreSub, None] = {}  # subscriptions with `*` or `>` (few: one per kind of interest)
+        self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions, in creation order
         self._stream_of: dict[str, _Stream | None] = {}  # subject -> capturing stream
 
-    def subscriptions_changed(self) -> None:
-        self._routes.clear()
+    def add_sub(self, sub: _CoreSub) -> None:
+        """Index a subscription. A literal one (a request's inbox, most often) changes only its
+        own subject's route; a wildcard one, every route."""
+        self.subs[sub] = next(self.ids)
+        if _has_wildcard(sub.subject):
+            self._wildcard[sub] = None
+            self._routes.clear()
+        else:
+            self._literal.setdefault(sub.subject, []).append(sub)
+            self._routes.pop(sub.subject, None)
+
+    def remove_sub(self, sub: _CoreSub) -> None:
+        if self.subs.pop(sub, None) is None:
+            return
+        if sub in self._wildcard:
+            del self._wildcard[sub]
+            self._routes.clear()
+            return
+        same = self._literal[sub.subject]
+        same.remove(sub)
+        if not same:
+            del self._literal[sub.subject]
+        self._routes.pop(sub.subject, None)
 
     def streams_changed(self) -> None:
         self._stream_of.clear()
@@ -182,9 +208,12 @@ class InProcServer:
         return self._stream_of[subject]
 
     def _route(self, subject: str) -> list[_CoreSub]:
-        if subject not in self._routes:
-            self._routes[subject] = [s for s in self.subs if subject_matches(s.subject, subject)]
-        return self._routes[subject]
+        route = self._routes.get(subject)
+        if route is None:
+            route = [*self._literal.get(subject, ()), *(s for s in self._wildcard if subject_matches(s.subject, subject))]
+            route.sort(key=self.subs.__getitem__)
+            self._routes[subject] = route
+        return route
 
     def has_interest(self, subject: str) -> bool:
         return bool(self._route(subject))
@@ -219,8 +248,7 @@ class InProcClient:
 
     async def subscribe(self, subject: str, queue: str = "", cb: MsgCallback | None = None, **_) -> _CoreSub:
         sub = _CoreSub(self, subject, cb)
-        self.server.subs[sub] = None
-        self.server.subscriptions_changed()
+        self.server.add_sub(sub)
         if cb is not None:
             sub.task = asyncio.create_task(sub._run(), name=f"sub {subject}")
         return sub
