@@ -233,6 +233,10 @@ class InProcClient:
         self._closed = False
 
     is_connected = property(lambda self: not self._closed)
+
+    def has_interest(self, subject: str) -> bool:
+        """Does any subscription match `subject`? (nats-py cannot know; callers check for it.)"""
+        return self.server.has_interest(subject)
     is_closed = property(lambda self: self._closed)
     is_draining = property(lambda self: False)
 

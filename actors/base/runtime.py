@@ -178,9 +178,13 @@ class Actor:
             await sub.unsubscribe()
 
     async def publish_heartbeat(self) -> None:
+        subject = subjects.status(self.kind, self.actor_id)
+        has_interest = getattr(self.nc, "has_interest", None)  # the in-process bus knows every subscriber
+        if has_interest is not None and not has_interest(subject):
+            return  # nobody to tell (a colocated fleet in simulation): skip building the status
         status = self.heartbeat()
         if status is not None and self.nc.is_connected:
-            await self.nc.publish(subjects.status(self.kind, self.actor_id), encode(status))
+            await self.nc.publish(subject, encode(status))
 
     async def _heartbeats(self) -> None:
         period_s = self.config.run.heartbeat_wall_s * self.wall_scale
