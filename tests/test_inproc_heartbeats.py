@@ -46,7 +46,7 @@ def test_heartbeats_are_built_only_while_someone_listens(tmp_path: Path):
         for _ in range(3):
             await actor.publish_heartbeat()
         while len(seen) < 3:  # the subscription's task delivers them
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # barrier-ok: yields to the subscription's task, no time passes
         await sub.unsubscribe()
         return unheard, actor.built, len(seen)
 

@@ -25,7 +25,7 @@ async def publish_before_and_after_the_stream_exists() -> tuple[Counter, int]:
     publisher.start()
     publisher.emit(event("early"))  # no LIFECYCLE stream yet: the bus has no responders
     while counters["lifecycle_publish_retries"] < 3:  # virtual time: the retry waits cost nothing
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # barrier-ok: virtual time, polls a counter
     assert not publisher._idle.is_set()  # still owed
     await streams.ensure_streams(js)
     await asyncio.wait_for(publisher.flush(), timeout=10.0)

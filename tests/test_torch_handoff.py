@@ -171,12 +171,12 @@ async def test_kv_prepared_at_hand_off_goes_when_the_handle_expires_unfetched(bu
         for _ in range(100):
             if a._prepared:
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # barrier-ok: polls a condition (the TTL passes in real time)
         assert list(a._prepared) == list(a.core.held)  # serialised and encoded at hand-off
         for _ in range(100):
             if a.counters["kv_expired"]:
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # barrier-ok: polls a condition (the TTL passes in real time)
     finally:
         a.request_stop("test over")
         await asyncio.wait_for(running, timeout=20)
