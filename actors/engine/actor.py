@@ -209,7 +209,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         scale = self.config.run.time_scale
         quantum_s = self.max_decode_step_s or self.config.engines.decode_quantum_wall_s * scale
         cursor_s = self.clock.now_s()
-        repeat_prefill = getattr(self.backend, "repeats_prefill", False)
+        repeat_prefill = self.backend.repeats_prefill
         while not self.stopping.is_set():
             self._expire_held()
             if await self._before_step():  # waited on purpose: not lag

@@ -235,12 +235,12 @@ class EngineCore:
         ends_s = None
         if chunks:
             repeats = self._repeatable(chunks, decode, budget, free) if repeat_prefill else 1
-            ends_s = [0.0]
-            while len(ends_s) <= repeats and (len(ends_s) == 1 or ends_s[-1] < max_advance_s):
-                ends_s.append(ends_s[-1] + group_iteration_s(self.preset, self._loads(chunks, decode, len(ends_s) - 1)))
-            if ends_s[-1] > max_advance_s and len(ends_s) > 2:
-                ends_s.pop()  # a repeat past max_advance_s: end before it
-            ends_s = ends_s[1:]
+            ends_s, total_s = [], 0.0
+            for ahead in range(repeats):  # each repeat's chunks and decodes sit on a longer context
+                total_s += group_iteration_s(self.preset, self._loads(chunks, decode, ahead))
+                if ends_s and total_s > max_advance_s:
+                    break
+                ends_s.append(total_s)
             iterations, duration_s = len(ends_s), ends_s[-1]
         else:
             loads = self._loads([], decode)

@@ -35,6 +35,7 @@ from actors.engine.torch_model import kv_checksum, load_weights_bytes
 
 class TorchBackend:
     name = "torch"
+    repeats_prefill = False  # runs real tokens: one iteration per step whenever a prefill is in it
 
     def __init__(self, engine_id: str, lm, tokenizer, model, clock, time_scale: float, seed: int = 0) -> None:
         self.engine_id = engine_id
