@@ -34,12 +34,16 @@ class RunSection(_Section):
     time_scale: float = 1.0  # model seconds per wall second (20: a 60 s rollout takes 3 s)
     mode: Literal["sync"] = "sync"
     policy: Policy = "colocated"  # overridden by `--policy` (which also takes `static-P:D`)
-    heartbeat_wall_s: float = 1.0  # status heartbeat period, wall seconds
+    # status heartbeat period in wall seconds; default one per model second (1 / time_scale),
+    # so the allocator and the routers see the same freshness at any time compression
+    heartbeat_wall_s: float | None = None
     ack_wait_wall_s: float = 30.0  # un-acked work is redelivered after this many wall seconds
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError("run.time_scale must be > 0")
+        if self.heartbeat_wall_s is None:
+            self.heartbeat_wall_s = 1.0 / self.time_scale
         if self.ack_wait_wall_s <= 0 or self.heartbeat_wall_s <= 0:
             raise ValueError("run.ack_wait_wall_s and run.heartbeat_wall_s must be > 0")
 

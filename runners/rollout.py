@@ -72,9 +72,6 @@ class Suite:
         return ["colocated", "colocated-sticky", *statics, *self.dynamic, "oracle"]
 
 
-# engines report every model second, as they would in a deployment at time scale 1 (the
-# runs are at 20x: a wall-clock heartbeat period of 1 s would be 20 model s, live and simulated)
-HEARTBEAT_WALL_S = 1.0 / 20.0
 _SWE_SHORT = {"swe": {"turns_max": 16}}  # SWE episodes capped at 16 turns: keeps a step in minutes
 SUITES = {
     # The README's suite: a MoE fleet with DP attention inside each engine (where the paper
@@ -109,7 +106,7 @@ SUITES = {
 
 def run_config(suite: Suite, fleet: Fleet, workload: Workload, policy: str, oracle_log: Path | None = None) -> Config:
     raw = {
-        "run": {"name": f"{suite.name}-{fleet.name}-{workload.name}", "seed": suite.seed, "time_scale": 20.0, "heartbeat_wall_s": HEARTBEAT_WALL_S},
+        "run": {"name": f"{suite.name}-{fleet.name}-{workload.name}", "seed": suite.seed, "time_scale": 20.0},
         "engines": {**fleet.engines, "prefill_engines": max(1, fleet.engines["count"] // 4)},
         "environments": {"count": suite.environments, "max_live_trajectories": 4096},
         "trainer": {"steps": workload.steps, "tasks_per_step": suite.tasks_per_step(fleet), "samples_per_task": suite.samples_per_task, "train_s": 60.0},

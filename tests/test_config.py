@@ -88,3 +88,11 @@ mix = { search = 1.0 }
     path.write_text(path.read_text().replace("from_step = 2", "from_step = 0"))
     with pytest.raises(ConfigError, match="from_step"):
         load_config(path)
+
+
+def test_heartbeats_default_to_one_per_model_second(tmp_path: Path):
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\ntime_scale = 20.0\n')
+    assert load_config(path).run.heartbeat_wall_s == pytest.approx(0.05)
+    path.write_text('[run]\ntime_scale = 20.0\nheartbeat_wall_s = 0.5\n')
+    assert load_config(path).run.heartbeat_wall_s == 0.5
