@@ -122,6 +122,11 @@ def train_weights() -> str:
     return f"{PREFIX}.train.weights"
 
 
+def has_wildcard(subject: str) -> bool:
+    """Does `subject` contain a `*` or `>` token (a pattern, not one subject)?"""
+    return any(token in ("*", ">") for token in subject.split("."))
+
+
 def matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: `*` is one token, a final `>` is one or more tokens."""
     p, s = pattern.split("."), subject.split(".")

@@ -66,3 +66,10 @@ def test_ids_that_would_break_the_hierarchy_are_refused(bad):
 )
 def test_each_subject_lands_in_exactly_its_stream(subject, stream):
     assert _stream_of(subject) == stream
+
+
+def test_has_wildcard_tells_patterns_from_subjects():
+    assert subjects.has_wildcard(subjects.status_of_kind("engine"))
+    assert subjects.has_wildcard(subjects.lifecycle_all())
+    assert not subjects.has_wildcard(subjects.status("engine", "e0"))
+    assert not subjects.has_wildcard("_INBOX.12")

@@ -31,7 +31,7 @@ from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from actors.base.inproc_store import InProcMsg, _Consumer, _KeyValue, _PullSubscription, _Stream
-from bus_schemas.subjects import matches as subject_matches
+from bus_schemas.subjects import has_wildcard, matches as subject_matches
 
 MsgCallback = Callable[[InProcMsg], Awaitable[None]]
 
@@ -119,10 +119,6 @@ class InProcJetStream:
         return self._server.buckets.setdefault(bucket or "", _KeyValue(bucket or ""))
 
 
-def _has_wildcard(subject: str) -> bool:
-    return any(token in ("*", ">") for token in subject.split("."))
-
-
 @dataclass(eq=False)
 class _CoreSub:
     client: InProcClient
@@ -168,7 +164,7 @@ class InProcServer:
         """Index a subscription. A literal one (a request's inbox, most often) changes only its
         own subject's route; a wildcard one, every route."""
         self.subs[sub] = next(self.ids)
-        if _has_wildcard(sub.subject):
+        if has_wildcard(sub.subject):
             self._wildcard[sub] = None
             self._routes.clear()
         else:
@@ -233,12 +229,12 @@ class InProcClient:
         self._closed = False
 
     is_connected = property(lambda self: not self._closed)
+    is_closed = property(lambda self: self._closed)
+    is_draining = property(lambda self: False)
 
     def has_interest(self, subject: str) -> bool:
         """Does any subscription match `subject`? (nats-py cannot know; callers check for it.)"""
         return self.server.has_interest(subject)
-    is_closed = property(lambda self: self._closed)
-    is_draining = property(lambda self: False)
 
     async def on_error(self, err: Exception) -> None:
         if self._on_error is not None:

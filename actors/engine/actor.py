@@ -269,13 +269,14 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             **fields,
         )
 
-    def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, **extra) -> None:
+    def _turn_event(self, kind: EventKind, seq: Seq, at_s: float, role: str | None = None, **extra) -> None:
+        """`role`: the engine's role when the event happened (default: now)."""
         w = seq.work
         self._work_event(
             kind,
             w,
             at_s=at_s,
-            role=self.core.role.value,
+            role=role or self.core.role.value,
             new_tokens=w.new_tokens,
             context_tokens=w.context_tokens,
             cached_prefix_tokens=seq.cached_prefix_tokens,

@@ -296,9 +296,8 @@ class TorchEngineActor(EngineActor):
             self._msgs[seq.key] = msg
             self.counters["kv_bytes_fetched"] += len(payload)
             self.counters["kv_tokens_reused"] += have
-            self._landed_events.append(partial(  # the fields `_turn_event` gives, taken now
-                self._work_event, EventKind.KV_TRANSFER_DONE, w, at_s=self.clock.now_s(), role=self.core.role.value,
-                new_tokens=w.new_tokens, context_tokens=w.context_tokens, cached_prefix_tokens=seq.cached_prefix_tokens,
+            self._landed_events.append(partial(  # stamped now, emitted by `_emit_landed`
+                self._turn_event, EventKind.KV_TRANSFER_DONE, seq, self.clock.now_s(), role=self.core.role.value,
                 kv_bytes=len(payload), duration_s=duration_s,
             ))  # fmt: skip
         finally:
