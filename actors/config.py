@@ -49,7 +49,7 @@ class RunSection(_Section):
 
 
 class LayoutSection(_Section):
-    """Parallel layout of an engine (see actors.engine.costmodel.Layout)."""
+    """Parallel layout of an engine (see actors.engine.emulated.costmodel.Layout)."""
 
     tp: int = 1  # tensor parallel GPUs per rank
     dp: int = 1  # DP-attention ranks per engine
@@ -63,8 +63,8 @@ class LayoutSection(_Section):
 class EngineSection(_Section):
     count: int = 4
     backend: Literal["emulated", "torch"] = "emulated"  # torch: real compute, see [model]
-    preset: str = "h100-qwen3-8b"  # cost-model preset, see actors.engine.costmodel.PRESETS
-    link: str = "rdma-8x400g"  # KV transfer link preset, see actors.engine.costmodel.LINKS
+    preset: str = "h100-qwen3-8b"  # cost-model preset, see actors.engine.emulated.costmodel.PRESETS
+    link: str = "rdma-8x400g"  # KV transfer link preset, see actors.engine.emulated.costmodel.LINKS
     prefill_engines: int = 1  # engines in the prefill role under the `static` policy
     max_batch_tokens: int = 8192  # chunked-prefill token budget per iteration
     max_decode_seqs: int = 256  # decode batch cap
@@ -79,9 +79,29 @@ class EngineSection(_Section):
     # uncached tokens is prefilled where its KV already lives, a decode engine included; a
     # longer one goes to a prefill engine. 0: every prefill on a prefill (or colocated) engine.
     local_prefill_max_tokens: int = 1024
+    # How the DP-attention ranks of one engine (layout dp > 1) share a forward mode per step
+    # (docs/calibration.md, "DP-attention lockstep"): "sglang" — any rank prefilling makes every
+    # rank eager with normal-mode all-to-all, and the prefilling rank's decodes wait that
+    # step unless `mixed_chunk`; "vllm" — a chunk above the graph capture size makes every
+    # rank eager, a smaller mixed step runs piecewise padded to the largest rank; "ideal" —
+    # ranks only wait for the slowest (no mode coupling), the ablation baseline.
+    dp_sync: Literal["sglang", "vllm", "ideal"] = "sglang"
+    mixed_chunk: bool = False  # sglang: a prefilling rank's decodes advance in the same (eager) step
+    # KV of a decode engine's generated tokens after a turn: "none" — the next remote prefill
+    # recomputes them; "to-prefill" — pulled back by the prefill engine that holds the
+    # trajectory's prefix, off the critical path; "store" — written to a shared KV store tier
+    # any prefill engine loads from (`kv_store_*`).
+    kv_writeback: Literal["none", "to-prefill", "store"] = "none"
+    kv_store_link: str = "remote-store"  # link between engines and the store tier
+    kv_store_capacity_tokens: int = 50_000_000  # store tier capacity (LRU eviction beyond it)
 
     def __post_init__(self) -> None:
-        from actors.engine.costmodel import LINKS, PRESETS
+        from actors.engine.emulated.costmodel import LINKS, PRESETS
+
+        if self.kv_store_link not in LINKS:
+            raise ValueError(f"unknown engines.kv_store_link {self.kv_store_link!r} (known: {', '.join(sorted(LINKS))})")
+        if self.kv_store_capacity_tokens < 0:
+            raise ValueError("engines.kv_store_capacity_tokens must be >= 0")
 
         if self.count < 1 or self.prefill_engines < 1:
             raise ValueError("engines.count and engines.prefill_engines must be >= 1")
@@ -101,7 +121,7 @@ class EngineSection(_Section):
 
     def cost_preset(self, role: Role):
         """The cost-model preset an engine in `role` runs with (its layout applied)."""
-        from actors.engine.costmodel import PRESETS, Layout, with_layout
+        from actors.engine.emulated.costmodel import PRESETS, Layout, with_layout
 
         layout = self.layout_for(role)
         if (layout.tp, layout.dp, layout.ep) == (1, 1, 1):  # the preset's own layout

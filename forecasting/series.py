@@ -1,6 +1,6 @@
 """Lifecycle events → regular demand series, per task family and in total (polars).
 
-    events (one row per LifecycleEvent, see ops.export.events_frame)
+    events (one row per LifecycleEvent, see bus_schemas.eventlog.events_frame)
         │  flows: summed per bin at the event's time
         │  levels: +1/-1 (or ±tokens) steps, averaged over each bin weighted by time
         ▼

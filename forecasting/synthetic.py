@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
-from ops.export import events_frame
+from bus_schemas.eventlog import events_frame
 
 FAMILIES = ("swe", "math")
 

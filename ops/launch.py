@@ -90,7 +90,7 @@ def prepare_model(config: Config, out: Path) -> Config:
     process loads identical weights, and point the run's config at it."""
     if config.engines.backend != "torch" or config.model.checkpoint:
         return config
-    from actors.engine.torch_model import build_tiny  # late: emulated runs never import torch
+    from actors.engine.torch.model import build_tiny  # late: emulated runs never import torch
 
     path = build_tiny(config.model, out / "model")
     console.print(f"built the tiny {config.model.architecture} model into {path}", highlight=False)

@@ -43,8 +43,8 @@ from nats.errors import NoRespondersError
 
 from actors.base.connection import close, connect, publish_origin
 from actors.config import Config, ModelSection
-from actors.engine.torch_actor import KV_FETCHES_IN_FLIGHT
-from actors.engine.torch_model import build_tiny, load_model, load_tokenizer
+from actors.engine.torch.actor import KV_FETCHES_IN_FLIGHT
+from actors.engine.torch.model import build_tiny, load_model, load_tokenizer
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.engine.costmodel import LINKS, PRESETS, RankLoad, group_iteration_s, iteration_s, transfer_s
+from actors.engine.emulated.costmodel import LINKS, PRESETS, RankLoad, group_iteration_s, iteration_s, transfer_s
 
 TOLERANCE = 0.15  # every point must be predicted within 15%
 

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from actors.allocator.capacity import decode_step_s
 from actors.config import Config, initial_roles, policy_label, with_policy
-from actors.engine.costmodel import prefill_s
+from actors.engine.emulated.costmodel import prefill_s
 from bus_schemas.control import Role
 from ops.export import load_events
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.engine import hardware as hw
-from actors.engine.costmodel import PRESETS, Layout, RankLoad, derive, group_iteration_s, iteration_s, with_layout
+from actors.engine.emulated import hardware as hw
+from actors.engine.emulated.costmodel import PRESETS, Layout, RankLoad, derive, group_iteration_s, iteration_s, with_layout
 from runners.bench import main as bench_main
 from runners.calibration import POINTS, TOLERANCE, evaluate
 

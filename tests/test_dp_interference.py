@@ -7,7 +7,7 @@ Driven through the pure scheduler core in model time: no bus, no clock.
 from __future__ import annotations
 
 from actors.engine.core import EngineCore, Seq
-from actors.engine.costmodel import Layout, with_layout
+from actors.engine.emulated.costmodel import Layout, with_layout
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, KvHandle
 from tests.test_engine_core import work

@@ -9,7 +9,7 @@ import pytest
 
 from actors.base.flag import Flag
 from actors.base.virtual import LoopClock, VirtualTimeLoop
-from actors.engine.backend import EmulatedBackend
+from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.core import Batch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine.core import EngineCore
-from actors.engine.costmodel import PRESETS, decode_run_s, iteration_s
+from actors.engine.emulated.costmodel import PRESETS, decode_run_s, iteration_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, KvHandle, PrefillWork
 

@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from actors.config import ModelSection  # noqa: E402
-from actors.engine.torch_actor import ModelMismatch, TorchEngineActor  # noqa: E402
-from actors.engine.torch_model import build_tiny, kv_checksum, load_model  # noqa: E402
+from actors.engine.torch.actor import ModelMismatch, TorchEngineActor  # noqa: E402
+from actors.engine.torch.model import build_tiny, kv_checksum, load_model  # noqa: E402
 from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
 from bus_schemas import streams, subjects  # noqa: E402
 from bus_schemas.codec import decode, encode  # noqa: E402

@@ -8,10 +8,10 @@ torch = pytest.importorskip("torch")
 
 from actors.config import ModelSection  # noqa: E402
 from actors.engine.core import Batch, Seq  # noqa: E402
-from actors.engine.torch_actor import KvChunkView  # noqa: E402
-from actors.engine.torch_backend import TorchBackend  # noqa: E402
-from actors.engine.torch_kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, KvError, PrefixCache  # noqa: E402
-from actors.engine.torch_model import (  # noqa: E402
+from actors.engine.torch.actor import KvChunkView  # noqa: E402
+from actors.engine.torch.backend import TorchBackend  # noqa: E402
+from actors.engine.torch.kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, KvError, PrefixCache  # noqa: E402
+from actors.engine.torch.model import (  # noqa: E402
     ByteTokenizer,
     build_tiny,
     kv_checksum,

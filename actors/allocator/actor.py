@@ -22,10 +22,11 @@ from actors.allocator.demand import RecordedDemand, from_forecast, from_queues
 from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Policy, RoleChange, Split
 from actors.base import Actor
 from actors.config import Config, initial_roles
-from actors.engine.costmodel import switch_reconfig_s
+from actors.engine.emulated.costmodel import switch_reconfig_s
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.control import CommandAck, Role, SetRole
+from bus_schemas.eventlog import load_events
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.status import ActorStatus, EngineStatus
 
@@ -50,7 +51,7 @@ class AllocatorActor(Actor):
         self.unresponsive: dict[str, float] = {}  # engine -> model time it failed to ack
         self.epoch = 0
         self.forecast: DemandForecast | None = None
-        self.recorded = RecordedDemand(config.allocator.oracle_log) if config.run.policy == "oracle" else None
+        self.recorded = RecordedDemand(load_events(config.allocator.oracle_log)) if config.run.policy == "oracle" else None
         self.last_demand: Demand | None = None
         self.env_tokens: dict[str, tuple[int, int]] = {}  # environment -> (short, long) prefill tokens, cumulative
         self._seen_tokens = (0, 0)

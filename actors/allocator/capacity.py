@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import EngineSection
-from actors.engine.costmodel import CostPreset, RankLoad, group_iteration_s, switch_reconfig_s
+from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_iteration_s, switch_reconfig_s
 from bus_schemas.control import Role
 
 

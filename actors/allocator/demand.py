@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
+import polars as pl
 
 from actors.allocator.policy import Demand, Fleet
 from bus_schemas.forecast import DemandForecast
 from forecasting.series import bin_events, totals
-from ops.export import load_events
 
 ORACLE_BIN_S = 1.0
 
@@ -50,10 +48,10 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float) -> D
 
 
 class RecordedDemand:
-    """The true per-second demand of a recorded run (events.parquet), by model time."""
+    """The true per-second demand of a recorded run (its lifecycle frame), by model time."""
 
-    def __init__(self, events_path: str | Path) -> None:
-        series = bin_events(load_events(events_path), ORACLE_BIN_S)
+    def __init__(self, events: pl.DataFrame) -> None:
+        series = bin_events(events, ORACLE_BIN_S)
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
         self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
 

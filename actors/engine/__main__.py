@@ -15,7 +15,7 @@ def _args(parser) -> None:
 def _build(args, config, nc, clock) -> EngineActor:
     role = Role(args.role) if args.role else initial_roles(config).get(args.id, Role.COLOCATED)
     if config.engines.backend == "torch":
-        from actors.engine.torch_actor import TorchEngineActor  # imports torch only when used
+        from actors.engine.torch.actor import TorchEngineActor  # imports torch only when used
 
         return TorchEngineActor(args.id, config, nc, clock, role)
     return EngineActor(args.id, config, nc, clock, role)

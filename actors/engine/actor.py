@@ -15,11 +15,12 @@ from nats.aio.msg import Msg
 from actors.base import Actor
 from actors.base.flag import Flag
 from actors.base.publish import pull_one
-from actors.engine.backend import Backend, EmulatedBackend
+from actors.engine.backend import Backend
+from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.commands import EngineCommands
 from actors.engine.handoff import EngineHandoff
 from actors.engine.core import EngineCore, Seq
-from actors.engine.costmodel import LINKS
+from actors.engine.emulated.costmodel import LINKS
 from bus_schemas import subjects
 from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind

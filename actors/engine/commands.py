@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from nats.aio.msg import Msg
 
-from actors.engine.costmodel import switch_reconfig_s
+from actors.engine.emulated.costmodel import switch_reconfig_s
 from bus_schemas.codec import encode
 from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
 from bus_schemas.lifecycle import EventKind

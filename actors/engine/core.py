@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from actors.engine.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
+from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 

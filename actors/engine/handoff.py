@@ -20,7 +20,7 @@ from nats.errors import NoRespondersError
 
 from actors.base.publish import PublishAborted, publish_durable
 from actors.engine.core import Seq
-from actors.engine.costmodel import transfer_s
+from actors.engine.emulated.costmodel import transfer_s
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind

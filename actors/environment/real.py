@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from actors.engine.torch_model import load_tokenizer
+from actors.engine.torch.model import load_tokenizer
 from actors.environment.actor import EnvironmentActor, Trajectory
 from actors.environment.tasks import TASKS, CalcTask
 from bus_schemas.lifecycle import EventKind

@@ -22,7 +22,7 @@ from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import LifecycleEvent
 from forecasting.core import CoreConfig, ForecastCore, TickResult
 from forecasting.models import QUANTILES, TARGETS
-from ops.export import events_frame
+from bus_schemas.eventlog import events_frame
 
 FETCH_BATCH = 2000
 FETCH_WAIT_WALL_S = 0.1

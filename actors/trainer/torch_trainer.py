@@ -16,7 +16,7 @@ import time
 import torch
 from nats.aio.msg import Msg
 
-from actors.engine.torch_model import checksum, load_model, load_tokenizer, model_spec, split_chunks, weights_to_bytes
+from actors.engine.torch.model import checksum, load_model, load_tokenizer, model_spec, split_chunks, weights_to_bytes
 from actors.trainer.actor import TrainerActor
 from actors.trainer.grpo import grpo_update
 from bus_schemas import subjects

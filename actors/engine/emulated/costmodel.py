@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from actors.engine import hardware as hw
-from actors.engine.hardware import LINKS, Link  # re-exported: the engine imports links from here
+from actors.engine.emulated import hardware as hw
+from actors.engine.emulated.hardware import LINKS, Link  # re-exported: the engine imports links from here
 
 __all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s"]
 

@@ -1,8 +1,8 @@
 """Real KV tensors of the `torch` backend: the per-layer KV of one sequence, the prefix
 cache keyed by trajectory@policy-version, and the decode batch, whose KV sits in buffers
 with room for new tokens (`KvBufferLayer`) so that a decode step writes one column per layer
-instead of copying the whole KV. `torch_backend.TorchBackend` drives them. At the end, the KV
-on the wire as `torch_actor` serves (`Outgoing`) and reads it (`KvChunkView`)."""
+instead of copying the whole KV. `backend.TorchBackend` drives them. At the end, the KV
+on the wire as `actor.py` serves (`Outgoing`) and reads it (`KvChunkView`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ keyed by `Seq.key` (the work id), and a prefix cache keyed by trajectory@policy-
     execute(batch)  (worker thread) ── prefill chunks on top of each sequence's KV; sample the
                      first token ── decode: one persistent left-padded batch (rows join and
                      leave without rebuilding the rest), k iterations, temperature sampling;
-                     its KV sits in buffers with room for new tokens (`torch_kv.KvBufferLayer`), so a
+                     its KV sits in buffers with room for new tokens (`kv.KvBufferLayer`), so a
                      step writes one column per layer instead of copying the whole KV
     held_wire(handle, from_tokens) ──▶ bytes of KV positions from_tokens.. + checksum (the
                      actor asks at hand-off); release(handle) when fetched; export = both at once
@@ -29,8 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from actors.engine.core import Batch, Seq
-from actors.engine.torch_kv import KV, DecodeBatch, KvError, PrefixCache, SeqState, common_prefix, kv_cat, kv_len, kv_slice
-from actors.engine.torch_model import kv_checksum, load_weights_bytes
+from actors.engine.torch.kv import KV, DecodeBatch, KvError, PrefixCache, SeqState, common_prefix, kv_cat, kv_len, kv_slice
+from actors.engine.torch.model import kv_checksum, load_weights_bytes
 
 
 class TorchBackend:

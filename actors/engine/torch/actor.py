@@ -40,9 +40,9 @@ from nats.errors import NoRespondersError
 from actors.engine.actor import EngineActor
 from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.core import Seq
-from actors.engine.torch_backend import TorchBackend
-from actors.engine.torch_kv import KvChunkView, KvError, Outgoing
-from actors.engine.torch_model import (
+from actors.engine.torch.backend import TorchBackend
+from actors.engine.torch.kv import KvChunkView, KvError, Outgoing
+from actors.engine.torch.model import (
     checksum,
     kv_checksum_matches,
     load_model,
