@@ -113,3 +113,54 @@ SWITCH_REGIMES: dict[str, float] = {
 }
 
 TP_ALLREDUCE_LATENCY_S = 8e-6  # one small NCCL all-reduce inside a node [A]
+
+
+# --- DP-attention lockstep (docs/calibration.md, "DP-attention lockstep constants") -------------
+# Ranks of a DP-attention engine share one forward mode per step (SGLang all-gathers
+# can_cuda_graph = min and is_extend_in_batch = max over ranks; vLLM syncs cudagraph_mode = min
+# and pads every rank to the largest token count). Each constant: (value, (low, high)) of its
+# published range; the sensitivity bench runs both ends.
+
+
+@dataclass(frozen=True, slots=True)
+class Ranged:
+    value: float
+    low: float
+    high: float
+
+
+# Decode step run eagerly instead of replaying its CUDA graph, time ratio eager / graph.
+# MoE with EP: vLLM PR #25444 (Qwen3-Coder-30B-A3B-FP8, H100) piecewise vs full 1.47x [M];
+# vLLM PR #24123 (DeepSeek-R1 DP8+EP) 1.33x [M]; SGLang PR #5068 (DeepSeek-V3, H20) 1.64x with
+# normal a2a included [M]. Range 1.3-2.0, 1.5 used [D].
+EAGER_DECODE_FACTOR_MOE = Ranged(1.5, 1.3, 2.0)
+# Dense at batch >= 64: 1.05-1.15x (xLLM PR #713 1.08x at c=30; vLLM PR #16072 1.07x) [M].
+EAGER_DECODE_FACTOR_DENSE = Ranged(1.10, 1.05, 1.15)
+# vLLM piecewise (attention eager, the rest graphed) vs full graph: MoE 1.47x (PR #25444) [M],
+# Kimi-K2.6 TP8 1.11x (PR #42885) [M]; dense 1.07x (PR #16072) [M].
+PIECEWISE_DECODE_FACTOR_MOE = Ranged(1.47, 1.11, 1.47)
+PIECEWISE_DECODE_FACTOR_DENSE = Ranged(1.07, 1.07, 1.11)
+# vLLM default max_cudagraph_capture_size = min(2 x max_num_seqs, 512) tokens; larger batches
+# dispatch to NONE (eager) (vllm/config/vllm.py _set_cudagraph_sizes) [M].
+VLLM_GRAPH_CAPTURE_TOKENS = 512
+
+# DeepEP low-latency dispatch + combine per MoE layer, 128 tokens/rank, hidden 7168, top-8,
+# H800 + CX7 IB (deepseek-ai/DeepEP docs/legacy.md) [M], by EP size. What a graph-replayed
+# decode step of DeepSeek-V3 pays inside its measured c0.
+DEEPEP_LL_PER_LAYER_S: dict[int, float] = {8: 191e-6, 16: 313e-6, 32: 428e-6, 64: 487e-6, 128: 561e-6, 256: 554e-6}
+# DeepEP normal mode (any rank extends under SGLang auto): bandwidth-bound, not graph-capturable.
+# Intranode EP8 NVLink: dispatch 153 GB/s, combine 158 GB/s [M]; internode RDMA 43-58 GB/s [M]
+# (DeepEP legacy.md). Fixed cost per call (notify kernel + CPU wait for the received count,
+# "nearly double" the communication time on H20, DeepEP issue #144): 50-150 us [A], 100 used.
+A2A_NORMAL_INTRANODE_BYTES_PER_S = Ranged(150e9, 150e9, 158e9)
+A2A_NORMAL_FIXED_S = Ranged(100e-6, 50e-6, 150e-6)  # per MoE layer (dispatch + combine)
+# Bytes per token per destination rank: FP8 dispatch (1 B) + BF16 combine (2 B) per hidden element.
+A2A_NORMAL_BYTES_PER_HIDDEN = 3
+# A rank with no work runs an idle forward that joins every collective (SGLang get_idle_batch,
+# vLLM execute_dummy_batch) [M]: its cost is the group's collectives, which the group-wide
+# all-to-all term already charges; it adds nothing beyond waiting for the slowest rank [D].
+IDLE_RANK_EXTRA_S = 0.0
+
+# MoE layers and routing (model configs) [M]: Qwen3-30B-A3B 48 MoE layers, top-8 of 128;
+# DeepSeek-V3 58 MoE layers of 61 (first 3 dense), top-8 of 256.
+MOE_ROUTING: dict[str, tuple[int, int, int]] = {"qwen3-30b-a3b": (48, 8, 128), "deepseek-v3": (58, 8, 256)}
