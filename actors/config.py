@@ -87,6 +87,9 @@ class EngineSection(_Section):
     # ranks only wait for the slowest (no mode coupling), the ablation baseline.
     dp_sync: Literal["sglang", "vllm", "ideal"] = "sglang"
     mixed_chunk: bool = False  # sglang: a prefilling rank's decodes advance in the same (eager) step
+    # which value of each lockstep constant's published range: "value" (the one cited), "low"
+    # (the end with the least penalty) or "high" (the most); the sensitivity bench sweeps it
+    lockstep_constants: Literal["value", "low", "high"] = "value"
     # KV of a decode engine's generated tokens after a turn: "none" — the next remote prefill
     # recomputes them; "to-prefill" — pulled back by the prefill engine that holds the
     # trajectory's prefix, off the critical path; "store" — written to a shared KV store tier
@@ -120,16 +123,19 @@ class EngineSection(_Section):
         return self.layout
 
     def cost_preset(self, role: Role):
-        """The cost-model preset an engine in `role` runs with (its layout applied)."""
-        from actors.engine.emulated.costmodel import PRESETS, Layout, with_layout
+        """The cost-model preset an engine in `role` runs with (its layout and the DP-attention
+        lockstep mode applied)."""
+        from actors.engine.emulated.costmodel import PRESETS, Layout, with_layout, with_lockstep
 
         layout = self.layout_for(role)
         if (layout.tp, layout.dp, layout.ep) == (1, 1, 1):  # the preset's own layout
-            return PRESETS[self.preset]
-        try:
-            return with_layout(self.preset, Layout(layout.tp, layout.dp, layout.ep))
-        except ValueError as err:
-            raise ValueError(f"engines layout for {role.value}: {err}") from None
+            preset = PRESETS[self.preset]
+        else:
+            try:
+                preset = with_layout(self.preset, Layout(layout.tp, layout.dp, layout.ep))
+            except ValueError as err:
+                raise ValueError(f"engines layout for {role.value}: {err}") from None
+        return with_lockstep(preset, self.dp_sync, self.mixed_chunk, self.lockstep_constants)
 
 
 class EnvironmentSection(_Section):

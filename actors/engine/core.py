@@ -115,6 +115,11 @@ class EngineCore:
         self._admitted = 0  # admission counter: newest sequences are preempted first
         self._order: dict[str, int] = {}
 
+    @property
+    def _prefill_first(self) -> bool:
+        """SGLang's prefill-first scheduling on a DP-attention engine (mixed chunk off)."""
+        return self.preset.dp_sync == "sglang" and self.preset.dp_ranks > 1 and not self.preset.mixed_chunk
+
     # --- capacity ------------------------------------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
@@ -226,6 +231,9 @@ class EngineCore:
                 chunks.append((seq, n))
                 budget[seq.rank] -= n
                 free -= n + (n == seq.prefill_left)
+        if chunks and self._prefill_first:  # SGLang: a rank that prefills runs no decode that step
+            prefilling = {seq.rank for seq, _ in chunks}
+            decode = [s for s in decode if s.rank not in prefilling]
         if not chunks and not decode:
             partial = [s for s in self.waiting if s.prefill_done_tokens > 0]
             if len(partial) > 1 and self.allow_preemption:  # part-filled prefills block each other
@@ -389,3 +397,24 @@ class EngineCore:
     @property
     def cached_tokens(self) -> int:
         return self._cache_tokens
+
+    def cached_prefix(self, trajectory_id: str, policy_version: int) -> int:
+        """Tokens the prefix cache holds for (trajectory, version), without taking them."""
+        return self._cache.get(f"{trajectory_id}@{policy_version}", 0)
+
+    def extend_prefix(self, trajectory_id: str, policy_version: int, from_tokens: int, tokens: int) -> bool:
+        """Written-back KV landed (`engines.kv_writeback`): the cached prefix of (trajectory,
+        version), which held `from_tokens` when the transfer began, now holds `tokens`. Other
+        entries are evicted (LRU) to make room; an entry that alone does not fit goes too.
+        False, and nothing changes, when the entry no longer holds `from_tokens` (taken by a
+        turn admitted meanwhile, or evicted) or already holds `tokens`."""
+        have = self.cached_prefix(trajectory_id, policy_version)
+        if have < from_tokens or have >= tokens or (from_tokens == 0 and self._in_flight(trajectory_id)):
+            return False
+        self._cache_put(trajectory_id, policy_version, tokens)
+        return self.cached_prefix(trajectory_id, policy_version) == tokens
+
+    def _in_flight(self, trajectory_id: str) -> bool:
+        """A turn of the trajectory is admitted here (its prefix already taken from the cache)."""
+        seqs = [*self.waiting, *self.running.values(), *(h.seq for h in self.held.values())]
+        return any(s.work.trajectory_id == trajectory_id for s in seqs)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from actors.engine.emulated import hardware as hw
 from actors.engine.emulated.hardware import LINKS, Link  # re-exported: the engine imports links from here
 
-__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s"]
+__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s", "with_lockstep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,17 @@ class CostPreset:
     a2a_latency_s: float = 0.0  # per iteration: all-to-all dispatch + combine latency, all layers
     a2a_s_per_token: float = 0.0  # per token of the group (bytes moved / link bandwidth)
     gpus: int = 1
+    model: str = ""  # hardware.MODELS key
+    ep: int = 1  # expert-parallel GPUs
+    # DP-attention lockstep (`with_lockstep`; "ideal": ranks only wait for the slowest)
+    dp_sync: str = "ideal"  # "sglang" | "vllm" | "ideal"
+    mixed_chunk: bool = False  # sglang: a prefilling rank's decodes advance in the same step
+    eager_factor: float = 1.0  # decode work run eagerly / graph-replayed
+    piecewise_factor: float = 1.0  # vLLM piecewise / full graph
+    graph_capture_tokens: int = 0  # vLLM: larger per-rank batches run eagerly
+    a2a_ll_s: float = 0.0  # low-latency all-to-all of a graph step that normal mode replaces (DeepSeek: inside c0)
+    a2a_normal_fixed_s: float = 0.0  # normal-mode all-to-all: fixed cost per step, all MoE layers
+    a2a_normal_s_per_token: float = 0.0  # ... per token of the busiest rank
 
     def weight_s(self, new_tokens: int) -> float:
         if self.t_w_moe_s == 0.0:
@@ -119,6 +130,8 @@ def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = L
         a2a_latency_s=a2a_latency_s,
         a2a_s_per_token=a2a_per_token,
         gpus=layout.gpus,
+        model=model_name,
+        ep=layout.ep,
     )
 
 
@@ -147,6 +160,8 @@ def _deepseek_ep(gpu: hw.GpuSpec, name: str, layout: Layout) -> CostPreset:
         kv_capacity_tokens=int(free_bytes / model.kv_bytes_per_token) * layout.dp,
         dp_ranks=layout.dp,
         gpus=layout.gpus,
+        model="deepseek-v3",
+        ep=layout.ep,
     )
 
 
@@ -175,26 +190,88 @@ def with_layout(preset_name: str, layout: Layout) -> CostPreset:
     return replace(derive(gpu, model, fp8, layout), name=base.name + f"@tp{layout.tp}dp{layout.dp}ep{layout.ep}")
 
 
-def _rank_s(preset: CostPreset, load: RankLoad, weight_s: float) -> float:
-    prefill_tokens = sum(n for n, _ in load.prefill_chunks)
-    gemm = preset.t_tok_s * prefill_tokens + preset.t_dec_s * load.decode_seqs
-    attn = sum(n * (p + n / 2.0) for n, p in load.prefill_chunks)
-    return (
-        max(weight_s, gemm)
-        + preset.c_attn_s * attn
-        + preset.c_kv_s * load.decode_context_tokens
-        + preset.c_seq_s * load.decode_seqs
+def with_lockstep(preset: CostPreset, dp_sync: str, mixed_chunk: bool = False, end: str = "value") -> CostPreset:
+    """`preset` with the forward-mode coupling of its DP-attention ranks (docs/calibration.md,
+    "DP-attention lockstep constants"). `end` picks each constant's published value, or the
+    end of its range with the least ("low") or the most ("high") penalty."""
+    if preset.dp_ranks <= 1 or dp_sync == "ideal":
+        return replace(preset, dp_sync="ideal", mixed_chunk=mixed_chunk)
+
+    def pick(r: hw.Ranged, penalty_grows: bool = True) -> float:
+        if end == "value":
+            return r.value
+        return r.low if (end == "low") == penalty_grows else r.high
+
+    routing = hw.MOE_ROUTING.get(preset.model)
+    fixed_s = per_token_s = ll_s = 0.0
+    if routing is not None and preset.ep > 1:
+        layers, top_k, _ = routing
+        fanout = preset.ep * (1.0 - (1.0 - 1.0 / preset.ep) ** top_k)  # ranks a token is sent to
+        bytes_per_token = hw.MODELS[preset.model].hidden * hw.A2A_NORMAL_BYTES_PER_HIDDEN * fanout
+        fixed_s = layers * pick(hw.A2A_NORMAL_FIXED_S)
+        per_token_s = layers * bytes_per_token / pick(hw.A2A_NORMAL_INTRANODE_BYTES_PER_S, penalty_grows=False)
+        if preset.a2a_latency_s == 0.0 and preset.a2a_s_per_token == 0.0:  # measured c0 holds the LL a2a
+            ep = min((e for e in hw.DEEPEP_LL_PER_LAYER_S if e >= preset.ep), default=max(hw.DEEPEP_LL_PER_LAYER_S))
+            ll_s = layers * hw.DEEPEP_LL_PER_LAYER_S[ep]
+    moe = routing is not None
+    return replace(
+        preset,
+        dp_sync=dp_sync,
+        mixed_chunk=mixed_chunk,
+        eager_factor=pick(hw.EAGER_DECODE_FACTOR_MOE if moe else hw.EAGER_DECODE_FACTOR_DENSE),
+        piecewise_factor=pick(hw.PIECEWISE_DECODE_FACTOR_MOE if moe else hw.PIECEWISE_DECODE_FACTOR_DENSE),
+        graph_capture_tokens=hw.VLLM_GRAPH_CAPTURE_TOKENS,
+        a2a_ll_s=ll_s,
+        a2a_normal_fixed_s=fixed_s,
+        a2a_normal_s_per_token=per_token_s,
     )
 
 
+def _rank_s(preset: CostPreset, load: RankLoad, weight_s: float, decode_factor: float = 1.0, gemm_tokens: int = 0) -> float:
+    """One rank's forward. `decode_factor` scales its decode work (eager or piecewise instead of
+    a replayed graph); `gemm_tokens` pads its GEMMs to that many tokens (vLLM DP padding)."""
+    prefill_tokens = sum(n for n, _ in load.prefill_chunks)
+    gemm = preset.t_tok_s * prefill_tokens + preset.t_dec_s * load.decode_seqs
+    if gemm_tokens > load.new_tokens:
+        gemm += preset.t_tok_s * (gemm_tokens - load.new_tokens)
+    attn = sum(n * (p + n / 2.0) for n, p in load.prefill_chunks)
+    decode_s = preset.c_kv_s * load.decode_context_tokens + preset.c_seq_s * load.decode_seqs
+    t = max(weight_s, gemm) + preset.c_attn_s * attn + decode_s
+    if decode_factor != 1.0 and load.decode_seqs:  # the decode-only forward this rank would run, slowed
+        t += (decode_factor - 1.0) * (max(weight_s, preset.t_dec_s * load.decode_seqs) + decode_s)
+    return t
+
+
 def group_iteration_s(preset: CostPreset, ranks: Sequence[RankLoad]) -> float:
-    """One iteration of an engine whose ranks run `ranks` (idle ranks still wait for the slowest)."""
+    """One iteration of an engine whose ranks run `ranks` (idle ranks still wait for the slowest).
+
+    With DP attention the ranks share one forward mode (`preset.dp_sync`):
+    * "sglang": a decode-only step replays graphs with low-latency all-to-all; if any rank
+      prefills, every rank runs eager (its decode work x `eager_factor`) and the all-to-all
+      runs in normal mode (bandwidth-bound on the busiest rank's tokens);
+    * "vllm": if any rank's batch exceeds the graph capture size every rank runs eager, else a
+      mixed step runs every rank piecewise, padded to the largest rank's tokens;
+    * "ideal": ranks only wait for the slowest.
+    """
     new_tokens = sum(r.new_tokens for r in ranks)
     if new_tokens == 0:
         return 0.0
     weight_s = preset.weight_s(new_tokens)
     a2a_s = preset.a2a_latency_s + preset.a2a_s_per_token * new_tokens if preset.dp_ranks > 1 else 0.0
-    return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
+    mode = preset.dp_sync if preset.dp_ranks > 1 else "ideal"
+    mixed = mode != "ideal" and any(r.prefill_chunks for r in ranks)
+    if mode == "ideal" or not mixed and mode == "sglang":
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
+    if mode == "sglang":  # some rank extends: all eager, normal-mode all-to-all
+        busiest = max(r.new_tokens for r in ranks)
+        a2a_s = preset.a2a_normal_fixed_s + preset.a2a_normal_s_per_token * busiest - preset.a2a_ll_s
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.eager_factor) for r in ranks)
+    busiest = max(r.new_tokens for r in ranks)  # vllm
+    if busiest > preset.graph_capture_tokens:
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.eager_factor) for r in ranks)
+    if not mixed:
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
+    return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.piecewise_factor, busiest) for r in ranks)
 
 
 def iteration_s(
