@@ -11,7 +11,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from actors.base.clock import ScaledClock
 from actors.config import ForecasterSection
 from actors.engine.actor import EngineActor
 from actors.environment.actor import EnvironmentActor
@@ -25,6 +24,7 @@ from bus_schemas.lifecycle import LifecycleEvent
 from forecasting.core import CoreConfig
 from ops.export import check_events, events_frame, read_stream
 from runners.replay import replay
+from tests.actor_helpers import at_scale, clock_for
 
 pytestmark = pytest.mark.bus
 
@@ -33,8 +33,8 @@ TIME_SCALE = 20.0
 
 async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus, tiny_config):
     forecaster_cfg = ForecasterSection(model="hybrid", bin_s=1.0, tick_s=2.0, horizons_s=[2.0, 6.0, 10.0], watermark_s=10.0)
-    config = msgspec.structs.replace(tiny_config, forecaster=forecaster_cfg)
-    clock = ScaledClock(TIME_SCALE, time.time())
+    config = at_scale(msgspec.structs.replace(tiny_config, forecaster=forecaster_cfg), TIME_SCALE)
+    clock = clock_for(config)
     published: list[DemandForecast] = []
 
     async def on_forecast(msg) -> None:
@@ -53,7 +53,9 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     await asyncio.wait_for(asyncio.gather(*running[1:]), timeout=30)
     events = check_events(events_frame(await read_stream(bus.jetstream(), streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)))
     last_tick_s = (int(events["at_s"].max() // 2.0) + 1) * 2.0
+    give_up = time.monotonic() + 60.0
     while forecaster.core.end_s < last_tick_s:  # the forecaster's ticks catch up with the log's end
+        assert time.monotonic() < give_up, f"forecaster stuck at {forecaster.core.end_s} s of {last_tick_s} s after 60 s wall"
         await asyncio.sleep(0.1)  # barrier-ok: polls the forecaster's progress; it has no per-tick event to await
     forecaster.request_stop("test over")
     await asyncio.wait_for(running[0], timeout=30)

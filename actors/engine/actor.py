@@ -8,7 +8,6 @@ result, stored in its stream), so an engine that dies loses nothing: JetStream r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from nats.aio.msg import Msg
 
@@ -91,7 +90,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
     async def teardown(self) -> None:
         for key, msg in list(self._msgs.items()):
             self.counters["returned_on_shutdown"] += 1
-            with contextlib.suppress(Exception):
+            with self.counting_bus_errors("nak_failures"):
                 await msg.nak()
             del self._msgs[key]
 
@@ -121,9 +120,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 continue
             if self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
+                await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue
-            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(self._subs[queue], self.clock.loop_s(FETCH_WAIT_WALL_S))
             self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
@@ -139,9 +138,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             serving = self._pulling and self._prefills_routed_turns()
             if serving and self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
+                await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue
-            msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
             if msg is None:
                 continue
             if self._pulling and self._prefills_routed_turns():
@@ -200,14 +199,14 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         """Tell JetStream that long-running work is still being worked on."""
         period_wall_s = self.config.run.ack_wait_wall_s / 3
         while True:
-            await asyncio.sleep(period_wall_s)
+            await self.clock.sleep_wall(period_wall_s)
             for msg in list(self._msgs.values()):
-                with contextlib.suppress(Exception):
+                with self.counting_bus_errors("keep_alive_failures"):
                     await msg.in_progress()
 
     # --- the scheduler loop in model time ------------------------------------------------
     async def _step_loop(self, burst: bool) -> None:
-        scale = self.config.run.time_scale
+        scale = self.clock.time_scale  # model seconds per wall second
         quantum_s = self.max_decode_step_s or self.config.engines.decode_quantum_wall_s * scale
         cursor_s = self.clock.now_s()
         repeat_prefill = self.backend.repeats_prefill
@@ -240,7 +239,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
     def _idle_wait_wall_s(self, burst: bool) -> float:
         """How long an idle scheduler sleeps unless new work wakes it: until the next held KV
         expires (a burst run also watches for the queues to run dry)."""
-        wait_s = (IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S) * self.wall_scale
+        wait_s = self.clock.loop_s(IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S)
         if self.core.held:
             expires_s = min(held.expires_at_s for held in self.core.held.values()) + EXPIRY_SLACK_S
             wait_s = min(wait_s, self.clock.to_wall_s(max(0.0, expires_s - self.clock.now_s())))

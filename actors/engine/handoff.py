@@ -107,7 +107,7 @@ class EngineHandoff:
 
     async def _publish(self, subject: str, data: bytes, msg_id: str) -> None:
         try:
-            await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping)
+            await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping, self.clock)
         except PublishAborted as err:  # input stays un-acked: teardown returns it to the queue
             self.log.warning("%s", err)
             raise asyncio.CancelledError from err
