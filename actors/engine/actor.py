@@ -18,6 +18,7 @@ from actors.engine.backend import Backend
 from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.commands import EngineCommands
 from actors.engine.handoff import EngineHandoff
+from actors.engine.writeback import EngineWriteback
 from actors.engine.core import EngineCore, Seq
 from actors.engine.emulated.costmodel import LINKS
 from bus_schemas import subjects
@@ -34,7 +35,7 @@ EXPIRY_SLACK_S = 1e-3  # held KV counts as expired once past its time: look just
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
-class EngineActor(EngineCommands, EngineHandoff, Actor):
+class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
     kind = "engine"
     migrates_decodes = True  # a switch may hand in-flight decodes to another engine at its deadline
 
@@ -65,6 +66,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
         self._switched.set()
+        self._init_writeback()  # engines.kv_writeback: held write-backs, the store tier's index
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
@@ -77,6 +79,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait)
         await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
+        await self._setup_writeback()
         self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
 
     async def serve(self, burst: bool) -> None:
@@ -158,7 +161,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             work = await self.decode_work(PrefillWork, msg)
             if work is None:
                 return
-            if self.core.holds(work.work_id):  # redelivered while still in flight here
+            if self.core.holds(work.work_id) or work.work_id in self._loading:  # redelivered while still in flight here
                 self._msgs[work.work_id] = msg
                 self.counters["redelivered_in_flight"] += 1
                 return
@@ -172,6 +175,11 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self.log.error("rejected prefill work %s: %s", work.work_id, problem)
                 await msg.term()
                 return
+            if self.store is not None and self._store_has_more(work):  # load the prefix, then admit
+                self._pending_transfers += 1
+                self._loading.add(work.work_id)
+                self.spawn(self._load_then_admit(work, msg), f"store-load-{work.work_id}")
+                return
             self._admitted(self.core.admit_prefill(work))
             self._msgs[work.work_id] = msg
             return
@@ -184,6 +192,22 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             return
         self._pending_transfers += 1
         self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
+
+    def _store_has_more(self, work: PrefillWork) -> bool:
+        """Does the store tier hold more of the trajectory's context than this engine's cache?"""
+        stored = min(self.store.get(work.trajectory_id, work.policy_version), work.context_tokens)
+        return stored > self.core.cached_prefix(work.trajectory_id, work.policy_version)
+
+    async def _load_then_admit(self, work: PrefillWork, msg: Msg) -> None:
+        try:
+            await self._load_from_store(work)
+            self._admitted(self.core.admit_prefill(work))
+            self._msgs[work.work_id] = msg
+        finally:
+            self._loading.discard(work.work_id)
+            self._pending_transfers -= 1
+            self._wake.set()
+            self._progress.set()
 
     def _takes_prefill(self, queue: str) -> bool:
         return self._prefills_routed_turns() if queue == "affinity" else "prefill" in self._queues()
@@ -217,7 +241,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             self._wake.clear()  # from here on, new work interrupts the step being planned
             batch = self.core.plan(max_advance_s=quantum_s, repeat_prefill=repeat_prefill)
             if batch is None:
-                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held:
+                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held and not self._writebacks:
                     return
                 await self._wake.wait(self._idle_wait_wall_s(burst))
                 cursor_s = self.clock.now_s()

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 
 from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
-from actors.environment.router import Router
+from actors.environment.router import Router, store_miss_share
 from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -60,9 +60,15 @@ class EnvironmentActor(Actor):
         ack_wait = self.config.run.ack_wait_wall_s
         self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
         self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
-        self.router = Router(self.config.engine_ids(), self.config.local_prefill_max_tokens) if self.config.affinity_routing else None
+        self.router = self._make_router() if self.config.affinity_routing else None
         if self.router is not None:
             await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_engine_status)
+
+    def _make_router(self) -> Router:
+        """Per-turn placement; with KV write-back a prefill engine's prefix includes the output."""
+        ec = self.config.engines
+        miss_share = store_miss_share(ec) if ec.kv_writeback == "store" else 1.0
+        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share)
 
     async def _on_engine_status(self, msg: Msg) -> None:
         status = self.decode_or_count(EngineStatus, msg)
