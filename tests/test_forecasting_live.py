@@ -25,6 +25,7 @@ from forecasting.core import CoreConfig
 from ops.export import check_events, events_frame, read_stream
 from runners.replay import replay
 from tests.actor_helpers import at_scale, clock_for
+from tests.realtime import KEPT_UP_SHARE
 
 pytestmark = pytest.mark.bus
 
@@ -64,7 +65,12 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     results, _ = replay(events, CoreConfig(models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0)), tick_s=2.0)
     live = {f.as_of_s: f for f in published}
     assert [r.as_of_s for r in results] == sorted(live)[: len(results)], "a tick was not published"
-    assert published[-1].late_events == 0, "events arrived after their tick's watermark: raise watermark_s"
+    late = published[-1].late_events
+    if late:  # an event came in after its tick's watermark (10 model s = 0.5 s wall): did the machine keep up?
+        lost_s = clock.late_s + sum(e.counters["lag_ms"] for e in engines) / 1e3
+        if lost_s > KEPT_UP_SHARE * float(events["at_s"].max()):
+            pytest.xfail(f"machine too loaded: {late} late events; actors lost {lost_s:.2f} model s to lateness")
+        raise AssertionError(f"{late} events arrived after their tick's watermark while the machine kept up ({lost_s:.2f} model s lost)")
     assert sum(not live[r.as_of_s].fallback for r in results) > len(results) // 2  # the model itself, mostly
     index = [1, 5, 9]  # horizons 2, 6, 10 s in 1 s bins
     for r in results:

@@ -60,6 +60,10 @@ class ScaledClock:
             raise ValueError("time_scale must be > 0")
         self.time_scale = time_scale
         self.origin_wall_s = wall_now_s() if origin_wall_s is None else origin_wall_s
+        # the machine keeping up: timed waits that woke after their model time, and by how much
+        # in total (model seconds). A busy CPU shows here first; real-time tests read it.
+        self.late_wakeups = 0
+        self.late_s = 0.0
 
     def now_s(self) -> float:
         return (time.time() - self.origin_wall_s) * self.time_scale
@@ -74,6 +78,10 @@ class ScaledClock:
         delay_wall_s = (at_s - self.now_s()) / self.time_scale
         if delay_wall_s > 0:
             await asyncio.sleep(delay_wall_s)
+            late_s = self.now_s() - at_s
+            if late_s > 0:
+                self.late_wakeups += 1
+                self.late_s += late_s
 
     async def sleep(self, duration_s: float) -> None:
         await self.sleep_until(self.now_s() + duration_s)

@@ -200,7 +200,15 @@ class Actor:
             await self.publish_heartbeat()
             await self.clock.sleep_wall(self.config.run.heartbeat_wall_s)
 
+    def clock_counters(self) -> None:
+        """Copy the clock's keeping-up figures into the counters (a ScaledClock has them)."""
+        late_s = getattr(self.clock, "late_s", None)
+        if late_s is not None:
+            self.counters["late_wakeups"] = self.clock.late_wakeups
+            self.counters["late_wakeup_ms"] = round(late_s * 1e3)  # model ms, summed
+
     async def _publish_report(self) -> None:
+        self.clock_counters()
         report = ActorReport(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
         try:
             await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=self.clock.loop_s(5.0))

@@ -70,7 +70,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
-        ack_wait = self.config.run.ack_wait_wall_s
+        ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
         self._subs = {
             "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait),
             "decode": await pull_subscription(self.js, decode_consumer(), ack_wait),

@@ -57,7 +57,7 @@ class EnvironmentActor(Actor):
         self._room = asyncio.Event()
 
     async def setup(self) -> None:
-        ack_wait = self.config.run.ack_wait_wall_s
+        ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
         self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
         self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
         self.router = self._make_router() if self.config.affinity_routing else None

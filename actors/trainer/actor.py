@@ -38,7 +38,7 @@ class TrainerActor(Actor):
         self.reports: list[StepReport] = []
 
     async def setup(self) -> None:
-        self._finished_sub = await pull_subscription(self.js, finished_consumer(), self.config.run.ack_wait_wall_s)
+        self._finished_sub = await pull_subscription(self.js, finished_consumer(), self.clock.loop_s(self.config.run.ack_wait_wall_s))
 
     def heartbeat(self) -> ActorStatus:
         return ActorStatus(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))

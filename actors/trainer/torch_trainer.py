@@ -82,6 +82,8 @@ class TorchTrainerActor(TrainerActor):
             del self._weights[old]
         train_s = self.clock.now_s() - started_s  # the model seconds the real update took
         self.train_stats.append(stats)
+        self.counters["train_updates"] += 1
+        self.counters["trained_tokens"] += stats.tokens
         self.log.info(
             "trained policy %d: loss %.4f on %d tokens of %d trajectories, rollout/trainer logprob gap %.2e, clipped %.3f, %.2f s",
             new_version, stats.loss, stats.tokens, stats.trajectories, stats.mean_abs_logprob_gap, stats.clipped_fraction, train_s,
