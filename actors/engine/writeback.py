@@ -152,12 +152,14 @@ class EngineWriteback:
             return
         ack = self.decode_or_count(KvWritebackAck, reply)
         if ack is None or not ack.ok:
-            self._drop_writeback(handle_id, "kv_writeback_refused", f"{prefill_engine_id} refused: {ack.error if ack else 'malformed ack'}")
+            why = f"{prefill_engine_id} refused: {ack.error if ack else 'malformed ack'}"
+            stale = ack is not None and "stale" in ack.error
+            self._drop_writeback(handle_id, "kv_writeback_refused", why, warn=not stale)  # a stale one is expected at a version change
 
-    def _drop_writeback(self, handle_id: str, counter: str, why: str) -> None:
+    def _drop_writeback(self, handle_id: str, counter: str, why: str, warn: bool = True) -> None:
         if self._writebacks.pop(handle_id, None) is not None:
             self.counters[counter] += 1
-            self.log.warning("KV write-back %s dropped: %s", handle_id, why)
+            (self.log.warning if warn else self.log.info)("KV write-back %s dropped: %s", handle_id, why)
 
     def _expire_writebacks(self) -> None:
         now_s = self.clock.now_s()
@@ -195,19 +197,23 @@ class EngineWriteback:
     async def _fetch_writeback(self, notice: KvWriteback) -> None:
         started_s = self.clock.now_s()
         have = self._writeback_have(notice)
-        if have >= notice.kv.tokens or self.core.in_flight(notice.trajectory_id):
-            have = notice.kv.tokens  # nothing to land (the next turn is here already): fetch nothing, free the hold
+        skip = ""
+        if have >= notice.kv.tokens:
+            skip = "kv_writeback_unneeded"  # this engine holds it all already
+        elif self.core.in_flight(notice.trajectory_id):
+            skip = "kv_writeback_late"  # the next turn is here already and computes what it lacks
+        if skip:
+            have = notice.kv.tokens  # fetch nothing: frees the decode engine's hold
         error, kv_bytes, landed = await self._writeback_transfer(notice, have)
         if error is not None:
             self.counters["kv_writeback_failed"] += 1
             self.log.warning("KV write-back of %s from %s failed: %s", notice.trajectory_id, notice.kv.engine_id, error)
             return
-        if have == notice.kv.tokens:
-            self.counters["kv_writeback_late"] += 1
+        if skip:
+            self.counters[skip] += 1
             return
-        if not landed:
-            self.counters["kv_writeback_late"] += 1
-            self.log.info("KV write-back of %s turn %d landed after its next turn: dropped", notice.trajectory_id, notice.turn)
+        if not landed:  # the next turn arrived during the transfer, or the prefix did not fit
+            self.counters["kv_writeback_late" if self.core.in_flight(notice.trajectory_id) else "kv_writeback_not_landed"] += 1
             return
         self.counters["kv_writeback_landed"] += 1
         self.counters["kv_writeback_tokens"] += notice.kv.tokens - have
