@@ -30,6 +30,10 @@ class EventKind(str, enum.Enum):
     FINISHED = "finished"
     REPREFILL = "reprefill"  # a turn sent back to prefill (lost or invalid KV, dead engine)
     DECODE_MIGRATED = "decode_migrated"  # a decode moved mid-turn to another engine (a role switch's hand-off)
+    # KV write-back (engines.kv_writeback): a finished turn's KV landed on the prefill engine
+    # that holds the trajectory's prefix, or in the shared store tier; kv_bytes, duration_s
+    KV_WRITEBACK_DONE = "kv_writeback_done"
+    KV_STORE_LOADED = "kv_store_loaded"  # a prefill loaded the trajectory's prefix from the store tier
     # fleet and RL
     ROLE_SWITCHED = "role_switched"
     POLICY_LOADED = "policy_loaded"

@@ -38,6 +38,18 @@ def kv(engine_id: str) -> str:
     return f"{PREFIX}.kv.{_token(engine_id, 'engine id')}"
 
 
+def kv_writeback(engine_id: str) -> str:
+    """Request/reply: a decode engine tells the prefill engine that holds a trajectory's prefix
+    that the KV of the turn it just decoded is ready to fetch (`engines.kv_writeback`)."""
+    return f"{PREFIX}.kv.writeback.{_token(engine_id, 'engine id')}"
+
+
+def kv_store_put() -> str:
+    """KV written to the shared store tier (`engines.kv_writeback = "store"`): every engine's
+    view of the store follows these notices (core pub/sub, never stored)."""
+    return f"{PREFIX}.kvstore.put"
+
+
 def ctl_engine(engine_id: str) -> str:
     """Commands (role changes, policy loads, shutdown) for one engine."""
     return f"{PREFIX}.ctl.engine.{_token(engine_id, 'engine id')}"

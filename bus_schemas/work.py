@@ -90,6 +90,39 @@ class KvChunk(msgspec.Struct, frozen=True, kw_only=True):
     start_tokens: int = 0  # first token position the transfer covers (== the request's have_tokens)
 
 
+class KvWriteback(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode engine's notice (request/reply on subjects.kv_writeback(prefill engine)): the KV
+    of a trajectory's finished turn is held under `kv` until the prefill engine fetches it on
+    subjects.kv(kv.engine_id), asking only for the positions it lacks (KvFetch.have_tokens)."""
+
+    trajectory_id: str
+    turn: int  # the turn whose decode just finished
+    policy_version: int  # the KV was computed under this policy; never reused under another
+    kv: KvHandle  # tokens: KV positions 0..tokens of the trajectory (context + new + generated - 1)
+    prefix_tokens: int = 0  # what the prefill engine most likely holds (the turn's prompt): the expected have_tokens
+    token_ids: list[int] = []  # real backends: the ids of those positions (len == kv.tokens)
+    finished_at_s: float = 0.0  # when the decode finished
+
+
+class KvWritebackAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply to a KvWriteback: the prefill engine will fetch (ok) or not (why)."""
+
+    ok: bool
+    error: str = ""
+
+
+class KvStorePut(msgspec.Struct, frozen=True, kw_only=True):
+    """The shared KV store tier (emulated) now holds `tokens` KV positions of a trajectory at a
+    policy version (published on subjects.kv_store_put() once the modelled write is done)."""
+
+    trajectory_id: str
+    policy_version: int
+    tokens: int
+    kv_bytes: int  # bytes this write moved into the store
+    writer_id: str
+    at_s: float
+
+
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     """A finished turn, returned to the environment that owns the trajectory."""
 

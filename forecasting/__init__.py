@@ -1,1 +1,1 @@
-"""Demand forecasting from the lifecycle log (pure library; see DESIGN.md section 5)."""
+"""Demand forecasting from the lifecycle log (pure library; see docs/forecasting.md)."""

@@ -1,1 +1,1 @@
-"""Offline runners: replay of recorded logs and benchmarks (see DESIGN.md sections 5 and 7)."""
+"""Offline runners: replay of recorded logs, virtual-time simulation and benchmarks (see docs/simulation.md, docs/forecasting.md, docs/allocation.md and docs/calibration.md)."""

@@ -44,7 +44,7 @@ VIRTUAL_DECODE_STEP_S = 30.0  # a decode-only step ends at the next finish, new 
 def build_actors(config: Config, server: InProcServer) -> list[Actor]:
     if config.engines.backend != "emulated":
         raise ConfigError(f"simulation runs the emulated backend only (config has engines.backend = {config.engines.backend!r})")
-    clock = LoopClock()
+    clock = LoopClock(config.run.time_scale)  # wall periods (pulls, heartbeats) span what they do live
     roles = initial_roles(config)
     engines = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
     for engine in engines:  # no wall clock to keep up with: a decode step runs to the next event
@@ -57,7 +57,6 @@ def build_actors(config: Config, server: InProcServer) -> list[Actor]:
         actors.append(AllocatorActor("allocator", config, server.connect("allocator"), clock))
     actors.append(TrainerActor("trainer", config, server.connect("trainer"), clock))
     for actor in actors:
-        actor.wall_scale = config.run.time_scale  # pulls and heartbeats span what they do live
         counter = itertools.count()
         actor.new_id = lambda a=actor.actor_id, c=counter: f"{a}-{next(c):09d}"
     return actors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import nats
 import pytest
 from nats.js import api
 
@@ -9,6 +10,8 @@ from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.work import PrefillWork
+from ops.export import read_stream
+from ops.natsserver import EmbeddedNats
 from tests.test_engine_core import work
 
 pytestmark = pytest.mark.bus
@@ -49,7 +52,27 @@ async def test_retried_publish_with_the_same_id_is_stored_once(bus):
     assert (await js.stream_info(streams.LIFECYCLE.name)).state.messages == 1
 
 
-async def test_lifecycle_stream_is_durable_file_storage(bus):
-    info = await bus.jetstream().stream_info(streams.LIFECYCLE.name)
-    assert info.config.storage == api.StorageType.FILE
-    assert info.config.retention == api.RetentionPolicy.LIMITS
+async def test_lifecycle_events_survive_a_server_crash_and_restart(tmp_path):
+    """The lifecycle log is durable: events acked before the server is killed (SIGKILL, no
+    shutdown) are all there, unchanged, after it restarts on the same store."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await streams.ensure_streams(js)
+        info = await js.stream_info(streams.LIFECYCLE.name)
+        assert info.config.storage == api.StorageType.FILE and info.config.retention == api.RetentionPolicy.LIMITS
+        sent = [LifecycleEvent(event_id=f"ev{i}", kind=EventKind.TOOL_DONE, at_s=float(i), actor_id="t") for i in range(5)]
+        for event in sent:
+            await js.publish(subjects.lifecycle(event.kind.value), encode(event), headers={"Nats-Msg-Id": event.event_id})
+        await nc.close()
+        server.proc.kill()  # a crash: nothing flushed on the way out
+        server.proc.wait(timeout=10)
+        server.start()  # the same store directory and port
+        nc = await nats.connect(server.url)
+        kept = await read_stream(nc.jetstream(), streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
+        await nc.close()
+    finally:
+        server.stop()
+    assert kept == sent

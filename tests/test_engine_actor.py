@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import pytest
 
-from actors.base.clock import ScaledClock
 from actors.engine.actor import EngineActor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
@@ -16,13 +14,14 @@ from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.work import DecodeWork, KvHandle, TurnResult
 from ops.export import read_stream
+from tests.actor_helpers import at_scale, build
 from tests.test_engine_core import work
 
 pytestmark = pytest.mark.bus
 
 
 def engine(bus, config, engine_id="e0", role=Role.COLOCATED) -> EngineActor:
-    return EngineActor(engine_id, config, bus, ScaledClock(100.0, time.time()), role)
+    return build(EngineActor, engine_id, at_scale(config, 100.0), bus, role)
 
 
 async def results(bus) -> list[TurnResult]:

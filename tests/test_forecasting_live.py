@@ -11,7 +11,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from actors.base.clock import ScaledClock
 from actors.config import ForecasterSection
 from actors.engine.actor import EngineActor
 from actors.environment.actor import EnvironmentActor
@@ -25,6 +24,8 @@ from bus_schemas.lifecycle import LifecycleEvent
 from forecasting.core import CoreConfig
 from ops.export import check_events, events_frame, read_stream
 from runners.replay import replay
+from tests.actor_helpers import at_scale, clock_for
+from tests.realtime import KEPT_UP_SHARE
 
 pytestmark = pytest.mark.bus
 
@@ -33,8 +34,8 @@ TIME_SCALE = 20.0
 
 async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus, tiny_config):
     forecaster_cfg = ForecasterSection(model="hybrid", bin_s=1.0, tick_s=2.0, horizons_s=[2.0, 6.0, 10.0], watermark_s=10.0)
-    config = msgspec.structs.replace(tiny_config, forecaster=forecaster_cfg)
-    clock = ScaledClock(TIME_SCALE, time.time())
+    config = at_scale(msgspec.structs.replace(tiny_config, forecaster=forecaster_cfg), TIME_SCALE)
+    clock = clock_for(config)
     published: list[DemandForecast] = []
 
     async def on_forecast(msg) -> None:
@@ -53,7 +54,9 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     await asyncio.wait_for(asyncio.gather(*running[1:]), timeout=30)
     events = check_events(events_frame(await read_stream(bus.jetstream(), streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)))
     last_tick_s = (int(events["at_s"].max() // 2.0) + 1) * 2.0
+    give_up = time.monotonic() + 60.0
     while forecaster.core.end_s < last_tick_s:  # the forecaster's ticks catch up with the log's end
+        assert time.monotonic() < give_up, f"forecaster stuck at {forecaster.core.end_s} s of {last_tick_s} s after 60 s wall"
         await asyncio.sleep(0.1)  # barrier-ok: polls the forecaster's progress; it has no per-tick event to await
     forecaster.request_stop("test over")
     await asyncio.wait_for(running[0], timeout=30)
@@ -62,7 +65,12 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     results, _ = replay(events, CoreConfig(models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0)), tick_s=2.0)
     live = {f.as_of_s: f for f in published}
     assert [r.as_of_s for r in results] == sorted(live)[: len(results)], "a tick was not published"
-    assert published[-1].late_events == 0, "events arrived after their tick's watermark: raise watermark_s"
+    late = published[-1].late_events
+    if late:  # an event came in after its tick's watermark (10 model s = 0.5 s wall): did the machine keep up?
+        lost_s = clock.late_s + sum(e.counters["lag_ms"] for e in engines) / 1e3
+        if lost_s > KEPT_UP_SHARE * float(events["at_s"].max()):
+            pytest.xfail(f"machine too loaded: {late} late events; actors lost {lost_s:.2f} model s to lateness")
+        raise AssertionError(f"{late} events arrived after their tick's watermark while the machine kept up ({lost_s:.2f} model s lost)")
     assert sum(not live[r.as_of_s].fallback for r in results) > len(results) // 2  # the model itself, mostly
     index = [1, 5, 9]  # horizons 2, 6, 10 s in 1 s bins
     for r in results:

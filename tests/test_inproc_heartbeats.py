@@ -32,7 +32,7 @@ def test_heartbeats_are_built_only_while_someone_listens(tmp_path: Path):
 
     async def main() -> tuple[int, int, int]:
         server = InProcServer()
-        actor = Counting("env0", config, server.connect("env0"), LoopClock())
+        actor = Counting("env0", config, server.connect("env0"), LoopClock(config.run.time_scale))
         for _ in range(3):
             await actor.publish_heartbeat()
         unheard = actor.built
@@ -45,8 +45,12 @@ def test_heartbeats_are_built_only_while_someone_listens(tmp_path: Path):
         sub = await watcher.subscribe(subjects.status_of_kind("environment"), cb=on_status)
         for _ in range(3):
             await actor.publish_heartbeat()
-        while len(seen) < 3:  # the subscription's task delivers them
+        for _ in range(1000):  # the subscription's task delivers them
+            if len(seen) >= 3:
+                break
             await asyncio.sleep(0)  # barrier-ok: yields to the subscription's task, no time passes
+        else:
+            raise AssertionError(f"{len(seen)} of 3 heartbeats delivered after 1000 loop turns")
         await sub.unsubscribe()
         return unheard, actor.built, len(seen)
 

@@ -115,6 +115,9 @@ def test_malformed_messages_on_every_subject_are_counted_and_lose_nothing(tmp_pa
     """Garbage on every work, result, training and control subject during a real run."""
     import asyncio
     import logging
+    import time
+
+    from nats.errors import NoRespondersError
 
     from actors.base.connection import close, connect
     from bus_schemas import subjects
@@ -133,11 +136,13 @@ def test_malformed_messages_on_every_subject_are_counted_and_lose_nothing(tmp_pa
             js = nc.jetstream()
             for subject in stored:
                 await js.publish(subject, b"\x93\xff garbage")
+            give_up = time.monotonic() + 60.0
             while True:  # the engine may still be subscribing: ask until someone answers
                 try:
                     reply = await nc.request(subjects.ctl_engine("e0"), b"\x00 not a command", timeout=2)
                     return decode(CommandAck, reply.data)
-                except Exception:  # no responders yet
+                except (NoRespondersError, TimeoutError) as err:  # no responders yet
+                    assert time.monotonic() < give_up, f"engine e0 never answered on its control subject in 60 s: {err!r}"
                     await asyncio.sleep(0.05)  # barrier-ok: polling for the engine's subscription
         finally:
             await close(nc)

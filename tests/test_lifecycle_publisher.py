@@ -9,7 +9,7 @@ from collections import Counter
 
 from actors.base.inproc import InProcServer
 from actors.base.lifecycle import LifecyclePublisher
-from actors.base.virtual import VirtualTimeLoop
+from actors.base.virtual import LoopClock, VirtualTimeLoop
 from bus_schemas import streams
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 
@@ -21,11 +21,15 @@ def event(event_id: str) -> LifecycleEvent:
 async def publish_before_and_after_the_stream_exists() -> tuple[Counter, int]:
     js = InProcServer().connect("t").jetstream()
     counters: Counter = Counter()
-    publisher = LifecyclePublisher(js, counters, logging.getLogger("test"))
+    publisher = LifecyclePublisher(js, counters, logging.getLogger("test"), LoopClock())
     publisher.start()
     publisher.emit(event("early"))  # no LIFECYCLE stream yet: the bus has no responders
-    while counters["lifecycle_publish_retries"] < 3:  # virtual time: the retry waits cost nothing
+    for _ in range(10_000):  # virtual time: the retry waits cost nothing
+        if counters["lifecycle_publish_retries"] >= 3:
+            break
         await asyncio.sleep(0.05)  # barrier-ok: virtual time, polls a counter
+    else:
+        raise AssertionError(f"only {counters['lifecycle_publish_retries']} retries in 500 virtual s")
     assert not publisher._idle.is_set()  # still owed
     await streams.ensure_streams(js)
     await asyncio.wait_for(publisher.flush(), timeout=10.0)

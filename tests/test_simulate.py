@@ -14,6 +14,7 @@ from actors.config import load_config, with_policy
 from ops.checks import incomplete_trajectories
 from runners.simulate import run
 from tests.conftest import REPO, write_tiny_config
+from tests.realtime import event_counts, read_summary, xfail_if_too_loaded
 
 
 def simulate(tmp_path: Path, name: str, policy: str = "colocated", **kw) -> Path:
@@ -44,8 +45,8 @@ def test_simulated_run_finishes_every_trajectory_with_every_transition(tmp_path:
 
 @pytest.mark.e2e
 def test_simulation_matches_a_live_run(tmp_path: Path):
-    """Live (real NATS, emulated engines, 5x) vs virtual time: rollout per step within 5%,
-    the same lifecycle event counts by kind."""
+    """Live (real NATS, emulated engines, 5x) vs virtual time: the same lifecycle event
+    counts by kind; rollout per step within 5% unless the live run fell behind (tests/realtime.py)."""
     config = write_tiny_config(tmp_path / "live.toml", steps=2, time_scale=5.0)
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(tmp_path / "live")],
@@ -53,9 +54,9 @@ def test_simulation_matches_a_live_run(tmp_path: Path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sim = simulate(tmp_path, "sim", time_scale=5.0)
-    live_steps = json.loads((tmp_path / "live" / "summary.json").read_text())["steps"]
-    sim_steps = json.loads((sim / "summary.json").read_text())["steps"]
-    for live, simulated in zip(live_steps, sim_steps, strict=True):
-        assert abs(simulated["rollout_s"] - live["rollout_s"]) / live["rollout_s"] <= 0.05, (live, simulated)
-    counts = [dict(pl.read_parquet(d / "events.parquet")["kind"].value_counts().iter_rows()) for d in (tmp_path / "live", sim)]
-    assert counts[0] == counts[1]
+    assert event_counts(tmp_path / "live") == event_counts(sim)  # counts: exactly
+    live_summary = read_summary(tmp_path / "live")
+    for live, simulated in zip(live_summary["steps"], read_summary(sim)["steps"], strict=True):  # times: if the live run kept up
+        if abs(simulated["rollout_s"] - live["rollout_s"]) / live["rollout_s"] > 0.05:
+            xfail_if_too_loaded(live_summary, f"step {live['step']}: live {live['rollout_s']:.2f} s vs simulated {simulated['rollout_s']:.2f} s")
+            raise AssertionError(f"live and simulated differ by more than 5% while the live run kept up: {live} vs {simulated}")

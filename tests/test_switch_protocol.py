@@ -10,15 +10,16 @@ import time
 import pytest
 
 from actors.allocator.actor import AllocatorActor
-from actors.base.clock import ScaledClock
 from actors.base.connection import close, connect
 from actors.config import with_policy
 from actors.engine.actor import EngineActor
+from actors.engine.emulated.costmodel import PRESETS
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Drain, Role, SetRole
 from bus_schemas.lifecycle import EventKind
 from tests.test_engine_actor import command, events, results
+from tests.actor_helpers import at_scale, build
 from tests.test_engine_core import work
 
 pytestmark = pytest.mark.bus
@@ -34,7 +35,7 @@ async def until(predicate, timeout_wall_s: float = 20.0) -> None:
 
 
 def start(nc, config, engine_id: str, role: Role) -> tuple[EngineActor, asyncio.Task]:
-    actor = EngineActor(engine_id, config, nc, ScaledClock(SCALE, time.time()), role)
+    actor = build(EngineActor, engine_id, at_scale(config, SCALE), nc, role)
     return actor, asyncio.create_task(actor.run())
 
 
@@ -67,7 +68,9 @@ async def test_decodes_left_at_the_drain_deadline_migrate_with_their_kv(bus, tin
     log = await events(bus)
     migrated = [e for e in log if e.kind is EventKind.DECODE_MIGRATED]
     assert sorted(e.trajectory_id for e in migrated) == ["long0", "long1", "long2"] and all(e.engine_id == "e1" and e.detail == "e0" for e in migrated)
-    assert all(e.kv_bytes > 500 * 98_304 for e in migrated)  # the context and the tokens generated so far
+    per_token = PRESETS[tiny_config.engines.preset].kv_bytes_per_token  # the config's model, not another's
+    for e in migrated:  # the KV moved is the 500-token prompt *and* the tokens generated before the deadline
+        assert e.kv_bytes % per_token == 0 and e.kv_bytes // per_token > 500, (e.kv_bytes, per_token)
     assert [e.role for e in log if e.kind is EventKind.ROLE_SWITCHED] == ["prefill"]
     started = [e for e in log if e.kind is EventKind.DECODE_STARTED]
     assert len(started) == 3  # a migrated decode does not start twice
@@ -122,7 +125,7 @@ async def test_a_restarted_allocator_continues_above_the_fleet_epoch(bus, tiny_c
     e1 = start(bus, config, "e1", Role.PREFILL)  # drifted: the static split wants it decoding
     await asyncio.wait_for(asyncio.gather(e0[0].ready.wait(), e1[0].ready.wait()), timeout=10)
     assert (await command(bus, "e0", SetRole(role=Role.PREFILL, epoch=7))).epoch == 7  # an earlier allocator's epoch
-    allocator = AllocatorActor("allocator", config, bus, ScaledClock(SCALE, time.time()))
+    allocator = build(AllocatorActor, "allocator", at_scale(config, SCALE), bus)
     task = asyncio.create_task(allocator.run())
     try:
         await until(lambda: allocator.counters["switches"] == 1)
@@ -139,7 +142,7 @@ async def test_an_engine_that_does_not_ack_is_left_out_until_it_answers(bus, nat
     e0 = start(bus, config, "e0", Role.PREFILL)
     nc1 = await connect(nats_server.url, "e1", logging.getLogger("test.e1"))
     e1 = start(nc1, config, "e1", Role.PREFILL)  # drifted from the split
-    allocator = AllocatorActor("allocator", config, bus, ScaledClock(SCALE, time.time()))
+    allocator = build(AllocatorActor, "allocator", at_scale(config, SCALE), bus)
     await allocator.setup()
     await until(lambda: {"e0", "e1"} <= set(allocator.statuses))
     await stop(e1)

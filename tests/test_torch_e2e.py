@@ -19,7 +19,10 @@ from tests.torch_helpers import write_torch_config  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-def test_a_small_torch_run_trains_and_hands_real_kv_over(tmp_path: Path):
+def test_a_small_torch_run_updates_the_policy_from_its_rollouts_and_hands_real_kv_over(tmp_path: Path):
+    """Two GRPO updates on the generated tokens, their weights served and loaded everywhere,
+    real KV handed over. Two steps are too few to show learning; the main job
+    (configs/torch-demo.toml, 20 steps) shows the reward rising."""
     config = write_torch_config(tmp_path / "torch.toml", checkpoint="", steps=2, stop_at_eos=True, verify=True)
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -41,6 +44,8 @@ def test_a_small_torch_run_trains_and_hands_real_kv_over(tmp_path: Path):
     # policies 1 and 2 were trained, served in chunks and loaded by both engines
     assert actors["e0"]["weights_bytes_loaded"] == actors["e1"]["weights_bytes_loaded"] > 0
     assert actors["trainer"]["weights_chunks_served"] >= 4
+    assert actors["trainer"]["train_updates"] == 2  # one GRPO update per step, on real tokens
+    assert actors["trainer"]["trained_tokens"] > 0 and actors["trainer"].get("trajectories_without_tokens", 0) == 0
     assert all(actors[e].get("reprefills", 0) == 0 for e in ("e0", "e1"))
 
     events = pl.read_parquet(out / "events.parquet")

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.allocator.demand import RecordedDemand, from_forecast, from_queues
 from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Policy, RoleChange, Split
 from actors.base import Actor
+from actors.base.connection import BUS_ERRORS
 from actors.config import Config, initial_roles
 from actors.engine.emulated.costmodel import switch_reconfig_s
 from bus_schemas import subjects
@@ -159,20 +161,25 @@ class AllocatorActor(Actor):
         engines = self.config.engines
         old = self.statuses[change.engine_id].role
         model_s = ac.drain_deadline_s + switch_reconfig_s(engines, old, change.role)
-        timeout_wall_s = ac.ack_timeout_wall_s + model_s / self.config.run.time_scale
+        timeout_s = self.clock.loop_s(ac.ack_timeout_wall_s) + self.clock.to_wall_s(model_s)  # loop seconds
         command = SetRole(role=change.role, epoch=epoch, drain_deadline_s=ac.drain_deadline_s)
         try:
-            reply = await self.nc.request(subjects.ctl_engine(change.engine_id), encode(command), timeout=timeout_wall_s)
+            reply = await self.nc.request(subjects.ctl_engine(change.engine_id), encode(command), timeout=timeout_s)
             ack = decode(CommandAck, reply.data)
         except (TimeoutError, NoRespondersError) as err:
             self.unresponsive[change.engine_id] = self.clock.now_s()
             self.counters["unacked_commands"] += 1
             self.log.warning("engine %s did not ack SetRole(%s, epoch %d): %s; left out until it answers", change.engine_id, change.role.value, epoch, err or "timeout")
             return
-        except Exception as err:  # a malformed ack: count it, treat the engine as unresponsive
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:  # a malformed ack
             self.unresponsive[change.engine_id] = self.clock.now_s()
             self.counters["invalid_messages"] += 1
             self.log.error("engine %s sent a malformed ack: %s", change.engine_id, err)
+            return
+        except BUS_ERRORS as err:  # any other bus failure: the command may not have arrived
+            self.unresponsive[change.engine_id] = self.clock.now_s()
+            self.counters["command_errors"] += 1
+            self.log.error("SetRole(%s, epoch %d) to engine %s failed on the bus: %r; left out until it answers", change.role.value, epoch, change.engine_id, err)
             return
         finally:
             self.pending.pop(change.engine_id, None)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import msgspec
 import nats.aio.client
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
+from actors.base.clock import wall_now_s
 from bus_schemas.codec import decode, encode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 
+
+# what a failed bus call raises: nats-py's errors (JetStream's and its timeout among them) and
+# socket errors; the in-process bus raises the same types
+BUS_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, OSError)
 
 NATS_READ_BYTES = 1 << 20  # what nats-py's read loop takes from the socket per turn (its default: 32 KiB)
 
@@ -63,8 +68,8 @@ async def close(nc: NATS) -> None:
     if nc.is_connected:
         try:
             await nc.flush(timeout=2)
-        except Exception:  # a flush that fails at exit changes nothing: the close follows
-            pass
+        except BUS_ERRORS as err:  # a flush that fails at exit changes nothing: the close follows
+            logging.getLogger("prorsa.connection").warning("flush before close failed: %r", err)
     await nc.close()
 
 
@@ -77,7 +82,7 @@ async def run_bucket(js: JetStreamContext):
 
 async def publish_origin(js: JetStreamContext, run_name: str, origin_wall_s: float | None = None) -> RunOrigin:
     """Set model time 0 for a new run (the launcher does this before starting actors)."""
-    origin = RunOrigin(origin_wall_s=time.time() if origin_wall_s is None else origin_wall_s, run_name=run_name)
+    origin = RunOrigin(origin_wall_s=wall_now_s() if origin_wall_s is None else origin_wall_s, run_name=run_name)
     kv = await run_bucket(js)
     await kv.put(ORIGIN_KEY, encode(origin))
     return origin
@@ -90,7 +95,7 @@ async def read_origin(js: JetStreamContext, run_name: str) -> RunOrigin:
         entry = await kv.get(ORIGIN_KEY)
         return decode(RunOrigin, entry.value)
     except KeyNotFoundError:
-        origin = RunOrigin(origin_wall_s=time.time(), run_name=run_name)
+        origin = RunOrigin(origin_wall_s=wall_now_s(), run_name=run_name)
         try:
             await kv.create(ORIGIN_KEY, encode(origin))
             return origin

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -143,7 +144,7 @@ class _CoreSub:
             msg = await self.queue.get()
             try:
                 await self.cb(msg)  # type: ignore[misc]
-            except Exception as err:  # as nats-py: a failing callback goes to the error callback
+            except Exception as err:  # as nats-py: any failing callback goes to the error callback (counted there)
                 await self.client.on_error(err)
 
 
@@ -155,6 +156,7 @@ class InProcServer:
         self.subs: dict[_CoreSub, int] = {}  # subscription -> its creation order (= delivery order)
         self.buckets: dict[str, _KeyValue] = {}
         self.ids = itertools.count(1)
+        self.callback_errors = 0  # subscription callbacks that raised, on any client
         self._literal: dict[str, list[_CoreSub]] = {}  # subject without wildcards -> its subscriptions
         self._wildcard: dict[_CoreSub, None] = {}  # subscriptions with `*` or `>` (few: one per kind of interest)
         self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions, in creation order
@@ -237,8 +239,11 @@ class InProcClient:
         return self.server.has_interest(subject)
 
     async def on_error(self, err: Exception) -> None:
+        self.server.callback_errors += 1
         if self._on_error is not None:
             await self._on_error(err)
+        else:
+            logging.getLogger("prorsa.inproc").error("%s: subscription callback failed: %r", self.name, err, exc_info=err)
 
     async def publish(self, subject: str, payload: bytes = b"", reply: str = "", headers=None) -> None:
         stream = self.server.stream_for(subject)

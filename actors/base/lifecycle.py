@@ -13,6 +13,9 @@ from collections import Counter
 
 from nats.js.client import JetStreamContext
 
+from actors.base.clock import Clock
+from actors.base.connection import BUS_ERRORS
+
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import LifecycleEvent
@@ -23,8 +26,9 @@ _ACK_TIMEOUT_WALL_S = 5.0
 
 
 class LifecyclePublisher:
-    def __init__(self, js: JetStreamContext, counters: Counter, log: logging.Logger) -> None:
+    def __init__(self, js: JetStreamContext, counters: Counter, log: logging.Logger, clock: Clock) -> None:
         self._js = js
+        self._clock = clock
         self._counters = counters
         self._log = log
         self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue()
@@ -71,9 +75,7 @@ class LifecyclePublisher:
         """Send once: the ack's future, or why it could not be sent."""
         try:
             return await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": event.event_id})
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:
+        except BUS_ERRORS as err:
             return err
 
     async def _publish(self, event: LifecycleEvent, subject: str, data: bytes, future: asyncio.Future | Exception) -> None:
@@ -85,17 +87,15 @@ class LifecyclePublisher:
                 if isinstance(future, Exception):
                     raise future
                 if not future.done():
-                    await asyncio.wait_for(future, timeout=_ACK_TIMEOUT_WALL_S)
+                    await asyncio.wait_for(future, timeout=self._clock.loop_s(_ACK_TIMEOUT_WALL_S))
                 future.result()
                 break
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # any bus failure: count, log, retry with the same id
+            except BUS_ERRORS as err:  # any bus failure: count, log, retry with the same id
                 attempt += 1
                 self._counters["lifecycle_publish_retries"] += 1
                 if attempt in (1, 10, 100):
                     self._log.warning("lifecycle publish of %s failed (attempt %d): %s", event.kind.value, attempt, err)
-                await asyncio.sleep(_RETRY_WALL_S)
+                await self._clock.sleep_wall(_RETRY_WALL_S)
                 future = await self._publish_once(event, subject, data)
         self._acked()
 

@@ -13,6 +13,9 @@ from collections import Counter
 
 from nats.js.client import JetStreamContext
 
+from actors.base.clock import Clock
+from actors.base.connection import BUS_ERRORS
+
 _ACK_TIMEOUT_WALL_S = 5.0
 _RETRY_WALL_S = 0.25
 
@@ -29,22 +32,21 @@ async def publish_durable(
     counters: Counter,
     log: logging.Logger,
     stopping: asyncio.Event,
+    clock: Clock,
 ) -> None:
     attempt = 0
     while True:
         try:
-            await js.publish(subject, data, timeout=_ACK_TIMEOUT_WALL_S, headers={"Nats-Msg-Id": msg_id})
+            await js.publish(subject, data, timeout=clock.loop_s(_ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
             return
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # bus trouble: count, log, retry with the same id
+        except BUS_ERRORS as err:  # bus trouble: count, log, retry with the same id
             attempt += 1
             counters["publish_retries"] += 1
             if attempt in (1, 10, 100):
                 log.warning("publish to %s failed (attempt %d): %s", subject, attempt, err)
             if stopping.is_set():
                 raise PublishAborted(f"stopped before {subject} acked {msg_id}") from err
-            await asyncio.sleep(_RETRY_WALL_S)
+            await clock.sleep_wall(_RETRY_WALL_S)
 
 
 async def pull_one(sub, timeout_wall_s: float):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -23,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from actors.base.clock import Clock, ScaledClock
-from actors.base.connection import close, connect, read_origin
+from actors.base.connection import BUS_ERRORS, close, connect, read_origin
 from actors.base.lifecycle import LifecyclePublisher
 from actors.config import Config, ConfigError, load_config
 from bus_schemas import subjects
@@ -47,18 +48,13 @@ class Actor:
         self.clock = clock
         self.counters: Counter[str] = Counter()
         self.log = logging.getLogger(f"prorsa.{self.kind}.{actor_id}")
-        self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log)
+        self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log, clock)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once setup() is done: subscriptions are live
         self.run_tag = f"{clock.origin_wall_s:.6f}"  # scopes Nats-Msg-Id dedup to this run
         self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex  # simulations make ids deterministic
         self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
-        # loop seconds per wall second: 1 live; the simulator sets the config's time scale, so
-        # that what a live actor does on the wall clock (a work-queue pull lasting
-        # FETCH_WAIT_WALL_S, a heartbeat every run.heartbeat_wall_s) spans in simulated model
-        # time what it spans in a live run at that scale
-        self.wall_scale = 1.0
 
     # --- to override -------------------------------------------------------------------
     async def setup(self) -> None:
@@ -93,7 +89,7 @@ class Actor:
                 self.log.info("stop requested")
             self.stopping.set()
             try:
-                await asyncio.wait_for(asyncio.shield(serving), timeout=SERVE_STOP_WALL_S)
+                await asyncio.wait_for(asyncio.shield(serving), timeout=self.clock.loop_s(SERVE_STOP_WALL_S))
             except TimeoutError:  # still hand back work and report: never hang the launcher
                 self.counters["slow_stops"] += 1
                 self.log.error("serve loop still running %.0f s after the stop request; cancelling it", SERVE_STOP_WALL_S)
@@ -135,6 +131,19 @@ class Actor:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    @contextlib.contextmanager
+    def counting_bus_errors(self, counter: str) -> Iterator[None]:
+        """Swallow a failed bus call whose failure the protocol already covers (a keep-alive,
+        a nak at shutdown: the work is redelivered after its ack wait), but count it under
+        `counter` and log the 1st, 10th, 100th ... so it never goes unseen."""
+        try:
+            yield
+        except BUS_ERRORS as err:
+            self.counters[counter] += 1
+            n = self.counters[counter]
+            if n & (n - 1) == 0 or n % 100 == 0:  # 1, 2, 4, 8, ... and every 100th
+                self.log.warning("%s (%d so far): %r", counter.replace("_", " "), n, err)
+
     def decode_or_count(self, message_type: type[T], msg: Msg) -> T | None:
         """Decode at the edge; a malformed message is logged in one line and counted."""
         try:
@@ -171,7 +180,7 @@ class Actor:
 
         sub = await self.nc.subscribe(subjects.status_of_kind(actor_kind), cb=on_status)
         try:
-            await asyncio.wait_for(seen.wait(), timeout=timeout_wall_s)
+            await asyncio.wait_for(seen.wait(), timeout=self.clock.loop_s(timeout_wall_s))
         except TimeoutError:
             raise RuntimeError(f"no heartbeat within {timeout_wall_s} s from {actor_kind} {sorted(missing)}") from None
         finally:
@@ -187,16 +196,23 @@ class Actor:
             await self.nc.publish(subject, encode(status))
 
     async def _heartbeats(self) -> None:
-        period_s = self.config.run.heartbeat_wall_s * self.wall_scale
         while True:
             await self.publish_heartbeat()
-            await asyncio.sleep(period_s)
+            await self.clock.sleep_wall(self.config.run.heartbeat_wall_s)
+
+    def clock_counters(self) -> None:
+        """Copy the clock's keeping-up figures into the counters (a ScaledClock has them)."""
+        late_s = getattr(self.clock, "late_s", None)
+        if late_s is not None:
+            self.counters["late_wakeups"] = self.clock.late_wakeups
+            self.counters["late_wakeup_ms"] = round(late_s * 1e3)  # model ms, summed
 
     async def _publish_report(self) -> None:
+        self.clock_counters()
         report = ActorReport(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
         try:
-            await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=5)
-        except Exception as err:  # the bus may be gone at shutdown; say so, do not hide it
+            await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=self.clock.loop_s(5.0))
+        except BUS_ERRORS as err:  # the bus may be gone at shutdown; say so, do not hide it
             self.log.error("could not publish the final report: %s", err)
 
 

@@ -83,17 +83,23 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 class LoopClock:
     """The actors' Clock on the running loop's time (virtual under VirtualTimeLoop): model
-    seconds are loop seconds, no scaling."""
+    seconds are loop seconds; a wall period of a live run at `time_scale` spans
+    `time_scale` × its length, as it does in model time live."""
 
-    def __init__(self, origin_wall_s: float = 0.0) -> None:
+    def __init__(self, time_scale: float = 1.0, origin_wall_s: float = 0.0) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
         self.origin_wall_s = origin_wall_s
-        self.time_scale = 1.0
+        self.time_scale = time_scale
 
     def now_s(self) -> float:
         return asyncio.get_running_loop().time() - self.origin_wall_s
 
     def to_wall_s(self, model_s: float) -> float:
         return model_s
+
+    def loop_s(self, wall_s: float) -> float:
+        return wall_s * self.time_scale
 
     async def sleep_until(self, at_s: float) -> None:
         delay_s = at_s - self.now_s()
@@ -102,3 +108,6 @@ class LoopClock:
 
     async def sleep(self, duration_s: float) -> None:
         await self.sleep_until(self.now_s() + duration_s)
+
+    async def sleep_wall(self, wall_s: float) -> None:
+        await asyncio.sleep(self.loop_s(wall_s))

@@ -8,7 +8,6 @@ result, stored in its stream), so an engine that dies loses nothing: JetStream r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from nats.aio.msg import Msg
 
@@ -19,6 +18,7 @@ from actors.engine.backend import Backend
 from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.commands import EngineCommands
 from actors.engine.handoff import EngineHandoff
+from actors.engine.writeback import EngineWriteback
 from actors.engine.core import EngineCore, Seq
 from actors.engine.emulated.costmodel import LINKS
 from bus_schemas import subjects
@@ -35,7 +35,7 @@ EXPIRY_SLACK_S = 1e-3  # held KV counts as expired once past its time: look just
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
 
 
-class EngineActor(EngineCommands, EngineHandoff, Actor):
+class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
     kind = "engine"
     migrates_decodes = True  # a switch may hand in-flight decodes to another engine at its deadline
 
@@ -66,10 +66,11 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
         self._switched.set()
+        self._init_writeback()  # engines.kv_writeback: held write-backs, the store tier's index
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
-        ack_wait = self.config.run.ack_wait_wall_s
+        ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
         self._subs = {
             "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait),
             "decode": await pull_subscription(self.js, decode_consumer(), ack_wait),
@@ -78,6 +79,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait)
         await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
+        await self._setup_writeback()
         self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
 
     async def serve(self, burst: bool) -> None:
@@ -91,7 +93,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
     async def teardown(self) -> None:
         for key, msg in list(self._msgs.items()):
             self.counters["returned_on_shutdown"] += 1
-            with contextlib.suppress(Exception):
+            with self.counting_bus_errors("nak_failures"):
                 await msg.nak()
             del self._msgs[key]
 
@@ -121,9 +123,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 continue
             if self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
+                await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue
-            msg = await pull_one(self._subs[queue], FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(self._subs[queue], self.clock.loop_s(FETCH_WAIT_WALL_S))
             self._queue_empty[queue] = msg is None
             if msg is not None:
                 await self._admit(msg, queue)
@@ -139,9 +141,9 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             serving = self._pulling and self._prefills_routed_turns()
             if serving and self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
-                await self._room.wait(IDLE_WAKE_WALL_S * self.wall_scale)
+                await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue
-            msg = await pull_one(sub, FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
             if msg is None:
                 continue
             if self._pulling and self._prefills_routed_turns():
@@ -159,7 +161,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             work = await self.decode_work(PrefillWork, msg)
             if work is None:
                 return
-            if self.core.holds(work.work_id):  # redelivered while still in flight here
+            if self.core.holds(work.work_id) or work.work_id in self._loading:  # redelivered while still in flight here
                 self._msgs[work.work_id] = msg
                 self.counters["redelivered_in_flight"] += 1
                 return
@@ -173,6 +175,11 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
                 self.log.error("rejected prefill work %s: %s", work.work_id, problem)
                 await msg.term()
                 return
+            if self.store is not None and self._store_has_more(work):  # load the prefix, then admit
+                self._pending_transfers += 1
+                self._loading.add(work.work_id)
+                self.spawn(self._load_then_admit(work, msg), f"store-load-{work.work_id}")
+                return
             self._admitted(self.core.admit_prefill(work))
             self._msgs[work.work_id] = msg
             return
@@ -185,6 +192,22 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             return
         self._pending_transfers += 1
         self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
+
+    def _store_has_more(self, work: PrefillWork) -> bool:
+        """Does the store tier hold more of the trajectory's context than this engine's cache?"""
+        stored = min(self.store.get(work.trajectory_id, work.policy_version), work.context_tokens)
+        return stored > self.core.cached_prefix(work.trajectory_id, work.policy_version)
+
+    async def _load_then_admit(self, work: PrefillWork, msg: Msg) -> None:
+        try:
+            await self._load_from_store(work)
+            self._admitted(self.core.admit_prefill(work))
+            self._msgs[work.work_id] = msg
+        finally:
+            self._loading.discard(work.work_id)
+            self._pending_transfers -= 1
+            self._wake.set()
+            self._progress.set()
 
     def _takes_prefill(self, queue: str) -> bool:
         return self._prefills_routed_turns() if queue == "affinity" else "prefill" in self._queues()
@@ -200,14 +223,14 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
         """Tell JetStream that long-running work is still being worked on."""
         period_wall_s = self.config.run.ack_wait_wall_s / 3
         while True:
-            await asyncio.sleep(period_wall_s)
+            await self.clock.sleep_wall(period_wall_s)
             for msg in list(self._msgs.values()):
-                with contextlib.suppress(Exception):
+                with self.counting_bus_errors("keep_alive_failures"):
                     await msg.in_progress()
 
     # --- the scheduler loop in model time ------------------------------------------------
     async def _step_loop(self, burst: bool) -> None:
-        scale = self.config.run.time_scale
+        scale = self.clock.time_scale  # model seconds per wall second
         quantum_s = self.max_decode_step_s or self.config.engines.decode_quantum_wall_s * scale
         cursor_s = self.clock.now_s()
         repeat_prefill = self.backend.repeats_prefill
@@ -218,7 +241,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
             self._wake.clear()  # from here on, new work interrupts the step being planned
             batch = self.core.plan(max_advance_s=quantum_s, repeat_prefill=repeat_prefill)
             if batch is None:
-                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held:
+                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held and not self._writebacks:
                     return
                 await self._wake.wait(self._idle_wait_wall_s(burst))
                 cursor_s = self.clock.now_s()
@@ -240,7 +263,7 @@ class EngineActor(EngineCommands, EngineHandoff, Actor):
     def _idle_wait_wall_s(self, burst: bool) -> float:
         """How long an idle scheduler sleeps unless new work wakes it: until the next held KV
         expires (a burst run also watches for the queues to run dry)."""
-        wait_s = (IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S) * self.wall_scale
+        wait_s = self.clock.loop_s(IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S)
         if self.core.held:
             expires_s = min(held.expires_at_s for held in self.core.held.values()) + EXPIRY_SLACK_S
             wait_s = min(wait_s, self.clock.to_wall_s(max(0.0, expires_s - self.clock.now_s())))

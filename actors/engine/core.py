@@ -409,12 +409,12 @@ class EngineCore:
         False, and nothing changes, when the entry no longer holds `from_tokens` (taken by a
         turn admitted meanwhile, or evicted) or already holds `tokens`."""
         have = self.cached_prefix(trajectory_id, policy_version)
-        if have < from_tokens or have >= tokens or (from_tokens == 0 and self._in_flight(trajectory_id)):
+        if have < from_tokens or have >= tokens or (from_tokens == 0 and self.in_flight(trajectory_id)):
             return False
         self._cache_put(trajectory_id, policy_version, tokens)
         return self.cached_prefix(trajectory_id, policy_version) == tokens
 
-    def _in_flight(self, trajectory_id: str) -> bool:
+    def in_flight(self, trajectory_id: str) -> bool:
         """A turn of the trajectory is admitted here (its prefix already taken from the cache)."""
         seqs = [*self.waiting, *self.running.values(), *(h.seq for h in self.held.values())]
         return any(s.work.trajectory_id == trajectory_id for s in seqs)

@@ -100,6 +100,7 @@ class EngineHandoff:
         try:
             w = seq.work
             result = self._turn_result(seq, at_s)
+            self._after_turn(seq, at_s)  # KV write-back, if configured (off the critical path)
             await self._publish(subjects.result(w.env_id), encode(result), w.work_id)
             await self._ack(seq.key)
         finally:
@@ -107,7 +108,7 @@ class EngineHandoff:
 
     async def _publish(self, subject: str, data: bytes, msg_id: str) -> None:
         try:
-            await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping)
+            await publish_durable(self.js, subject, data, msg_id, self.counters, self.log, self.stopping, self.clock)
         except PublishAborted as err:  # input stays un-acked: teardown returns it to the queue
             self.log.warning("%s", err)
             raise asyncio.CancelledError from err
@@ -162,6 +163,8 @@ class EngineHandoff:
         request = self.decode_or_count(KvFetch, msg)
         if request is None:
             reply = KvChunk(handle_id="", ok=False, error="malformed KV fetch")
+        elif request.handle_id in self._writebacks:
+            reply = self._serve_writeback(request)
         else:
             seq = self.core.release(request.handle_id, self.clock.now_s())
             if seq is None:
@@ -180,6 +183,7 @@ class EngineHandoff:
             await msg.respond(encode(reply))
 
     def _expire_held(self) -> None:
+        self._expire_writebacks()
         for seq in self.core.expire(self.clock.now_s()):
             self.counters["kv_expired"] += 1
             self.log.warning("KV of %s expired before a decode engine fetched it", seq.key)

@@ -10,14 +10,13 @@ mid-trajectory has the trajectory redelivered and rerun elsewhere — never sile
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
 from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
-from actors.environment.router import Router
+from actors.environment.router import Router, store_miss_share
 from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -58,12 +57,18 @@ class EnvironmentActor(Actor):
         self._room = asyncio.Event()
 
     async def setup(self) -> None:
-        ack_wait = self.config.run.ack_wait_wall_s
+        ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
         self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
         self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
-        self.router = Router(self.config.engine_ids(), self.config.local_prefill_max_tokens) if self.config.affinity_routing else None
+        self.router = self._make_router() if self.config.affinity_routing else None
         if self.router is not None:
             await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_engine_status)
+
+    def _make_router(self) -> Router:
+        """Per-turn placement; with KV write-back a prefill engine's prefix includes the output."""
+        ec = self.config.engines
+        miss_share = store_miss_share(ec) if ec.kv_writeback == "store" else 1.0
+        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share)
 
     async def _on_engine_status(self, msg: Msg) -> None:
         status = self.decode_or_count(EngineStatus, msg)
@@ -79,7 +84,7 @@ class EnvironmentActor(Actor):
         self._router_counters()
         for trajectory in self.live.values():  # hand unfinished trajectories back at once
             self.counters["returned_on_shutdown"] += 1
-            with contextlib.suppress(Exception):
+            with self.counting_bus_errors("nak_failures"):
                 await trajectory.task_msg.nak()
 
     def _router_counters(self) -> None:
@@ -106,7 +111,7 @@ class EnvironmentActor(Actor):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            msg = await pull_one(self._task_sub, FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(self._task_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
             if msg is None:
                 if burst and not self.live:
                     return
@@ -141,9 +146,9 @@ class EnvironmentActor(Actor):
     async def _keep_alive(self) -> None:
         period_wall_s = self.config.run.ack_wait_wall_s / 3
         while True:
-            await asyncio.sleep(period_wall_s)
+            await self.clock.sleep_wall(period_wall_s)
             for t in list(self.live.values()):
-                with contextlib.suppress(Exception):
+                with self.counting_bus_errors("keep_alive_failures"):
                     await t.task_msg.in_progress()
 
     # --- the agent loop ----------------------------------------------------------------------
@@ -173,12 +178,12 @@ class EnvironmentActor(Actor):
         if self.router is not None:
             engine_id = self.router.route(t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens)
         subject = subjects.work_prefill(engine_id)
-        await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping)
+        await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping, self.clock)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)
 
     async def _result_loop(self) -> None:
         while True:
-            msg = await pull_one(self._result_sub, FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(self._result_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
             if msg is None:
                 continue
             result = await self.decode_work(TurnResult, msg)
@@ -236,7 +241,7 @@ class EnvironmentActor(Actor):
             **self._outcome(t),
         )
         await publish_durable(
-            self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping
+            self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping, self.clock
         )
         self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
         await t.task_msg.ack()

@@ -9,7 +9,6 @@ tokens (`token_ids`), so any engine can serve the turn, cached prefix or not.
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -90,9 +89,9 @@ class RealEnvironmentActor(EnvironmentActor):
 
     async def _tool_call(self, t: RealTrajectory) -> None:  # type: ignore[override]
         self._event(t, EventKind.TOOL_STARTED)
-        started = time.perf_counter()
+        started_s = self.clock.now_s()
         observation = t.task.tool(t.outputs[-1])
-        latency_s = (time.perf_counter() - started) * self.config.run.time_scale
+        latency_s = self.clock.now_s() - started_s  # the model seconds the real tool took
         t.new_ids = self.tokenizer.encode(observation)
         t.observation_tokens += len(t.new_ids)
         self._event(t, EventKind.TOOL_DONE, duration_s=latency_s, new_tokens=len(t.new_ids))

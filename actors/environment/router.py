@@ -12,6 +12,15 @@ Every policy but plain `colocated` routes a turn to an engine's own queue:
   least loaded candidate's by more than the prefix a miss would recompute; a new trajectory
   goes to the least loaded.
 
+With KV write-back (`engines.kv_writeback`, `writeback`), the engine that prefilled the last
+turn holds the trajectory's whole context once the decode engine's output is written back
+("to-prefill"), and with "store" any prefill engine loads it from the store tier. Then only
+appends of at most `local_prefill_max_tokens` count as short (the half-the-context rule
+existed because a prefill engine recomputed the last output), and the balance threshold is
+what a miss elsewhere costs: the whole context recomputed ("none", "to-prefill"), or loaded
+from the store (`miss_share`: its load time per token over a prefill token's, from the cost
+model, `store_miss_share`).
+
 An engine's load is the prefill tokens it reported waiting in its last heartbeat, plus what
 this router sent it since, plus `SEQ_LOAD_TOKENS` per sequence it decodes: a trajectory
 moves off an engine that decodes far more than another once that imbalance outweighs the
@@ -44,9 +53,29 @@ class _Engine:
         return self.waiting_tokens + self.routed_tokens + SEQ_LOAD_TOKENS * self.running_decode
 
 
+def store_miss_share(engines) -> float:
+    """What loading a context token from the store tier costs, as a share of prefilling it
+    (`engines`: the config's EngineSection), from the cost model: full chunks on a typical
+    prefix against the store link's transfer of that chunk's KV."""
+    from actors.engine.emulated.costmodel import LINKS, prefill_s, transfer_s
+
+    preset = engines.cost_preset(Role.PREFILL)
+    chunk = engines.max_batch_tokens
+    compute_s = prefill_s(preset, chunk, TYPICAL_PREFIX_TOKENS)
+    load_s = transfer_s(LINKS[engines.kv_store_link], chunk * preset.kv_bytes_per_token)
+    return min(1.0, load_s / compute_s) if compute_s > 0 else 1.0
+
+
+TYPICAL_PREFIX_TOKENS = 8192  # the prefix a typical agentic turn's prefill runs on
+
+
 class Router:
-    def __init__(self, engine_ids: list[str], local_prefill_max_tokens: int = 0) -> None:
+    def __init__(self, engine_ids: list[str], local_prefill_max_tokens: int = 0, writeback: str = "none", miss_share: float = 1.0) -> None:
+        """`writeback`: the fleet's `engines.kv_writeback`; `miss_share`: with "store", what a
+        context token costs an engine that loads it from the store, against prefilling it."""
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.writeback = writeback
+        self.miss_share = miss_share if writeback == "store" else 1.0
         self.engines: dict[str, _Engine] = {e: _Engine(Role.COLOCATED, False, 0) for e in engine_ids}
         self.short_tokens = 0  # new tokens of turns short enough to prefill where their KV is
         self.long_tokens = 0  # ... and of the others: the prefill engines' share of the demand
@@ -61,10 +90,14 @@ class Router:
         """The engine whose own queue gets this turn; None: the shared prefill queue.
 
         `kv_engine_id` decoded the trajectory's last turn (it holds all of its context),
-        `prefix_engine_id` prefilled it (it holds the context up to that turn's output)."""
+        `prefix_engine_id` prefilled it (it holds the context up to that turn's output; with
+        write-back, all of it)."""
         ready = {e: s for e, s in self.engines.items() if not s.switching}
         local = self.local_prefill_max_tokens > 0
-        short = local and (new_tokens <= self.local_prefill_max_tokens or 2 * new_tokens <= context_tokens)
+        # without write-back, a prefill engine would recompute the last output: an append small
+        # against its context stays where the KV is; with it, only a really short one does
+        recompute_rule = self.writeback == "none" and 2 * new_tokens <= context_tokens
+        short = local and (new_tokens <= self.local_prefill_max_tokens or recompute_rule)
         if short:
             self.short_tokens += new_tokens
             candidates = ready  # every engine prefills a short append where its KV is
@@ -78,7 +111,8 @@ class Router:
         least = min(candidates, key=lambda e: (candidates[e].load_tokens, e))
         homes = (kv_engine_id, prefix_engine_id) if short else (prefix_engine_id, kv_engine_id)
         home_id = next((e for e in homes if e in candidates), "")
-        if home_id and candidates[home_id].load_tokens <= candidates[least].load_tokens + context_tokens:
+        miss_tokens = context_tokens * self.miss_share  # what sending it elsewhere costs (recompute or store load)
+        if home_id and candidates[home_id].load_tokens <= candidates[least].load_tokens + miss_tokens:
             chosen = home_id
             if short and home_id == kv_engine_id:
                 self.routed_local += 1
@@ -87,7 +121,7 @@ class Router:
             candidates[chosen].routed_tokens += new_tokens
         else:
             chosen, self.routed_balance = least, self.routed_balance + 1
-            candidates[chosen].routed_tokens += context_tokens + new_tokens
+            candidates[chosen].routed_tokens += round(miss_tokens) + new_tokens
         return chosen
 
     def counters(self) -> dict[str, int]:

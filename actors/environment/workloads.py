@@ -1,6 +1,6 @@
 """Agentic task families as seeded samplers (pure; no bus, no clock).
 
-Parameters follow ``shared/reference/workloads.md``; LN(m, s) is a lognormal with median m
+Parameters and their sources: ``docs/workloads.md``; LN(m, s) is a lognormal with median m
 and log-sd s, truncated at the stated caps. Every trajectory gets its own numpy Generator
 seeded from (run seed, trajectory seed), so a run is reproducible whatever the order in
 which environments pick up trajectories.
@@ -104,7 +104,7 @@ class Profile:
     tool_latency_s: object
     context_cap_tokens: int
     solve_rate: float  # probability a trajectory earns reward 1 (modelled policy)
-    source: str = field(default="shared/reference/workloads.md")
+    source: str = field(default="docs/workloads.md")
 
 
 PROFILES: dict[str, Profile] = {

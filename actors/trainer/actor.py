@@ -25,6 +25,7 @@ from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, Tas
 
 FETCH_WAIT_WALL_S = 0.2
 COMMAND_TIMEOUT_WALL_S = 2.0
+LOAD_RETRY_WALL_S = 0.1  # an engine not yet serving commands is asked again after this
 
 
 class TrainerActor(Actor):
@@ -37,7 +38,7 @@ class TrainerActor(Actor):
         self.reports: list[StepReport] = []
 
     async def setup(self) -> None:
-        self._finished_sub = await pull_subscription(self.js, finished_consumer(), self.config.run.ack_wait_wall_s)
+        self._finished_sub = await pull_subscription(self.js, finished_consumer(), self.clock.loop_s(self.config.run.ack_wait_wall_s))
 
     def heartbeat(self) -> ActorStatus:
         return ActorStatus(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
@@ -119,7 +120,7 @@ class TrainerActor(Actor):
         while missing:
             if self.stopping.is_set():
                 raise asyncio.CancelledError
-            msg = await pull_one(self._finished_sub, FETCH_WAIT_WALL_S * self.wall_scale)
+            msg = await pull_one(self._finished_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
             if msg is None:
                 continue
             done = await self.decode_work(FinishedTrajectory, msg)
@@ -139,22 +140,22 @@ class TrainerActor(Actor):
     async def _load_policy_everywhere(self, version: int) -> None:
         """Every engine must confirm the version before the step's work is assigned."""
         waiting = set(self.config.engine_ids())
-        deadline = asyncio.get_running_loop().time() + self.config.trainer.policy_ack_timeout_wall_s
+        give_up_at_s = self.clock.now_s() + self.config.trainer.policy_ack_timeout_wall_s * self.clock.time_scale
         while waiting:
             for engine_id in sorted(waiting):
                 if await self._send_load_policy(engine_id, version):
                     waiting.discard(engine_id)
             if waiting:
-                if asyncio.get_running_loop().time() > deadline:
+                if self.clock.now_s() > give_up_at_s:
                     raise RuntimeError(f"engines {sorted(waiting)} did not confirm policy {version} in time")
                 if self.stopping.is_set():
                     raise asyncio.CancelledError
-                await asyncio.sleep(0.1)  # engines still starting up: ask again
+                await self.clock.sleep_wall(LOAD_RETRY_WALL_S)  # engines still starting up: ask again
 
     async def _send_load_policy(self, engine_id: str, version: int) -> bool:
         try:
             reply = await self.nc.request(
-                subjects.ctl_engine(engine_id), encode(LoadPolicy(version=version)), timeout=COMMAND_TIMEOUT_WALL_S
+                subjects.ctl_engine(engine_id), encode(LoadPolicy(version=version)), timeout=self.clock.loop_s(COMMAND_TIMEOUT_WALL_S)
             )
         except (NoRespondersError, TimeoutError):
             self.counters["policy_load_retries"] += 1
@@ -165,4 +166,4 @@ class TrainerActor(Actor):
         return ack.policy_version >= version
 
     async def _durable(self, subject: str, data: bytes, msg_id: str) -> None:
-        await publish_durable(self.js, subject, data, f"{self.run_tag}/{msg_id}", self.counters, self.log, self.stopping)
+        await publish_durable(self.js, subject, data, f"{self.run_tag}/{msg_id}", self.counters, self.log, self.stopping, self.clock)

@@ -3,7 +3,7 @@
 * start: load the checkpoint (policy 0, the weights every engine loaded), answer
   `subjects.train_model()` with the model spec engines must match.
 * each step: `grpo.grpo_update` on the step's finished trajectories (token ids, generated
-  mask, rollout logprobs) in a worker thread; the measured time is the step's train_s.
+  mask, rollout logprobs) in a worker thread; the model time it took on the clock is the step's train_s.
 * the new version's weights (safetensors bytes + blake2b checksum) are served in chunks on
   `subjects.train_weights()`; engines fetch and load them before confirming LoadPolicy(v).
 """
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 from nats.aio.msg import Msg
@@ -68,7 +67,7 @@ class TorchTrainerActor(TrainerActor):
 
     async def _train(self, batch: list[FinishedTrajectory], new_version: int) -> float:
         mc = self.config.model
-        started = time.perf_counter()
+        started_s = self.clock.now_s()
         stats = await asyncio.to_thread(
             grpo_update, self.lm, self.optimizer, batch, temperature=mc.temperature, clip_eps=mc.clip_eps,
             epochs=mc.epochs, pad_id=self.tokenizer.pad_id,
@@ -81,8 +80,10 @@ class TorchTrainerActor(TrainerActor):
         self._weights[new_version] = (split_chunks(payload, mc.kv_chunk_bytes), checksum(payload), len(payload))
         for old in sorted(self._weights)[:-KEEP_VERSIONS]:
             del self._weights[old]
-        train_s = (time.perf_counter() - started) * self.config.run.time_scale
+        train_s = self.clock.now_s() - started_s  # the model seconds the real update took
         self.train_stats.append(stats)
+        self.counters["train_updates"] += 1
+        self.counters["trained_tokens"] += stats.tokens
         self.log.info(
             "trained policy %d: loss %.4f on %d tokens of %d trajectories, rollout/trainer logprob gap %.2e, clipped %.3f, %.2f s",
             new_version, stats.loss, stats.tokens, stats.trajectories, stats.mean_abs_logprob_gap, stats.clipped_fraction, train_s,

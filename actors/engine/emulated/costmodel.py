@@ -1,6 +1,6 @@
 """Iteration-time model of the emulated backend (pure).
 
-For one rank (a TP group) executing one scheduler iteration (calibration.md, "Iteration-time model"):
+For one rank (a TP group) executing one scheduler iteration (docs/calibration.md, "Iteration-time model"):
 
     T_r = max(T_w(N), t_tok * Np_r + t_dec * B_r) + c_attn * Σ L_i (p_i + L_i / 2) + c_kv * Σ C_j + c_seq * B_r
 
@@ -12,12 +12,13 @@ with DP attention is a group of ranks synchronised at every MoE layer, so
 
 — one rank that prefills stalls every rank's decode, the interference PD disaggregation
 removes. With one rank this is the single-instance formula. Per-iteration constants are
-derived from `hardware.py` specs (roofline formulas of calibration.md), except DeepSeek-V3's
+derived from `hardware.py` specs (formulas of docs/calibration.md), except DeepSeek-V3's
 DP-attention + EP deployment, whose per-GPU figures are taken as measured.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -89,43 +90,85 @@ class RankLoad:
         return sum(n for n, _ in self.prefill_chunks) + self.decode_seqs
 
 
+def gemm_efficiency(m: float, k: float, n: float) -> float:
+    """Achieved / peak BF16 tensor FLOPs of an M x K x N GEMM on one GPU: the measured square-matmul
+    table (hardware.GEMM_BF16_EFFICIENCY) read at the cube root of the volume, log-interpolated;
+    below the table it falls in proportion to size, above it stays at the last entry."""
+    size = (m * k * n) ** (1.0 / 3.0)
+    pts = hw.GEMM_BF16_EFFICIENCY
+    if size <= pts[0][0]:
+        return pts[0][1] * size / pts[0][0]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if size <= s1:
+            return e0 + (e1 - e0) * math.log(size / s0) / math.log(s1 / s0)
+    return pts[-1][1]
+
+
+def attention_s(model: hw.ModelSpec, gpu: hw.GpuSpec, tp: int = 1) -> float:
+    """Prefill attention per (new token x context token): QK^T and PV, 4 FLOPs per head dim per head
+    per layer, in BF16 even for FP8 models (docs/calibration.md "Iteration-time model")."""
+    return 4 * model.n_layers * model.n_q_heads * model.head_dim / (hw.ETA_ATTN * gpu.bf16_flops) / tp
+
+
 def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = Layout()) -> CostPreset:
-    """Per-iteration constants from specs (calibration.md formulas); FP8 halves weight bytes and GEMM time."""
+    """Per-iteration constants from specs (docs/calibration.md, "Iteration-time model").
+
+    FP8 is scaled per component: linear-layer weights stream at half the bytes (the LM head stays
+    BF16), GEMMs run FP8_GEMM_SPEEDUP faster, non-GEMM prefill work, attention and the KV cache do
+    not change. Under TP each GPU runs 1/tp of every GEMM at the efficiency of its smaller matrix
+    and adds two all-reduces of the layer's activations per layer over NVLink."""
     gpu, model = hw.GPUS[gpu_name], hw.MODELS[model_name]
     name = f"{gpu_name}-{model_name}{'-fp8' if fp8 else ''}"
     if model_name == "deepseek-v3":
         return _deepseek_ep(gpu, name, layout)
-    scale = 0.5 if fp8 else 1.0
+    tp = layout.tp
+    w_scale = 0.5 if fp8 else 1.0
     bw = hw.ETA_BW * gpu.hbm_bytes_per_s
     moe = model.moe_expert_bytes_bf16 > 0
-    eta_f = hw.ETA_FLOPS_MOE if moe else hw.ETA_FLOPS_DENSE
-    t_tok = 2 * model.active_nonembed_params / (eta_f * (gpu.fp8_flops if fp8 else gpu.bf16_flops)) / layout.tp
-    if moe:
-        dense_bytes = model.moe_dense_bytes_bf16 * scale / layout.tp
-        expert_bytes = model.moe_expert_bytes_bf16 * scale / (layout.tp * layout.ep)
+    ref = hw.GEMM_REF_TOKENS
+    if moe:  # grouped GEMM [A], degraded by TP as a dense GEMM of the same per-GPU shape would be
+        eta_prefill = hw.ETA_FLOPS_MOE * gemm_efficiency(ref, model.hidden, model.hidden / tp) / gemm_efficiency(ref, model.hidden, model.hidden)
+        eta_decode = eta_prefill
     else:
-        dense_bytes, expert_bytes = model.weight_bytes_bf16 * scale / layout.tp, 0.0
-    free_bytes = hw.KV_POOL_SHARE * gpu.hbm_bytes - dense_bytes - expert_bytes
+        eta_prefill = gemm_efficiency(ref, model.hidden, model.hidden / tp)
+        eta_decode = hw.GEMM_BF16_EFFICIENCY[-1][1]  # skinny decode GEMMs: the roofline max() holds the rest
+    flops = 2 * model.active_nonembed_params
+    gemm_prefill_bf16 = flops / (eta_prefill * gpu.bf16_flops) / tp
+    fp8_div = hw.FP8_GEMM_SPEEDUP if fp8 else 1.0
+    allreduce_per_token = 0.0
+    if tp > 1:  # ring all-reduce of the attention and MLP outputs, BF16 activations, every layer
+        allreduce_per_token = 2 * model.n_layers * model.hidden * 2 * 2 * (tp - 1) / tp / hw.NCCL_ALLREDUCE_BUSBW
+    t_tok = gemm_prefill_bf16 / fp8_div + hw.PREFILL_NON_GEMM_SHARE * gemm_prefill_bf16 + allreduce_per_token
+    t_dec = flops / (eta_decode * gpu.bf16_flops) / tp / fp8_div + allreduce_per_token
+    lm_head = model.lm_head_bytes_bf16
+    if moe:
+        dense_bytes = ((model.moe_dense_bytes_bf16 - lm_head) * w_scale + lm_head) / tp
+        expert_bytes = model.moe_expert_bytes_bf16 * w_scale / (tp * layout.ep)
+    else:
+        dense_bytes, expert_bytes = ((model.weight_bytes_bf16 - lm_head) * w_scale + lm_head) / tp, 0.0
+    embedding_bytes = lm_head / tp  # resident, not streamed (untied input embedding, same size as the head)
+    free_bytes = hw.KV_POOL_SHARE * gpu.hbm_bytes - dense_bytes - expert_bytes - embedding_bytes
     if free_bytes <= 0:
         raise ValueError(f"{name} with {layout} does not fit: weights exceed {hw.KV_POOL_SHARE:.0%} of HBM per GPU")
-    allreduce_s = 2 * model.n_layers * hw.TP_ALLREDUCE_LATENCY_S if layout.tp > 1 else 0.0
+    allreduce_s = 2 * model.n_layers * hw.TP_ALLREDUCE_LATENCY_S if tp > 1 else 0.0
+    moe_fixed_s = model.moe_layers * hw.MOE_LAYER_FIXED_S
     a2a_latency_s, a2a_per_token = 0.0, 0.0
     if layout.dp > 1:  # dispatch + combine per MoE layer: 2 small collectives, bf16 activations [A]
         a2a_latency_s = 2 * model.n_layers * hw.TP_ALLREDUCE_LATENCY_S
         a2a_per_token = 2 * model.n_layers * model.hidden * 2 / (gpu.nvlink_bytes_per_s * layout.dp)
     return CostPreset(
         name=name,
-        c0_s=(1.5e-3 if moe else 1.0e-3) + allreduce_s,  # dense 1.0 ms [D from gpustack TPOT]; MoE 1.5 ms [A]
+        c0_s=hw.C0_DENSE_S + moe_fixed_s + allreduce_s,
         t_w_base_s=dense_bytes / bw,
-        t_w_moe_s=expert_bytes / bw,
+        t_w_moe_s=expert_bytes / (hw.ETA_BW_MOE * gpu.hbm_bytes_per_s),
         moe_touch_share=model.moe_touch_share,
         t_tok_s=t_tok,
-        t_dec_s=t_tok,
-        c_attn_s=4 * model.n_layers * model.n_q_heads * model.head_dim / (hw.ETA_ATTN * gpu.bf16_flops) / layout.tp,
-        c_kv_s=model.kv_bytes_per_token / bw / layout.tp,
-        c_seq_s=1.0e-5,  # 0.01 ms [A]
+        t_dec_s=t_dec,
+        c_attn_s=attention_s(model, gpu, tp),
+        c_kv_s=model.kv_bytes_per_token / bw / tp,
+        c_seq_s=hw.C_SEQ_S,
         kv_bytes_per_token=model.kv_bytes_per_token,
-        kv_capacity_tokens=int(free_bytes * layout.tp / model.kv_bytes_per_token) * layout.dp,
+        kv_capacity_tokens=int(free_bytes * tp / model.kv_bytes_per_token) * layout.dp,
         dp_ranks=layout.dp,
         a2a_latency_s=a2a_latency_s,
         a2a_s_per_token=a2a_per_token,
@@ -136,7 +179,8 @@ def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = L
 
 
 def _deepseek_ep(gpu: hw.GpuSpec, name: str, layout: Layout) -> CostPreset:
-    """DeepSeek-V3 FP8 with DP attention + EP: measured per-GPU constants (hardware.DEEPSEEK_V3_EP)."""
+    """DeepSeek-V3 FP8 with DP attention + EP: measured per-GPU constants (hardware.DEEPSEEK_V3_EP),
+    attention by the common formula (attention_s)."""
     if layout.tp != 1 or layout.ep < 2:
         raise ValueError(f"{name}: DeepSeek-V3 presets model DP attention + EP (tp=1, ep>=2), got {layout}")
     k = hw.DEEPSEEK_V3_EP[gpu.name]
@@ -145,15 +189,17 @@ def _deepseek_ep(gpu: hw.GpuSpec, name: str, layout: Layout) -> CostPreset:
     free_bytes = hw.KV_POOL_SHARE * gpu.hbm_bytes - weights_per_gpu
     if free_bytes <= 0:
         raise ValueError(f"{name} with {layout} does not fit: {weights_per_gpu / 1e9:.0f} GB of weights per GPU")
+    c_attn = attention_s(model, gpu)  # the formula every other model uses, per GPU (DP attention: no TP split)
     return CostPreset(
         name=name if name.endswith("-fp8") else name + "-fp8",
         c0_s=k.c0_s,  # includes the EP all-to-all
         t_w_base_s=0.0,
         t_w_moe_s=0.0,
         moe_touch_share=0.0,
-        t_tok_s=k.prefill_per_token_s,
+        # measured 1/throughput at the reference prompt length, less that prompt's mean attention cost
+        t_tok_s=k.prefill_per_token_s - c_attn * hw.DEEPSEEK_V3_PREFILL_ISL / 2,
         t_dec_s=0.0,  # in c_seq (c_b)
-        c_attn_s=k.c_attn_s,
+        c_attn_s=c_attn,
         c_kv_s=k.c_kv_s,
         c_seq_s=k.per_seq_s,
         kv_bytes_per_token=model.kv_bytes_per_token,

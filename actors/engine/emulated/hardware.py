@@ -1,8 +1,9 @@
 """Hardware, model and link constants for the emulated backend, each with its source.
 
-Tags as in ``shared/reference/calibration.md``: [M] measured by the cited source, [D] derived
-from [M] by a stated formula, [A] assumption. The cost model (`costmodel.py`) derives its
-per-iteration constants from these specs with the roofline formulas of calibration.md.
+Tags as in ``docs/calibration.md``: [M] measured by the cited source, [D] derived from [M] by a
+stated formula, [A] assumption. The cost model (`costmodel.py`) derives its per-iteration
+constants from these specs with the formulas of docs/calibration.md ("Iteration-time model");
+every constant below is listed there with its source.
 """
 
 from __future__ import annotations
@@ -20,18 +21,49 @@ class GpuSpec:
     nvlink_bytes_per_s: float  # per direction, effective
 
 
-# calibration.md 2.1 (third-party spec pages consistent with NVIDIA's datasheet).
+# docs/calibration.md "Hardware" (third-party spec pages consistent with NVIDIA's datasheet).
 GPUS: dict[str, GpuSpec] = {
     "h100": GpuSpec("h100", 80e9, 3.35e12, 989e12, 1979e12, 300e9),  # NVLink 450 GB/s/dir peak, 300 effective [A]
     "h200": GpuSpec("h200", 141e9, 4.8e12, 989e12, 1979e12, 300e9),  # same die as H100; HBM3e 141 GB, 4.8 TB/s
 }
 
-# Efficiencies [A], calibrated in calibration.md to the two [M] TPOT points of its section 0.
-ETA_BW = 0.75  # achieved / peak HBM bandwidth
-ETA_FLOPS_DENSE = 0.5  # dense BF16 GEMM
-ETA_FLOPS_MOE = 0.3  # MoE grouped GEMM
-ETA_ATTN = 0.5  # attention kernels
+# Efficiencies (docs/calibration.md "Constants").
+ETA_BW = 0.75  # achieved / peak HBM bandwidth, dense weight streaming [D from the fitting set's two TPOT points]
+ETA_FLOPS_MOE = 0.3  # MoE grouped GEMM at prefill sizes [A]
+ETA_ATTN = 0.5  # attention kernels (FlashAttention-3 paper, arXiv 2407.08608: 0.5-0.75 of BF16 peak on H100) [D]
 KV_POOL_SHARE = 0.9  # share of HBM given to weights + KV (vLLM gpu_memory_utilization)
+
+# Dense BF16 GEMM efficiency by matrix size: square M=N=K matmul on one H100 SXM, PyTorch 2.7 /
+# cuBLAS, achieved TFLOPS (github.com/zzc0721/torch-performance-test-data issue #79) [M]:
+# 1024: 176.6, 2048: 676.6, 4096: 788.7, 8192: 797.5. A layer's per-GPU GEMM M x K x N/tp is read
+# at the cube root of its volume, log-interpolated (costmodel.gemm_efficiency) [D].
+GEMM_BF16_EFFICIENCY: tuple[tuple[int, float], ...] = ((1024, 176.6 / 989), (2048, 676.6 / 989), (4096, 788.7 / 989), (8192, 797.5 / 989))
+# Prefill chunk a GEMM's efficiency is read at: vLLM V1's default chunked-prefill budget of 2048
+# tokens per step (max_num_batched_tokens for online serving) [A: engine default, not a measurement].
+GEMM_REF_TOKENS = 2048
+# Prefill work outside GEMMs (norms, rotary, activations, sampling, kernel gaps) per token, as a
+# share of the BF16 GEMM time; it does not speed up with FP8 [A]. 0.25 makes single-GPU BF16
+# prefill run at 0.61 effective GEMM efficiency, which the fitting set's FP8 prefill point confirms.
+PREFILL_NON_GEMM_SHARE = 0.25
+# FP8 GEMM speed-up over BF16 with per-token dynamic activation quantisation included: 966.8 vs
+# 593.3 TFLOPS at M=256, N=43008, K=5376 (vLLM PR #49363 benchmark, fp8-tensor-w-token-a vs
+# torch-bf16) [M]. Applies to GEMMs only; attention and KV stay BF16.
+FP8_GEMM_SPEEDUP = 966.8 / 593.3
+# NCCL ring all-reduce bus bandwidth on 8x H100 NVLink4: "NCCL can get an effective NVLink bandwidth
+# of 370GB/s" (NCCL maintainer, github.com/NVIDIA/nccl-tests issue #212) [M]. A TP all-reduce of
+# B bytes takes 2 (tp-1)/tp x B / busbw, two per layer (attention and MLP outputs) [D].
+NCCL_ALLREDUCE_BUSBW = 370e9
+# Fused-MoE kernel cost per MoE layer: t = fixed + touched expert bytes / (eta x BW). From vLLM PR
+# #24700 (benchmark_moe.py, Qwen3-30B-A3B, tp 1, fp8_w8a8, H100 [A: GPU as in the PR's other
+# figures]): 40.4 us at 1 token (8 experts, 37.7 MB) and 237.3 us at 64 tokens (125 experts,
+# 591 MB) [M] -> 27 us fixed (routing, align, two GEMM launches) and 0.84 of HBM bandwidth [D];
+# it predicts the PR's 8- and 128-token figures within 5%.
+MOE_LAYER_FIXED_S = 27e-6
+ETA_BW_MOE = 0.84
+# Per-iteration CPU/launch overhead of a dense engine with CUDA graphs: 1.0 ms [D from the gpustack
+# Qwen3-8B TPOT fitting point]; per decode sequence (sampling, bookkeeping): 10 us [A].
+C0_DENSE_S = 1.0e-3
+C_SEQ_S = 1.0e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,32 +73,52 @@ class ModelSpec:
     n_q_heads: int
     head_dim: int
     hidden: int
-    kv_bytes_per_token: int  # BF16 KV (calibration.md 3.1)
-    weight_bytes_bf16: float  # all weights, BF16
-    active_nonembed_params: float  # params touched per token outside embeddings
+    kv_bytes_per_token: int  # BF16 KV (docs/calibration.md "Models")
+    weight_bytes_bf16: float  # BF16 weights read per decode step (all but the input embedding table)
+    active_nonembed_params: float  # params touched per token outside embeddings and LM head
     # MoE: weights split into always-read "dense" bytes and experts touched with
     # probability 1 - (1 - top_k / n_experts)^N for N tokens in the iteration.
     moe_dense_bytes_bf16: float = 0.0
     moe_expert_bytes_bf16: float = 0.0
     moe_touch_share: float = 0.0  # top_k / n_experts
+    lm_head_bytes_bf16: float = 0.0  # stays BF16 in FP8 checkpoints (quantisation config "ignore": lm_head)
+    moe_layers: int = 0  # layers with a fused-MoE kernel
 
 
 MODELS: dict[str, ModelSpec] = {
-    # Qwen3-8B: 36 layers, 32 q heads x 128, 8 KV heads -> 147,456 B/token (Mooncake measured
-    # 4.50 GB for 32,768 tokens [M]). 15.2 GB of BF16 weights read per step (calibration.md 7.1 [D]);
-    # t_tok 30.5 us = 2 P / (0.5 x 989 TFLOPS) gives P = 7.54e9 active non-embedding-equivalent [D].
-    "qwen3-8b": ModelSpec("qwen3-8b", 36, 32, 128, 4096, 147_456, 15.2e9, 7.54e9),
-    # Qwen3-30B-A3B: 48 layers, 32 q heads x 128, 4 KV heads -> 98,304 B/token; 128 experts, top-8.
-    # T_w = 0.67 + 16.1 f(N) ms on H200 (calibration.md 7.1 [D]): 0.67 ms x 0.75 x 4.8 TB/s = 2.41 GB
-    # dense bytes, 16.1 ms x 3.6 TB/s = 58.0 GB expert bytes. t_tok 20 us [A] -> P = 2.97e9 at eta 0.3.
+    # Every figure from the model's Hugging Face config.json [M] by the arithmetic shown [D]
+    # (docs/calibration.md "Models"). KV bytes/token = layers x kv_heads x head_dim x 2 (K, V) x 2 B.
+    # Qwen3-8B: 36 layers, 32 q heads x 128, 8 KV heads -> 147,456 B/token (Mooncake measured 4.50 GB
+    # for 32,768 tokens [M]); hidden 4096, FFN 12288, vocab 151,936 untied: 6.95e9 non-embedding
+    # params, 15.2 GB of BF16 weights read per step, LM head 1.245 GB.
+    "qwen3-8b": ModelSpec("qwen3-8b", 36, 32, 128, 4096, 147_456, 15.2e9, 6.95e9, lm_head_bytes_bf16=1.245e9),
+    # Qwen3-30B-A3B: 48 layers, 32 q heads x 128, 4 KV heads -> 98,304 B/token; 128 experts of
+    # 3 x 2048 x 768, top-8, every layer MoE. Always-read bytes 2.41 GB (attention 0.91e9 params,
+    # LM head, router, norms), expert bytes 57.96 GB; active 2.73e9 non-embedding params per token.
     "qwen3-30b-a3b": ModelSpec(
-        "qwen3-30b-a3b", 48, 32, 128, 2048, 98_304, 60.4e9, 2.97e9,
+        "qwen3-30b-a3b", 48, 32, 128, 2048, 98_304, 60.4e9, 2.73e9,
         moe_dense_bytes_bf16=2.41e9, moe_expert_bytes_bf16=57.96e9, moe_touch_share=8 / 128,
+        lm_head_bytes_bf16=0.622e9, moe_layers=48,
     ),  # fmt: skip
-    # DeepSeek-V3 (MLA): 61 layers, latent 512 + rope 64 -> 70,272 B/token BF16 (calibration.md 3.1).
-    # 671 B params, FP8 weights. Served with DP attention + EP: its per-GPU constants are measured
-    # figures, not derived (see DEEPSEEK_V3_EP below).
+    # DeepSeek-V3 (MLA): 61 layers, latent 512 + rope 64 -> 70,272 B/token BF16; 128 heads, q/k head
+    # dim 192 (128 nope + 64 rope). 671 B params, FP8 weights. Served with DP attention + EP: its
+    # per-GPU throughput constants are measured figures (see DEEPSEEK_V3_EP below).
     "deepseek-v3": ModelSpec("deepseek-v3", 61, 128, 192, 7168, 70_272, 1342e9, 37e9),
+    # Validation-only models (runners/calibration.py VALIDATION), no preset:
+    # Llama-3.1-8B: 32 layers, 32 q heads x 128, 8 KV heads -> 131,072 B/token; hidden 4096, FFN 14336,
+    # vocab 128,256 untied: 6.98e9 non-embedding params, 15.01 GB read per step, LM head 1.05 GB.
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 32, 128, 4096, 131_072, 15.01e9, 6.98e9, lm_head_bytes_bf16=1.05e9),
+    # Llama-3-70B / 3.3-70B: 80 layers, 64 q heads x 128, 8 KV heads -> 327,680 B/token; hidden 8192,
+    # FFN 28672: 68.45e9 non-embedding params, 139.0 GB read per step, LM head 2.10 GB.
+    "llama-3-70b": ModelSpec("llama-3-70b", 80, 64, 128, 8192, 327_680, 139.0e9, 68.45e9, lm_head_bytes_bf16=2.10e9),
+    # Mixtral-8x7B: 32 layers, 32 q heads x 128, 8 KV heads -> 131,072 B/token; 8 experts of
+    # 3 x 4096 x 14336, top-2: always-read 2.95 GB (attention 1.34e9 params + LM head), experts 90.2 GB;
+    # active 12.62e9 non-embedding params per token.
+    "mixtral-8x7b": ModelSpec(
+        "mixtral-8x7b", 32, 32, 128, 4096, 131_072, 93.2e9, 12.62e9,
+        moe_dense_bytes_bf16=2.95e9, moe_expert_bytes_bf16=90.2e9, moe_touch_share=2 / 8,
+        lm_head_bytes_bf16=0.262e9, moe_layers=32,
+    ),  # fmt: skip
 }
 
 
@@ -81,13 +133,17 @@ class EpGroupConstants:
     c_attn_s: float  # prefill attention per (new x context) token
 
 
-# calibration.md 7.1, DeepSeek-V3 FP8 DP-attention + EP (per GPU):
-# H100: c0 30 ms [D from LMSYS], c_b 0.15 ms/seq [D], prefill 147 us/token/GPU [M->D, 6.8k tok/s/GPU
-# at 2k ISL], c_kv 45 ns [D], c_attn ~1.5 ns [A]. H200: c_b 0.12 ms [A], prefill ~140 us [A], c_kv ~32 ns [A].
+# DeepSeek-V3 FP8 DP-attention + EP, per GPU (docs/calibration.md "DeepSeek-V3"):
+# H100: c0 30 ms [D from LMSYS], c_b 0.15 ms/seq [D], c_kv 45 ns [D]. Prefill: LMSYS measured
+# 6.8k tok/s/GPU at 2k ISL [M]; the per-token GEMM/MoE share is what is left of 1/6800 s once the
+# attention term (c_attn by the same formula as every other model, costmodel.derive) is taken
+# out: 147.1 us - c_attn x 1024 [D, done in costmodel._deepseek_ep]. H200: c_b 0.12 ms [A],
+# 1/throughput ~140 us [A], c_kv ~32 ns [A]. c_attn_s here is unused (0: taken from the formula).
 DEEPSEEK_V3_EP: dict[str, EpGroupConstants] = {
-    "h100": EpGroupConstants(30e-3, 0.15e-3, 147e-6, 45e-9, 1.5e-9),
-    "h200": EpGroupConstants(30e-3, 0.12e-3, 140e-6, 32e-9, 1.5e-9),
+    "h100": EpGroupConstants(30e-3, 0.15e-3, 1 / 6800, 45e-9, 0.0),
+    "h200": EpGroupConstants(30e-3, 0.12e-3, 140e-6, 32e-9, 0.0),
 }
+DEEPSEEK_V3_PREFILL_ISL = 2048  # prompt length of LMSYS's measured prefill throughput [M]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +153,7 @@ class Link:
     bytes_per_s: float  # effective bandwidth
 
 
-# calibration.md 3.2 / 7.2: T_xfer = t0 + bytes / BW_eff.
+# docs/calibration.md "KV transfer": T_xfer = t0 + bytes / BW_eff.
 LINKS: dict[str, Link] = {
     "rdma-8x400g": Link("rdma-8x400g", 0.4e-3, 150e9),  # fit to Mooncake vLLM-v1 1P1D, 8x400G RoCE [D from M]
     "nic-400g": Link("nic-400g", 0.4e-3, 40e9),  # single 400G NIC [A]
@@ -105,14 +161,16 @@ LINKS: dict[str, Link] = {
     "remote-store": Link("remote-store", 0.4e-3, 6e9),  # remote RDMA KV store, 5-7 GB/s effective [M]
 }
 
-# Role-switch reconfiguration regimes, model seconds (calibration.md 7.2).
+# Role-switch reconfiguration regimes, model seconds (docs/calibration.md "Role switches").
 SWITCH_REGIMES: dict[str, float] = {
     "instant": 0.0,  # same engine, both graph sets captured: T_drain + 0 [A]
     "sleep-wake": 3.0,  # sleep/wake: 0.1-0.8 s small models, 3-6 s large [M]; 3 s middle of the range
     "restart": 48.0,  # cold restart 30-100 s; ~48 s measured for small models on A100 [M]
 }
 
-TP_ALLREDUCE_LATENCY_S = 8e-6  # one small NCCL all-reduce inside a node [A]
+# One small TP all-reduce inside a node: vLLM custom all-reduce on H100, 32 KB, TP 2/4/8: 8.7 / 9.2 /
+# 11.8 us (SGLang PR #2904 unit benchmark, no CUDA graph) [M]; 9 us used [D].
+TP_ALLREDUCE_LATENCY_S = 9e-6
 
 
 # --- DP-attention lockstep (docs/calibration.md, "DP-attention lockstep constants") -------------

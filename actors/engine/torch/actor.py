@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from functools import partial
 
 import msgspec
@@ -41,9 +40,10 @@ from actors.engine.actor import EngineActor
 from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.core import Seq
 from actors.engine.torch.backend import TorchBackend
-from actors.engine.torch.kv import KvChunkView, KvError, Outgoing
+from actors.engine.torch.kv import KvChunkView, KvError, Outgoing, kv_slice
 from actors.engine.torch.model import (
     checksum,
+    kv_checksum,
     kv_checksum_matches,
     load_model,
     load_tokenizer,
@@ -87,12 +87,14 @@ class TorchEngineActor(EngineActor):
     def __init__(self, actor_id, config, nc, clock, role, lm=None, tokenizer=None) -> None:
         super().__init__(actor_id, config, nc, clock, role)
         self.core.allow_preemption = False  # recompute preemption has no real KV behind it here
+        if config.engines.kv_writeback == "store":
+            raise ValueError('engines.kv_writeback = "store" is modelled by the emulated backend only; the torch backend has "to-prefill"')
         mc = config.model
         if lm is None:
             lm = load_model(mc.checkpoint, mc.threads)
             tokenizer = load_tokenizer(mc.checkpoint)
         self.tokenizer = tokenizer
-        self.torch = TorchBackend(actor_id, lm, tokenizer, mc, clock, config.run.time_scale, config.run.seed)
+        self.torch = TorchBackend(actor_id, lm, tokenizer, mc, clock, clock.time_scale, config.run.seed)
         self.backend = self.torch
         self.spec = model_spec(lm, tokenizer)
         self._outgoing: dict[str, Outgoing] = {}
@@ -112,19 +114,19 @@ class TorchEngineActor(EngineActor):
         await super().setup()
 
     async def _trainer_spec(self) -> ModelSpec:
-        deadline = time.monotonic() + self.config.model.trainer_wait_wall_s
+        deadline_s = self.clock.now_s() + self.config.model.trainer_wait_wall_s * self.clock.time_scale  # model seconds
         request = encode(ModelSpecRequest(requester_id=self.actor_id))
         while True:
             try:
-                reply = await self.nc.request(subjects.train_model(), request, timeout=2.0)
+                reply = await self.nc.request(subjects.train_model(), request, timeout=self.clock.loop_s(2.0))
                 spec = self.decode_or_count(ModelSpec, reply)
                 if spec is not None:
                     return spec
             except (NoRespondersError, TimeoutError):
                 pass
-            if time.monotonic() > deadline:
+            if self.clock.now_s() > deadline_s:
                 raise ModelMismatch(f"no trainer answered on {subjects.train_model()} within {self.config.model.trainer_wait_wall_s} s")
-            await asyncio.sleep(SPEC_RETRY_WALL_S)  # the trainer is still starting
+            await self.clock.sleep_wall(SPEC_RETRY_WALL_S)  # the trainer is still starting
 
     # --- prefill -------------------------------------------------------------------------------
     def _check_work(self, work: PrefillWork) -> str | None:
@@ -153,16 +155,16 @@ class TorchEngineActor(EngineActor):
     async def _join_transfers(self) -> bool:
         if self._pending_transfers == 0:
             return False
-        wait_s = min(KV_JOIN_WAIT_WALL_S, self.torch.last_step_wall_s) if self.core.running else KV_JOIN_WAIT_WALL_S
-        deadline = time.monotonic() + wait_s
+        wait_wall_s = min(KV_JOIN_WAIT_WALL_S, self.torch.last_step_wall_s) if self.core.running else KV_JOIN_WAIT_WALL_S
+        deadline_s = self.clock.now_s() + wait_wall_s * self.clock.time_scale  # model seconds
         while self._pending_transfers > 0 and not self.stopping.is_set():
-            left_s = deadline - time.monotonic()
+            left_s = deadline_s - self.clock.now_s()
             if left_s <= 0:
                 self.counters["kv_join_waits_cut"] += 1
                 break
             self._progress.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout=left_s)
+                await asyncio.wait_for(self._progress.wait(), timeout=self.clock.to_wall_s(left_s))
         return True
 
     def _decode_item(self, seq: Seq, handle: KvHandle, at_s: float) -> DecodeWork:
@@ -202,6 +204,8 @@ class TorchEngineActor(EngineActor):
         request = self.decode_or_count(KvFetch, msg)
         if request is None:
             reply = encode(KvChunk(handle_id="", ok=False, error="malformed KV fetch"))
+        elif request.chunk == 0 and request.handle_id in self._writebacks:
+            reply = self._start_writeback_transfer(request)
         elif request.chunk == 0:
             reply = self._start_transfer(request)
         else:
@@ -256,6 +260,7 @@ class TorchEngineActor(EngineActor):
         )  # fmt: skip
 
     def _expire_held(self) -> None:
+        self._expire_writebacks()
         now_s = self.clock.now_s()
         for seq in self.core.expire(now_s):
             self._prepared.pop(seq.key, None)
@@ -265,6 +270,56 @@ class TorchEngineActor(EngineActor):
         for handle_id in [h for h, out in self._outgoing.items() if out.expires_at_s < now_s]:
             del self._outgoing[handle_id]
             self.counters["kv_transfers_abandoned"] += 1
+
+    # --- KV write-back (engines.kv_writeback = "to-prefill"), see actors.engine.writeback ----------
+    def _writeback_source(self, seq: Seq) -> tuple[int, list[int], object]:
+        """The ids and KV `finish` left in the prefix cache: the turn's whole sequence but its last
+        sampled token (no KV yet). The hold keeps a reference to the tensors."""
+        source = self.torch.writeback_source(seq.work.trajectory_id, seq.work.policy_version)
+        if source is None:
+            return 0, [], None
+        ids, kv = source
+        return len(ids), ids, kv
+
+    def _kv_bytes_per_token(self) -> int:
+        return self.torch.kv_bytes_per_token
+
+    def _start_writeback_transfer(self, request: KvFetch) -> bytes:
+        """Serve a held write-back from the requester's `have_tokens` on, in checksummed chunks."""
+        hold = self._writebacks.pop(request.handle_id)
+        have = request.have_tokens
+        if hold.expires_at_s < self.clock.now_s() or not 0 <= have <= hold.tokens:
+            self.counters["kv_writeback_refused_fetch"] += 1
+            error = f"write-back expired or have_tokens {have} outside 0..{hold.tokens}"
+            return encode(KvChunk(handle_id=request.handle_id, ok=False, error=error))
+        payload = self.torch.kv_to_bytes(kv_slice(hold.kv, have, hold.tokens))
+        out = self._outgoing_of(payload, hold.tokens - have, kv_checksum(payload), have)
+        out.expires_at_s = self.clock.now_s() + self.config.engines.kv_ttl_s
+        self._outgoing[request.handle_id] = out
+        self.counters["kv_writeback_served"] += 1
+        self.counters["kv_bytes_served"] += out.total_bytes
+        return self._chunk_reply(request.handle_id, out, 0)
+
+    def _writeback_have(self, notice) -> int:
+        if notice.policy_version != self.torch.version or len(notice.token_ids) != notice.kv.tokens:
+            return notice.kv.tokens  # unusable here: fetch nothing (frees the hold)
+        return self.torch.writeback_have(notice.trajectory_id, notice.policy_version, list(notice.token_ids))
+
+    async def _writeback_transfer(self, notice, have: int) -> tuple[str | None, int, bool]:
+        """Fetch positions have.. over NATS (chunked, CRC-32C checked), then land them on the
+        cached prefix; the fetch shares the hand-off's transfer slots."""
+        tokens = notice.kv.tokens - have
+        async with self._kv_slots:
+            error, payload = await self._fetch_kv(notice.kv, have, tokens)
+        if error is not None or tokens == 0:
+            return error, 0, False
+        if self.core.in_flight(notice.trajectory_id):
+            return None, len(payload), False
+        try:
+            landed = self.torch.land_writeback(notice.trajectory_id, notice.policy_version, list(notice.token_ids), have, payload)
+        except KvError as err:
+            return f"written-back KV unusable: {err}", 0, False
+        return None, len(payload), landed
 
     # --- KV hand-off, decode side ----------------------------------------------------------------
     async def _pull_kv(self, item: DecodeWork, msg: Msg) -> None:
@@ -278,7 +333,7 @@ class TorchEngineActor(EngineActor):
             ids = list(w.context_token_ids) + list(w.token_ids)
             async with self._kv_slots:
                 have = self.torch.local_prefix_tokens(w.trajectory_id, w.policy_version, ids)
-                started = time.perf_counter()
+                started_s = self.clock.now_s()
                 error, payload = await self._fetch_kv(item.kv, have, len(ids) - have)
                 target = None
                 if error is None:
@@ -286,7 +341,7 @@ class TorchEngineActor(EngineActor):
                         target = self.torch.admit_decode(w.work_id, w, item.first_token_id, item.first_logprob, have, payload)
                     except KvError as err:
                         error = f"KV from {item.kv.engine_id} unusable: {err}"
-                duration_s = (time.perf_counter() - started) * self.config.run.time_scale
+                duration_s = self.clock.now_s() - started_s  # model seconds, request to KV ready
             if error is not None:
                 await self._reprefill(w, error)
                 await msg.ack()

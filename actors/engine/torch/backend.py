@@ -22,7 +22,6 @@ entries, and export refuses a handle prefilled under another version.
 from __future__ import annotations
 
 import asyncio
-import time
 import zlib
 
 import torch
@@ -110,10 +109,10 @@ class TorchBackend:
     # --- one step (worker thread) ------------------------------------------------------------
     async def run(self, batch: Batch, cursor_s: float) -> float:
         async with self.lock:
-            started = time.perf_counter()
+            started_s = self.clock.now_s()
             await asyncio.to_thread(self.execute, batch)
-            self.last_step_wall_s = time.perf_counter() - started
-            batch.duration_s = self.last_step_wall_s * self.time_scale
+            batch.duration_s = self.clock.now_s() - started_s  # the model seconds the real step took
+            self.last_step_wall_s = self.clock.to_wall_s(batch.duration_s)
         return max(cursor_s + batch.duration_s, self.clock.now_s())
 
     @torch.inference_mode()
@@ -252,6 +251,36 @@ class TorchBackend:
             keep = min(kv_len(state.kv), state.prompt_len + n - 1)  # the last token has no KV yet
             self.cache.put(seq.work.trajectory_id, state.version, state.ids[:keep], kv_slice(state.kv, 0, keep))
         return out_ids, out_logprobs
+
+    # --- KV write-back (engines.kv_writeback = "to-prefill") -------------------------------------
+    def writeback_source(self, trajectory_id: str, version: int) -> tuple[list[int], KV] | None:
+        """Decode side, after `finish`: the ids and KV the turn left in the prefix cache (the
+        tensors stay alive while the write-back holds them, whatever the cache evicts)."""
+        entry = self.cache.entry(trajectory_id, version)
+        return None if entry is None else (list(entry[0]), entry[1])
+
+    def writeback_have(self, trajectory_id: str, version: int, ids: list[int]) -> int:
+        """Prefill side: KV positions of `ids` this engine's cache holds for the trajectory."""
+        return min(common_prefix(self.cache.peek(trajectory_id, version), ids), len(ids))
+
+    def land_writeback(self, trajectory_id: str, version: int, ids: list[int], have: int, payload: bytearray) -> bool:
+        """Prefill side: the cached prefix (holding `have` positions of `ids`) + the received
+        positions have.. become the cache entry for the trajectory. False, and nothing changes,
+        when the entry moved on meanwhile (taken by a turn admitted here, replaced by a longer
+        one, or of another version): never a mix of KV from two histories."""
+        if version != self.version:
+            return False
+        received = self.kv_from_bytes(payload, len(ids) - have)
+        entry = self.cache.entry(trajectory_id, version)
+        if entry is not None and len(entry[0]) >= len(ids):
+            return False
+        prefix: KV | None = None
+        if have > 0:
+            if entry is None or common_prefix(entry[0], ids) < have:
+                return False
+            prefix = kv_slice(entry[1], 0, have)
+        self.cache.put(trajectory_id, version, list(ids), kv_cat(prefix, received))
+        return self.cache.entry(trajectory_id, version) is not None
 
     def drop(self, key: str) -> None:
         """Forget a sequence (expired hand-off, re-prefilled turn)."""

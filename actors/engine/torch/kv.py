@@ -59,6 +59,10 @@ class PrefixCache:
         entry = self._entries.get((trajectory_id, version))
         return [] if entry is None else entry[0]
 
+    def entry(self, trajectory_id: str, version: int) -> tuple[list[int], KV] | None:
+        """The cached (ids, KV) without taking it (a KV write-back holds a reference to it)."""
+        return self._entries.get((trajectory_id, version))
+
     def take(self, trajectory_id: str, version: int) -> tuple[list[int], KV] | None:
         entry = self._entries.pop((trajectory_id, version), None)
         if entry is not None:
