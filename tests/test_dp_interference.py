@@ -76,7 +76,7 @@ def test_vllm_eager_above_capture_size_piecewise_and_padded_below():
     small = [RankLoad(((chunk, 0),), 0, 0)] + [decode_rank()] * 3
     weight_s = BASE.weight_s(chunk + 24)
     decode_rest_s = BASE.c_kv_s * 8 * CONTEXT + BASE.c_seq_s * 8
-    padded = max(weight_s, BASE.t_tok_s * chunk) + decode_rest_s
+    padded = max(weight_s, BASE.t_dec_s * 8 + BASE.t_tok_s * (chunk - 8)) + decode_rest_s
     piecewise_extra = (preset.piecewise_factor - 1) * (max(weight_s, BASE.t_dec_s * 8) + decode_rest_s)
     prefill_rank = max(weight_s, BASE.t_tok_s * chunk) + BASE.c_attn_s * chunk * chunk / 2
     expected = preset.c0_s + graph_a2a_s(preset, small) + max(padded + piecewise_extra, prefill_rank)
