@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument("--out", type=Path, default=None, help="default runs/rollout-<suite>")
     roll.add_argument("--live", action="store_true", help="run on a real nats-server in real time (slow) instead of virtual time")
     roll.add_argument("--jobs", type=int, default=2, help="runs at once (virtual time: one core each)")
+    roll.add_argument(
+        "--tables", default="main,sweep,ablation,sensitivity",
+        help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
+    )  # fmt: skip
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
@@ -71,17 +75,23 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args.engines, args.turns_max or None, args.out)
         return 0 if all(r["status"] == "completed" for r in rows) else 1
     if args.bench == "rollout":
-        return rollout(args.suite, args.out or Path("runs") / f"rollout-{args.suite}", args.live, 1 if args.live else args.jobs)
+        tables = tuple(t.strip() for t in args.tables.split(",") if t.strip())
+        out = args.out or Path("runs") / f"rollout-{args.suite}"
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables)
     return 2
 
 
-def rollout(suite_name: str, out: Path, live: bool, jobs: int) -> int:
+def rollout(suite_name: str, out: Path, live: bool, jobs: int, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity")) -> int:
     from runners.rollout import SUITES, run_suite
 
     if suite_name not in SUITES:
         print(f"error: unknown suite {suite_name!r} (known: {', '.join(SUITES)})", file=sys.stderr)
         return 2
-    results = run_suite(SUITES[suite_name], out, live, jobs)
+    unknown = set(tables) - {"main", "sweep", "ablation", "sensitivity"}
+    if unknown:
+        print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: main, sweep, ablation, sensitivity)", file=sys.stderr)
+        return 2
+    results = run_suite(SUITES[suite_name], out, live, jobs, tables)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
     bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]

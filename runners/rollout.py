@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.allocator.capacity import decode_step_s
-from actors.config import Config, initial_roles, policy_label, with_policy
+from actors.config import Config, initial_roles, with_policy
 from actors.engine.emulated.costmodel import prefill_s
 from bus_schemas.control import Role
 from ops.export import load_events
@@ -37,6 +37,9 @@ class Fleet:
     engines: dict  # the [engines] section
     gpus_per_engine: int
     static_splits: tuple[int, ...]  # prefill engines of each static-P:D the bench sweeps
+    # other layouts the colocated baselines also run with (stage-layout fleets: the prefill
+    # layout); the tables compare against the better of them
+    colocated_layouts: tuple[dict, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -53,44 +56,109 @@ class Workload:
 
 
 @dataclass(frozen=True, slots=True)
+class Case:
+    """One row of a table: a fleet, a workload and a concurrency, with engine settings that
+    differ from the fleet's (`engines`, named by `variant`), run under every policy."""
+
+    table: str  # "main", "sweep", "ablation" or "sensitivity"
+    fleet: Fleet
+    workload: Workload
+    trajectories_per_gpu: int
+    engines: dict = field(default_factory=dict)
+    variant: str = "default"
+
+    @property
+    def key(self) -> str:
+        return f"{self.table}-{self.fleet.name}-{self.workload.name}-{self.trajectories_per_gpu}-{self.variant}"
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     name: str
     fleets: tuple[Fleet, ...]
     workloads: tuple[Workload, ...]
-    trajectories_per_gpu: int  # per RL step
+    trajectories_per_gpu: int  # per RL step, main table
     samples_per_task: int  # G
     environments: int
     seed: int = 2026
     dynamic: tuple[str, ...] = ("reactive", "prorsa")
+    # concurrency sweep: (fleet names, workload names, trajectories per GPU)
+    sweep: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], ...] = ()
+    # ablation / sensitivity rows: (fleet, workload, trajectories per GPU, variant, engine overrides)
+    ablations: tuple[tuple[str, str, int, str, dict], ...] = ()
+    sensitivity: tuple[tuple[str, str, int, str, dict], ...] = ()
 
-    def tasks_per_step(self, fleet: Fleet) -> int:
-        return max(1, fleet.gpus * self.trajectories_per_gpu // self.samples_per_task)
+    def tasks_per_step(self, fleet: Fleet, trajectories_per_gpu: int | None = None) -> int:
+        per_gpu = self.trajectories_per_gpu if trajectories_per_gpu is None else trajectories_per_gpu
+        return max(1, fleet.gpus * per_gpu // self.samples_per_task)
 
-    def policies(self, fleet: Fleet) -> list[str]:
+    def policies(self, fleet: Fleet, table: str = "main") -> list[str]:
         count = fleet.engines["count"]
         statics = [f"static-{p}:{count - p}" for p in fleet.static_splits]
-        return ["colocated", "colocated-sticky", *statics, *self.dynamic, "oracle"]
+        colocated = ["colocated", "colocated-sticky"]
+        for i in range(len(fleet.colocated_layouts)):
+            colocated += [f"colocated@{i + 1}", f"colocated-sticky@{i + 1}"]
+        dynamic = list(self.dynamic) if table == "main" else [p for p in self.dynamic if p != "reactive"]
+        return [*colocated, *statics, *dynamic, "oracle"]
+
+    def cases(self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity")) -> list[Case]:
+        fleets = {f.name: f for f in self.fleets}
+        workloads = {w.name: w for w in self.workloads}
+        out: list[Case] = []
+        if "main" in tables:
+            out += [Case("main", f, w, self.trajectories_per_gpu) for f in self.fleets for w in self.workloads]
+        if "sweep" in tables:
+            for fleet_names, workload_names, per_gpu in self.sweep:
+                out += [
+                    Case("sweep", fleets[f], workloads[w], n)
+                    for f in fleet_names for w in workload_names for n in per_gpu if n != self.trajectories_per_gpu
+                ]  # fmt: skip
+        for table, rows in (("ablation", self.ablations), ("sensitivity", self.sensitivity)):
+            if table in tables:
+                out += [Case(table, fleets[f], workloads[w], n, dict(engines), variant) for f, w, n, variant, engines in rows]
+        return out
 
 
 _SWE_SHORT = {"swe": {"turns_max": 16}}  # SWE episodes capped at 16 turns: keeps a step in minutes
+_MOE = {"count": 8, "preset": "h200-qwen3-30b-a3b", "layout": {"dp": 4, "ep": 4}}
+# Stage-specific parallelism: prefill engines run TP over the engine's 4 GPUs (no DP attention,
+# so one long prefill uses all of them and no all-to-all runs), decode engines DP attention + EP.
+_MOE_STAGE = {**_MOE, "prefill_layout": {"tp": 4}, "decode_layout": {"dp": 4, "ep": 4}}
+_DEEPSEEK = {"count": 4, "preset": "h200-deepseek-v3-fp8", "layout": {"dp": 8, "ep": 8}}
+_WORKLOADS = (
+    Workload("swe", {"swe": 1.0}, overrides=_SWE_SHORT),
+    Workload("search", {"search": 1.0}),
+    Workload("math", {"math": 1.0}),
+    Workload("shift", {"math": 0.8, "swe": 0.2}, ({"from_step": 1, "mix": {"swe": 0.8, "search": 0.2}},), _SWE_SHORT, steps=2),
+)
+_ABLATE = ("moe-stage", "swe", 64)
 SUITES = {
-    # The README's suite: a MoE fleet with DP attention inside each engine (where the paper
-    # reports its gains) and a dense 8B fleet (where PD helps less); 32 trajectories per GPU.
+    # The docs' suite (docs/allocation.md): MoE fleets with DP attention inside each engine
+    # (where the paper reports its gains; one with stage-specific layouts), a DeepSeek-V3
+    # fleet (DP attention + EP, where the interference is strongest) and a dense 8B fleet.
     "paper": Suite(
         name="paper",
         fleets=(
-            Fleet("moe", {"count": 8, "preset": "h200-qwen3-30b-a3b", "layout": {"dp": 4, "ep": 4}}, 4, (1, 2, 3, 4)),
+            Fleet("moe", _MOE, 4, (1, 2, 3, 4)),
+            Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=({"tp": 4},)),
+            Fleet("deepseek", _DEEPSEEK, 8, (1, 2)),
             Fleet("dense", {"count": 8, "preset": "h200-qwen3-8b"}, 1, (1, 2, 3, 4)),
         ),
-        workloads=(
-            Workload("swe", {"swe": 1.0}, overrides=_SWE_SHORT),
-            Workload("search", {"search": 1.0}),
-            Workload("math", {"math": 1.0}),
-            Workload("shift", {"math": 0.8, "swe": 0.2}, ({"from_step": 1, "mix": {"swe": 0.8, "search": 0.2}},), _SWE_SHORT, steps=2),
-        ),
+        workloads=_WORKLOADS,
         trajectories_per_gpu=32,
         samples_per_task=8,
         environments=4,
+        sweep=((("moe-stage", "deepseek"), ("swe", "shift"), (16, 32, 64, 128)),),
+        ablations=(
+            (*_ABLATE, "dp_sync=ideal", {"dp_sync": "ideal"}),
+            (*_ABLATE, "kv_writeback=none", {"kv_writeback": "none"}),
+            (*_ABLATE, "kv_writeback=store", {"kv_writeback": "store"}),
+            (*_ABLATE, "stage layouts off", {"prefill_layout": None}),
+        ),
+        sensitivity=(
+            (*_ABLATE, "lockstep constants low", {"lockstep_constants": "low"}),
+            (*_ABLATE, "lockstep constants high", {"lockstep_constants": "high"}),
+        ),
     ),
     # A minute-long check of the machinery (tests and smoke runs).
     "smoke": Suite(
@@ -104,12 +172,23 @@ SUITES = {
 }
 
 
-def run_config(suite: Suite, fleet: Fleet, workload: Workload, policy: str, oracle_log: Path | None = None) -> Config:
+def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = None) -> Config:
+    fleet, workload = case.fleet, case.workload
+    engines = {**fleet.engines, **case.engines, "prefill_engines": max(1, fleet.engines["count"] // 4)}
+    engines = {k: v for k, v in engines.items() if v is not None}
+    if "@" in policy:  # a colocated baseline in another of the fleet's layouts
+        policy, which = policy.split("@")
+        engines["layout"] = fleet.colocated_layouts[int(which) - 1]
     raw = {
-        "run": {"name": f"{suite.name}-{fleet.name}-{workload.name}", "seed": suite.seed, "time_scale": 20.0},
-        "engines": {**fleet.engines, "prefill_engines": max(1, fleet.engines["count"] // 4)},
-        "environments": {"count": suite.environments, "max_live_trajectories": 4096},
-        "trainer": {"steps": workload.steps, "tasks_per_step": suite.tasks_per_step(fleet), "samples_per_task": suite.samples_per_task, "train_s": 60.0},
+        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed, "time_scale": 20.0},
+        "engines": engines,
+        "environments": {"count": suite.environments, "max_live_trajectories": 1 << 16},
+        "trainer": {
+            "steps": workload.steps,
+            "tasks_per_step": suite.tasks_per_step(fleet, case.trajectories_per_gpu),
+            "samples_per_task": suite.samples_per_task,
+            "train_s": 60.0,
+        },
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else ""},
     }
@@ -167,15 +246,22 @@ def trajectory_times(events: pl.DataFrame) -> pl.Series:
     return started.join(finished, on="trajectory_id").select(pl.col("t1") - pl.col("t0"))["t1"]
 
 
-def record(fleet: Fleet, workload: Workload, config: Config, summary: dict, out: Path) -> dict:
+def record(case: Case, policy: str, config: Config, summary: dict, out: Path) -> dict:
     events = load_events(out / "events.parquet")
     times = trajectory_times(events)
     role_switches = events.filter(pl.col("kind") == "role_switched").height
     return {
-        "fleet": fleet.name,
-        "workload": workload.name,
+        "table": case.table,
+        "fleet": case.fleet.name,
+        "workload": case.workload.name,
+        "trajectories_per_gpu": case.trajectories_per_gpu,
+        "variant": case.variant,
         "mode": config.run.mode,
-        "policy": policy_label(config),
+        "policy": policy,
+        "dp_sync": config.engines.dp_sync,
+        "kv_writeback": config.engines.kv_writeback,
+        "lockstep_constants": config.engines.lockstep_constants,
+        "stage_layouts": config.engines.prefill_layout is not None or config.engines.decode_layout is not None,
         "status": summary["status"],
         "rollout_s": round(sum(s["rollout_s"] for s in summary["steps"]), 2),
         "step_rollout_s": [s["rollout_s"] for s in summary["steps"]],
@@ -192,11 +278,13 @@ def record(fleet: Fleet, workload: Workload, config: Config, summary: dict, out:
 
 
 # --- the suite ---------------------------------------------------------------------------
-def run_suite(suite: Suite, out: Path, live: bool = False, jobs: int = 2) -> list[dict]:
+def run_suite(
+    suite: Suite, out: Path, live: bool = False, jobs: int = 2, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity")
+) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    plan: list[tuple[Fleet, Workload, str]] = [(f, w, p) for f in suite.fleets for w in suite.workloads for p in suite.policies(f)]
-    first = [x for x in plan if x[2] != "oracle"]
-    second = [x for x in plan if x[2] == "oracle"]
+    plan = [(case, p) for case in suite.cases(tables) for p in suite.policies(case.fleet, case.table)]
+    first = [x for x in plan if x[1] != "oracle"]
+    second = [x for x in plan if x[1] == "oracle"]
     results: list[dict] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     ctx = multiprocessing.get_context("spawn")
@@ -204,63 +292,100 @@ def run_suite(suite: Suite, out: Path, live: bool = False, jobs: int = 2) -> lis
         bar = progress.add_task(f"rollout bench {suite.name} ({'live' if live else 'virtual time'})", total=len(plan))
         for batch in (first, second):
             configs = []
-            for fleet, workload, policy in batch:
-                run_dir = out / "runs" / f"{fleet.name}-{workload.name}-{policy.replace(':', '-')}"
-                oracle_log = out / "runs" / f"{fleet.name}-{workload.name}-prorsa" / "events.parquet" if policy == "oracle" else None
-                config = run_config(suite, fleet, workload, policy, oracle_log)
-                configs.append((fleet, workload, config, run_dir))
+            for case, policy in batch:
+                run_dir = out / "runs" / f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
+                oracle_log = None
+                if policy == "oracle":
+                    oracle_log = out / "runs" / f"{case.key}-prorsa".replace(" ", "_").replace("=", "-") / "events.parquet"
+                configs.append((case, policy, run_config(suite, case, policy, oracle_log), run_dir))
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
-            for (fleet, workload, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
-                results.append(record(fleet, workload, config, summary, run_dir))
-                progress.update(bar, advance=1, description=f"{fleet.name}/{workload.name}/{policy_label(config)}")
+            for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
+                results.append(record(case, policy, config, summary, run_dir))
+                progress.update(bar, advance=1, description=f"{case.key}/{policy}")
+                (out / "results.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     add_speedups(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(results_markdown(results))
     from runners.timeline import plot_timelines
 
-    plot_timelines(results, out)
+    plot_timelines([r for r in results if r["table"] == "main"], out)
     return results
 
 
+def _case_key(r: dict) -> tuple:
+    return (r["table"], r["fleet"], r["workload"], r["trajectories_per_gpu"], r["variant"])
+
+
 def add_speedups(results: list[dict]) -> None:
-    base = {(r["fleet"], r["workload"]): r["rollout_s"] for r in results if r["policy"] == "colocated"}
+    base = {_case_key(r): r["rollout_s"] for r in results if r["policy"] == "colocated"}
     for r in results:
-        b = base.get((r["fleet"], r["workload"]))
+        b = base.get(_case_key(r))
         r["speedup_vs_colocated"] = round(b / r["rollout_s"], 3) if b and r["rollout_s"] > 0 else None
 
 
+def best_of(rows: list[dict], family: str) -> dict | None:
+    """The fastest run of a policy family: `static` (any split) or a colocated baseline in any layout."""
+    if family == "static":
+        pick = [r for r in rows if r["policy"].startswith("static-")]
+    else:
+        pick = [r for r in rows if r["policy"].split("@")[0] == family]
+    return min(pick, key=lambda r: r["rollout_s"], default=None)
+
+
 def best_static(results: list[dict], fleet: str, workload: str) -> dict | None:
-    statics = [r for r in results if r["fleet"] == fleet and r["workload"] == workload and r["policy"].startswith("static-")]
-    return min(statics, key=lambda r: r["rollout_s"], default=None)
+    return best_of([r for r in results if r["fleet"] == fleet and r["workload"] == workload], "static")
+
+
+def comparisons(results: list[dict]) -> list[dict]:
+    """Per case: prorsa against the best colocated, colocated-sticky (either layout), the best
+    static split (hindsight) and oracle; ratios > 1 mean prorsa is faster."""
+    out = []
+    for key in dict.fromkeys(_case_key(r) for r in results):
+        rows = [r for r in results if _case_key(r) == key]
+        by = {r["policy"]: r for r in rows}
+        if "prorsa" not in by:
+            continue
+        p = by["prorsa"]["rollout_s"]
+        row = dict(zip(("table", "fleet", "workload", "trajectories_per_gpu", "variant"), key))
+        row["prorsa_s"] = p
+        for family in ("colocated", "colocated-sticky", "static"):
+            best = best_of(rows, family)
+            row[f"vs_{family}"] = round(best["rollout_s"] / p, 3) if best else None
+            row[f"best_{family}"] = best["policy"] if best else None
+        row["vs_reactive"] = round(by["reactive"]["rollout_s"] / p, 3) if "reactive" in by else None
+        row["of_oracle"] = round(by["oracle"]["rollout_s"] / p, 3) if "oracle" in by else None
+        row["static_vs_sticky"] = (
+            round(best_of(rows, "colocated-sticky")["rollout_s"] / best_of(rows, "static")["rollout_s"], 3)
+            if best_of(rows, "static") and best_of(rows, "colocated-sticky") else None
+        )  # fmt: skip
+        row["prorsa_switches"] = by["prorsa"]["role_switches"]
+        out.append(row)
+    return out
 
 
 def results_markdown(results: list[dict]) -> str:
     lines = [
-        "| fleet | workload | policy | rollout s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| table | fleet | workload | traj/GPU | variant | policy | rollout s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
+        "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         bound = r["rollout_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
+        speedup = f"{r['speedup_vs_colocated']:.3f}x" if r["speedup_vs_colocated"] else "-"
         lines.append(
-            f"| {r['fleet']} | {r['workload']} | {r['policy']} | {r['rollout_s']:.1f} | {r['speedup_vs_colocated']:.3f}x | "
-            f"{r['role_switches']} | {r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
+            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {r['policy']} | "
+            f"{r['rollout_s']:.1f} | {speedup} | {r['role_switches']} | {r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
-    lines += ["", "prorsa against the others (ratio > 1: prorsa faster):", "",
-              "| fleet | workload | vs colocated | vs colocated-sticky | vs best static | vs reactive | of oracle |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for fleet, workload in dict.fromkeys((r["fleet"], r["workload"]) for r in results):
-        by = {r["policy"]: r["rollout_s"] for r in results if r["fleet"] == fleet and r["workload"] == workload}
-        if "prorsa" not in by:
-            continue
-        p = by["prorsa"]
-        static = best_static(results, fleet, workload)
+    lines += ["", "prorsa against the others (ratio > 1: prorsa faster; colocated baselines: the better layout):", "",
+              "| table | fleet | workload | traj/GPU | variant | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
+              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
 
-        def ratio(other: float | None) -> str:
-            return f"{other / p:.3f}x" if other else "-"
+    def cell(x: float | None) -> str:
+        return f"{x:.3f}x" if x else "-"
 
-        static_cell = f"{ratio(static['rollout_s'])} ({static['policy']})" if static else "-"
+    for c in comparisons(results):
         lines.append(
-            f"| {fleet} | {workload} | {ratio(by.get('colocated'))} | {ratio(by.get('colocated-sticky'))} | {static_cell} | "
-            f"{ratio(by.get('reactive'))} | {ratio(by.get('oracle'))} |"
+            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {cell(c['vs_colocated'])} | "
+            f"{cell(c['vs_colocated-sticky'])} | {cell(c['vs_static'])} ({c['best_static']}) | {cell(c['static_vs_sticky'])} | "
+            f"{cell(c['vs_reactive'])} | {cell(c['of_oracle'])} | {c['prorsa_switches']} |"
         )
     return "\n".join(lines) + "\n"
