@@ -270,10 +270,13 @@ class AllocatorSection(_Section):
     prefill_target_util: float = 0.8  # size prefill capacity so its utilisation stays at this
     decode_tpot_slack: float = 2.0  # a decode engine is "full" at the batch whose step time is this x its minimum
     min_gain_s: float = 2.0  # a change must save at least this many engine-seconds over the horizon, net of its cost
-    # Colocation or PD: with prefill load (in engines, long prefills only) above this the fleet
+    # Colocation or PD (actors/allocator/policy.py): "cost-model" compares the fleet's load
+    # colocated with the PD split's, both from the cost model, net of the switches' cost;
+    # "thresholds" uses the two thresholds below; "never" always splits.
+    colocation: Literal["cost-model", "thresholds", "never"] = "cost-model"
+    # "thresholds": with prefill load (in engines, long prefills only) above this the fleet
     # splits into prefill and decode engines; below `colocate_below_engines` it goes back to
-    # colocated. Set from the rollout bench: PD phases at ~0.8 engines of long-prefill load cost
-    # 3-4% against staying colocated with per-turn placement (README, "The rollout bench")
+    # colocated (0: never colocated). Set from an earlier rollout bench, before the cost-model rule.
     disaggregate_above_engines: float = 1.0
     colocate_below_engines: float = 0.5
     oracle_log: str = ""  # oracle: events.parquet of a recorded run of the same workload

@@ -123,7 +123,11 @@ _SWE_SHORT = {"swe": {"turns_max": 16}}  # SWE episodes capped at 16 turns: keep
 _MOE = {"count": 8, "preset": "h200-qwen3-30b-a3b", "layout": {"dp": 4, "ep": 4}}
 # Stage-specific parallelism: prefill engines run TP over the engine's 4 GPUs (no DP attention,
 # so one long prefill uses all of them and no all-to-all runs), decode engines DP attention + EP.
-_MOE_STAGE = {**_MOE, "prefill_layout": {"tp": 4}, "decode_layout": {"dp": 4, "ep": 4}}
+# Colocated engines mix prefill and decode in every step, which under DP attention makes every
+# mixed step eager with normal-mode all-to-all: they run TP too; the colocated baselines also
+# run the DP layout (`colocated_layouts`) and the tables compare against the better one.
+_DP4_EP4 = {"dp": 4, "ep": 4}
+_MOE_STAGE = {**_MOE, "layout": {"tp": 4}, "prefill_layout": {"tp": 4}, "decode_layout": _DP4_EP4}
 _DEEPSEEK = {"count": 4, "preset": "h200-deepseek-v3-fp8", "layout": {"dp": 8, "ep": 8}}
 _WORKLOADS = (
     Workload("swe", {"swe": 1.0}, overrides=_SWE_SHORT),
@@ -140,7 +144,7 @@ SUITES = {
         name="paper",
         fleets=(
             Fleet("moe", _MOE, 4, (1, 2, 3, 4)),
-            Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=({"tp": 4},)),
+            Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=(_DP4_EP4,)),
             Fleet("deepseek", _DEEPSEEK, 8, (1, 2)),
             Fleet("dense", {"count": 8, "preset": "h200-qwen3-8b"}, 1, (1, 2, 3, 4)),
         ),
@@ -153,7 +157,7 @@ SUITES = {
             (*_ABLATE, "dp_sync=ideal", {"dp_sync": "ideal"}),
             (*_ABLATE, "kv_writeback=none", {"kv_writeback": "none"}),
             (*_ABLATE, "kv_writeback=store", {"kv_writeback": "store"}),
-            (*_ABLATE, "stage layouts off", {"prefill_layout": None}),
+            (*_ABLATE, "stage layouts off", {"layout": _DP4_EP4, "prefill_layout": None, "decode_layout": None}),
         ),
         sensitivity=(
             (*_ABLATE, "lockstep constants low", {"lockstep_constants": "low"}),

@@ -24,7 +24,7 @@ def fleet(roles: list[Role], now_s: float = 100.0, **per_engine) -> Fleet:
 
 
 def split(name="prorsa", weigh_cost=True, **allocator) -> Split:
-    thresholds = {"disaggregate_above_engines": 0.5, "colocate_below_engines": 0.25}  # the mechanism, not the defaults
+    thresholds = {"colocation": "thresholds", "disaggregate_above_engines": 0.5, "colocate_below_engines": 0.25}  # the mechanism, not the defaults
     return Split(name, ENGINES, AllocatorSection(**{**thresholds, **allocator}), weigh_cost=weigh_cost)
 
 
@@ -173,3 +173,43 @@ def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
     assert router.route("", "", 0, 3000) == "e0"  # a first prompt goes to the prefill engine
     assert router.route("e1", "e0", 2000, 1500) == "e0"  # a long append on a short context too
     assert router.counters()["prefill_short_tokens"] == 3400 and router.counters()["prefill_long_tokens"] == 4500
+
+
+# --- colocation or PD from the cost model (allocator.colocation = "cost-model") --------------------
+
+
+def cost_model_split(engines: EngineSection = ENGINES, weigh_cost: bool = True) -> Split:
+    return Split("prorsa", engines, AllocatorSection(), weigh_cost=weigh_cost)
+
+
+def test_cost_model_colocated_load_charges_eager_decode_steps_on_dp_groups_only():
+    from actors.allocator.policy import colocated_load
+
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    ideal = CapacityModel(EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync="ideal"), 2.0).at(4096)
+    assert cap.colocated_mixed_penalty == 0.5 and ideal.colocated_mixed_penalty == 0.0
+    demand = demand_for((4.0, 4.0))
+    util = AllocatorSection().prefill_target_util
+    prefill, decode = 4.0, 4.0  # same layout everywhere: the colocated loads equal the stage loads
+    assert abs(colocated_load(demand, cap, util, 8) - (prefill + decode * (1 + 0.5 * prefill / 8))) < 1e-6
+    prefill_ideal = demand.prefill_tokens_per_s * ideal.colocated_prefill_s_per_token / util
+    assert prefill_ideal < prefill  # no normal-mode all-to-all in an ideal group's prefill steps
+    assert abs(colocated_load(demand, ideal, util, 8) - (prefill_ideal + decode)) < 1e-6
+
+
+def test_cost_model_splits_only_when_the_saving_pays_for_every_switch():
+    colocated = [C] * 8
+    light = cost_model_split().decide(demand_for((2.0, 2.0)), fleet(colocated))
+    assert light == []  # 1 engine-s saved over the horizon against 20 s of drains: stay colocated
+    heavy = cost_model_split().decide(demand_for((6.0, 6.0)), fleet(colocated))
+    assert {c.role for c in heavy} == {P, D} and sum(c.role is P for c in heavy) == 4
+    ideal = EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync="ideal")
+    assert cost_model_split(ideal).decide(demand_for((6.0, 6.0)), fleet(colocated)) == []  # nothing removed by a split
+
+
+def test_cost_model_goes_back_to_colocated_when_that_saves_more_than_the_switches():
+    pd = [P, P, P, P, D, D, D, D]
+    back = cost_model_split().decide(demand_for((0.2, 6.0)), fleet(pd))  # 4 prefill engines idle, decode overloaded
+    assert len(back) == 8 and {c.role for c in back} == {C}
+    policy = cost_model_split()
+    assert policy.decide(demand_for((6.0, 6.0)), fleet(pd)) == [] and policy.last_reason.startswith("hold 4:4")

@@ -163,7 +163,7 @@ def test_prorsa_switches_roles_on_a_real_bus_and_loses_nothing(tmp_path: Path):
     finishes with every transition in the log."""
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2)
     with config.open("a") as f:
-        f.write("\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ndisaggregate_above_engines = 0.0\ncolocate_below_engines = 0.0\n")
+        f.write("\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = \"never\"\n")
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300

@@ -67,14 +67,15 @@ def test_paper_suite_plans_the_pd_tables_with_their_settings():
     ideal = run_config(suite, by_variant["dp_sync=ideal"], "prorsa")
     assert ideal.engines.dp_sync == "ideal"
     assert run_config(suite, by_variant["kv_writeback=none"], "prorsa").engines.kv_writeback == "none"
-    assert run_config(suite, by_variant["stage layouts off"], "prorsa").engines.prefill_layout is None
+    off = run_config(suite, by_variant["stage layouts off"], "prorsa").engines
+    assert off.prefill_layout is None and off.decode_layout is None and off.layout.dp == 4
     assert run_config(suite, by_variant["lockstep constants high"], "prorsa").engines.lockstep_constants == "high"
     stage = next(c for c in cases if c.table == "main" and c.fleet.name == "moe-stage")
     assert "colocated-sticky@1" in suite.policies(stage.fleet)  # colocated baselines in the prefill layout too
     other_layout = run_config(suite, stage, "colocated-sticky@1")
-    assert other_layout.run.policy == "colocated-sticky" and other_layout.engines.layout.tp == 4
+    assert other_layout.run.policy == "colocated-sticky" and other_layout.engines.layout.dp == 4
     main = run_config(suite, stage, "prorsa")
-    assert main.engines.prefill_layout.tp == 4 and main.engines.layout.dp == 4
+    assert main.engines.prefill_layout.tp == 4 and main.engines.decode_layout.dp == 4 and main.engines.layout.tp == 4
     per_gpu_128 = next(c for c in cases if c.trajectories_per_gpu == 128 and c.fleet.name == "deepseek")
     config = run_config(suite, per_gpu_128, "colocated")
     assert config.trainer.tasks_per_step * config.trainer.samples_per_task == 128 * per_gpu_128.fleet.gpus

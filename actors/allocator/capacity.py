@@ -22,6 +22,15 @@ class Capacity:
     decode_kv_tokens: int  # KV pool of a decode engine
     min_tpot_s: float  # a decode engine's fastest step (one sequence per rank)
     switch_s: float  # reconfiguration of a prefill <-> decode switch (drain comes on top)
+    # the same engines colocated (their colocated layout), for the colocation-or-PD choice
+    colocated_prefill_s_per_token: float = 0.0
+    colocated_decode_full_seqs: int = 1
+    colocated_kv_tokens: int = 1
+    # extra decode time per unit of decode load while some rank of a colocated engine
+    # prefills: a DP-attention group runs every mixed step eagerly (eager factor - 1); 0
+    # where the colocated layout has one rank (no lockstep)
+    colocated_mixed_penalty: float = 0.0
+    colocated_switch_s: float = 0.0  # reconfiguration of a colocated <-> prefill or decode switch
 
 
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
@@ -36,9 +45,11 @@ def decode_step_s(preset: CostPreset, seqs: int, context_tokens: int) -> float:
     return group_iteration_s(preset, [RankLoad((), n, n * context_tokens) for n in per_rank])
 
 
-def decode_full_seqs(preset: CostPreset, context_tokens: int, slack: float, cap: int) -> int:
-    """Largest batch (<= cap) whose step time stays within `slack` x the fastest step."""
-    limit_s = slack * decode_step_s(preset, preset.dp_ranks, context_tokens)
+def decode_full_seqs(preset: CostPreset, context_tokens: int, slack: float, cap: int, limit_s: float | None = None) -> int:
+    """Largest batch (<= cap) whose step time stays within `slack` x the fastest step (or
+    within `limit_s`: another layout's limit, so two layouts are held to one TPOT)."""
+    if limit_s is None:
+        limit_s = slack * decode_step_s(preset, preset.dp_ranks, context_tokens)
     lo, hi = preset.dp_ranks, cap
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -69,10 +80,23 @@ class CapacityModel:
         prefill, decode = engines.cost_preset(Role.PREFILL), engines.cost_preset(Role.DECODE)
         kv_seq_cap = max(decode.dp_ranks, int(0.9 * decode.kv_capacity_tokens / context_tokens))
         cap = min(engines.max_decode_seqs * decode.dp_ranks, kv_seq_cap)
+        colocated = engines.cost_preset(Role.COLOCATED)
+        colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(0.9 * colocated.kv_capacity_tokens / context_tokens)))
+        lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
         return Capacity(
             prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),
             decode_full_seqs=decode_full_seqs(decode, context_tokens, self.slack, cap),
             decode_kv_tokens=decode.kv_capacity_tokens,
             min_tpot_s=decode_step_s(decode, decode.dp_ranks, context_tokens),
             switch_s=switch_reconfig_s(engines, Role.PREFILL, Role.DECODE),
+            colocated_prefill_s_per_token=prefill_s_per_token(colocated, engines.max_batch_tokens, context_tokens),
+            # held to the decode engines' TPOT limit, so the two are compared at one token latency
+            colocated_decode_full_seqs=decode_full_seqs(
+                colocated, context_tokens, self.slack, colocated_cap, self.slack * decode_step_s(decode, decode.dp_ranks, context_tokens)
+            ),
+            colocated_kv_tokens=colocated.kv_capacity_tokens,
+            colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
+            colocated_switch_s=max(
+                switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
+            ),
         )

@@ -15,11 +15,21 @@ utilisation, before vs after, times the fleet) than the switching engines lose (
 reconfiguration), with hysteresis (`min_gain_s`) and a minimum dwell per engine. The
 engines that switch are those with the least in-flight work.
 
-Colocation is one of the choices: when the long prefills (those per-turn placement sends to
-prefill engines; short appends are prefilled where their KV lives, on the decode side) would
-not keep `disaggregate_above_engines` of an engine busy, or too little is decoding for them
-to stall (`DECODE_LOAD_FOR_PD` times that), every engine goes colocated, and the fleet
-splits again above that (back below `colocate_below_engines`: hysteresis).
+Colocation is one of the choices (`allocator.colocation`):
+
+* "cost-model" (default): the fleet's load colocated — every prefill token at the colocated
+  layout's cost, the decode load at its capacity, plus the eager decode steps that a
+  DP-attention group runs while any rank prefills — against the PD split's bottleneck load
+  times the fleet, both from the cost model at the demand's context. A colocated fleet
+  splits only when the engine-seconds saved over the horizon pay for every engine's switch
+  (drain of the engines going to prefill + reconfiguration, a layout reload included); a
+  split fleet goes back when colocation saves more than its switches cost. `prorsa` and
+  `oracle` weigh it so; `reactive` takes the lower load. No threshold is tuned per workload:
+  where splitting does not pay, the fleet stays colocated.
+* "thresholds": the earlier rule — colocated while the long prefills would not keep
+  `disaggregate_above_engines` of an engine busy or too little is decoding for them to stall
+  (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
+* "never": always a PD split.
 """
 
 from __future__ import annotations
@@ -139,6 +149,21 @@ def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> 
     return min(n - 1, max(1, round(n * prefill / (prefill + decode))))
 
 
+def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
+    """The fleet's load in engines with every engine colocated: all prefill tokens at the
+    colocated layout's cost (with the target utilisation's headroom, as the prefill side
+    gets), the decode load at its capacity, and the eager decode steps that DP-attention
+    ranks run while a peer prefills (the share of time an engine prefills, times the decode
+    load, times the eager factor - 1)."""
+    prefill = demand.prefill_tokens_per_s * cap.colocated_prefill_s_per_token / util
+    decode = max(
+        demand.decode_seqs / cap.colocated_decode_full_seqs,
+        demand.decode_seqs * demand.decode_context_tokens / (0.9 * cap.colocated_kv_tokens),
+    )
+    mixed_share = min(1.0, prefill / max(n, 1))
+    return prefill + decode * (1.0 + cap.colocated_mixed_penalty * mixed_share)
+
+
 def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:
     """Utilisation of the busier stage with `n_prefill` prefill engines."""
     prefill, decode = loads
@@ -174,14 +199,11 @@ class Split:
             self.last_reason = "idle: no demand, no change"
             return []
         colocated_now = all(e.role is Role.COLOCATED for e in usable)
-        threshold = self.config.disaggregate_above_engines if colocated_now else self.config.colocate_below_engines
-        # PD pays when long prefills would stall decodes: both stages need work (a sync step's
-        # opening burst of prompts, with nothing decoding yet, is served best colocated)
-        contended = loads[0] >= threshold and loads[1] >= threshold * DECODE_LOAD_FOR_PD
-        if n < 2 or (not contended and self.config.colocate_below_engines > 0):
-            self.last_reason = f"colocated: prefill load {loads[0]:.2f}, decode load {loads[1]:.2f} engines ({demand.source})"
-            return [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
         current = sum(e.role is Role.PREFILL for e in usable)
+        colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
+        if colocate:
+            self.last_reason = colocate
+            return [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
         target = target_prefill_engines(loads, n, current)
         pd_roles = all(e.role is not Role.COLOCATED for e in usable)
         if target == current and pd_roles:
@@ -197,6 +219,36 @@ class Split:
                 return []
         self.last_reason = f"{current}:{n - current} -> {target}:{n - target} ({demand.source})"
         return self._pick(usable, target, fleet.now_s)
+
+    def _colocate(self, demand: Demand, cap: Capacity, loads: tuple[float, float], n: int, current: int, colocated_now: bool) -> str:
+        """Why the fleet should be (or stay) colocated; "" if a PD split it is."""
+        mode = self.config.colocation
+        where = f"({demand.source})"
+        if n < 2:
+            return f"colocated: {n} engine {where}"
+        if mode == "never":
+            return ""
+        if mode == "thresholds":
+            threshold = self.config.disaggregate_above_engines if colocated_now else self.config.colocate_below_engines
+            # PD pays when long prefills would stall decodes: both stages need work
+            contended = loads[0] >= threshold and loads[1] >= threshold * DECODE_LOAD_FOR_PD
+            if not contended and self.config.colocate_below_engines > 0:
+                return f"colocated: prefill load {loads[0]:.2f}, decode load {loads[1]:.2f} engines {where}"
+            return ""
+        target = target_prefill_engines(loads, n, max(1, current))
+        pd_load = n * bottleneck(loads, target, n)
+        coloc_load = colocated_load(demand, cap, self.config.prefill_target_util, n)
+        loads_note = f"colocated load {coloc_load:.2f} vs PD {target}:{n - target} {pd_load:.2f} engines {where}"
+        if not self.weigh_cost:
+            return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
+        horizon_s = self.config.horizon_s
+        if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
+            cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s
+            gain_s = (coloc_load - pd_load) * horizon_s
+            return "" if gain_s - cost_s >= self.config.min_gain_s else f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
+        cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
+        gain_s = (pd_load - coloc_load) * horizon_s
+        return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}" if gain_s - cost_s >= self.config.min_gain_s else ""
 
     def _pick(self, usable: list[EngineState], target: int, now_s: float) -> list[RoleChange]:
         """Role changes reaching `target` prefill engines, moving the least busy engines that
