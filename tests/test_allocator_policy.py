@@ -213,3 +213,17 @@ def test_cost_model_goes_back_to_colocated_when_that_saves_more_than_the_switche
     assert len(back) == 8 and {c.role for c in back} == {C}
     policy = cost_model_split()
     assert policy.decide(demand_for((6.0, 6.0)), fleet(pd)) == [] and policy.last_reason.startswith("hold 4:4")
+
+
+def test_a_working_set_the_decode_side_cannot_hold_keeps_the_fleet_colocated():
+    from dataclasses import replace
+
+    colocated = [C] * 8
+    heavy = demand_for((6.0, 6.0))
+    assert cost_model_split().decide(heavy, fleet(colocated)) != []  # splits when the KV fits
+    kv_per_engine = CapacityModel(ENGINES, 2.0).at(4096).decode_kv_tokens
+    full = replace(heavy, kv_working_set_tokens=0.8 * 8 * kv_per_engine)  # the fleet's KV 80% full, between turns
+    policy = cost_model_split()
+    assert policy.decide(full, fleet(colocated)) == [] and policy.last_reason.startswith("colocated")
+    fleet_now = fleet(colocated, kv_held_tokens=[100] * 8)
+    assert fleet_now.kv_working_set_tokens == 800

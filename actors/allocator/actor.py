@@ -119,6 +119,7 @@ class AllocatorActor(Actor):
                     waiting_prefill_tokens=s.waiting_prefill_tokens,
                     running_decode=s.running_decode,
                     decode_context_tokens=s.decode_context_tokens,
+                    kv_held_tokens=s.kv_used_tokens + s.cached_prefix_tokens,
                     held_kv_handles=s.held_kv_handles,
                     role_since_s=s.role_since_s,
                     switching=s.switching or pending is not None,
@@ -150,7 +151,8 @@ class AllocatorActor(Actor):
         if changes:
             self.epoch += 1
             self.counters["rounds_with_switches"] += 1
-            self.log.info("epoch %d: %s", self.epoch, ", ".join(f"{c.engine_id}->{c.role.value}" for c in changes))
+            why = getattr(self.policy, "last_reason", "") or changes[0].why
+            self.log.info("epoch %d: %s (%s)", self.epoch, ", ".join(f"{c.engine_id}->{c.role.value}" for c in changes), why)
             for change in changes:
                 self.pending[change.engine_id] = change.role
                 self.spawn(self._command(change, self.epoch), f"set-role-{change.engine_id}-{self.epoch}")

@@ -27,6 +27,7 @@ def from_queues(fleet: Fleet, horizon_s: float) -> Demand:
         decode_seqs=float(fleet.running_decode),
         decode_context_tokens=fleet.mean_decode_context_tokens,
         source="queues",
+        kv_working_set_tokens=float(fleet.kv_working_set_tokens),
     )
 
 
@@ -44,6 +45,8 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float) -> D
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
         decode_context_tokens=fleet.mean_decode_context_tokens,
         source=f"forecast@{forecast.as_of_s:.0f}s",
+        prefill_new_tokens_per_s=mean("prefill_new_tokens") / forecast.bin_s,
+        kv_working_set_tokens=float(fleet.kv_working_set_tokens),
     )
 
 
@@ -53,16 +56,19 @@ class RecordedDemand:
     def __init__(self, events: pl.DataFrame) -> None:
         series = bin_events(events, ORACLE_BIN_S)
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
+        self.new_tokens = np.asarray(totals(series, "prefill_new_tokens"), dtype=float)
         self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
 
     def at(self, fleet: Fleet, horizon_s: float) -> Demand:
         lo = int(fleet.now_s // ORACLE_BIN_S)
         hi = max(lo + 1, int((fleet.now_s + horizon_s) // ORACLE_BIN_S))
-        window_p, window_d = self.prefill_tokens[lo:hi], self.decode_seqs[lo:hi]
+        window_p, window_d, window_n = self.prefill_tokens[lo:hi], self.decode_seqs[lo:hi], self.new_tokens[lo:hi]
         return Demand(
             prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S
             + fleet.waiting_prefill_tokens / horizon_s,
             decode_seqs=float(window_d.mean()) if len(window_d) else 0.0,
             decode_context_tokens=fleet.mean_decode_context_tokens,
             source="oracle",
+            prefill_new_tokens_per_s=(float(window_n.mean()) if len(window_n) else 0.0) / ORACLE_BIN_S,
+            kv_working_set_tokens=float(fleet.kv_working_set_tokens),
         )

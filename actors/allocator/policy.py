@@ -34,7 +34,7 @@ Colocation is one of the choices (`allocator.colocation`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
@@ -42,7 +42,8 @@ from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
 DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
-DECODE_LOAD_FOR_PD = 2.0  # splitting also needs this many times the prefill threshold of decode load
+DECODE_LOAD_FOR_PD = 2.0
+MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens per new token  # splitting also needs this many times the prefill threshold of decode load
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class EngineState:
     waiting_prefill_tokens: int = 0
     running_decode: int = 0
     decode_context_tokens: int = 0
+    kv_held_tokens: int = 0  # KV resident or cached (trajectories between turns included)
     held_kv_handles: int = 0
     role_since_s: float = 0.0
     switching: bool = False
@@ -80,6 +82,12 @@ class Fleet:
         return sum(e.decode_context_tokens for e in self.engines) / seqs if seqs else DEFAULT_CONTEXT_TOKENS
 
     @property
+    def kv_working_set_tokens(self) -> int:
+        """KV the fleet holds now, live trajectories between turns included: a lower bound on
+        the working set (what eviction already dropped is not counted)."""
+        return sum(e.kv_held_tokens for e in self.engines)
+
+    @property
     def waiting_prefill_tokens(self) -> int:
         return sum(e.waiting_prefill_tokens for e in self.engines)
 
@@ -97,6 +105,8 @@ class Demand:
     decode_context_tokens: float = DEFAULT_CONTEXT_TOKENS  # their mean context
     source: str = ""  # "queues", "forecast", "oracle"
     remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
+    kv_working_set_tokens: float = 0.0  # KV of every live trajectory, between turns included (fleet now)
+    prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +146,15 @@ def stage_loads(demand: Demand, cap: Capacity, util: float) -> tuple[float, floa
     remote = demand.prefill_tokens_per_s * demand.remote_share
     local = demand.prefill_tokens_per_s - remote
     prefill = remote * cap.prefill_s_per_token / util
-    decode = max(demand.decode_seqs / cap.decode_full_seqs, demand.decode_seqs * demand.decode_context_tokens / (0.9 * cap.decode_kv_tokens))
+    decode = max(demand.decode_seqs / cap.decode_full_seqs, kv_tokens(demand) / (0.9 * cap.decode_kv_tokens))
     return prefill, decode + local * cap.prefill_s_per_token
+
+
+def kv_tokens(demand: Demand) -> float:
+    """KV the decode side must hold: the decoding sequences' contexts, or the whole working set
+    where that is larger — per-turn placement keeps each trajectory's history where it last
+    decoded, so between turns it stays on the decode engines (or is recomputed)."""
+    return max(demand.decode_seqs * demand.decode_context_tokens, demand.kv_working_set_tokens)
 
 
 def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:
@@ -156,10 +173,7 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
     ranks run while a peer prefills (the share of time an engine prefills, times the decode
     load, times the eager factor - 1)."""
     prefill = demand.prefill_tokens_per_s * cap.colocated_prefill_s_per_token / util
-    decode = max(
-        demand.decode_seqs / cap.colocated_decode_full_seqs,
-        demand.decode_seqs * demand.decode_context_tokens / (0.9 * cap.colocated_kv_tokens),
-    )
+    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
     mixed_share = min(1.0, prefill / max(n, 1))
     return prefill + decode * (1.0 + cap.colocated_mixed_penalty * mixed_share)
 
@@ -180,6 +194,10 @@ class Split:
     weigh_cost: bool = True  # prorsa / oracle: a change must pay for its switches
     capacity: CapacityModel = field(init=False)
     last_reason: str = ""
+    # prefill tokens computed per new token, learned in each arrangement ("colocated", "pd"):
+    # a PD split recomputes what per-turn placement cannot keep where its KV is, so the demand
+    # measured while colocated under-states a split's prefill work, and the reverse
+    miss_ratio: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
@@ -200,6 +218,8 @@ class Split:
             return []
         colocated_now = all(e.role is Role.COLOCATED for e in usable)
         current = sum(e.role is Role.PREFILL for e in usable)
+        pd_now = all(e.role is not Role.COLOCATED for e in usable)
+        self._learn_miss_ratio(demand, "colocated" if colocated_now else "pd" if pd_now else "")
         colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
         if colocate:
             self.last_reason = colocate
@@ -220,6 +240,21 @@ class Split:
         self.last_reason = f"{current}:{n - current} -> {target}:{n - target} ({demand.source})"
         return self._pick(usable, target, fleet.now_s)
 
+    def _learn_miss_ratio(self, demand: Demand, arrangement: str) -> None:
+        if not arrangement or demand.prefill_new_tokens_per_s <= 0:
+            return
+        ratio = demand.prefill_tokens_per_s / demand.prefill_new_tokens_per_s
+        old = self.miss_ratio.get(arrangement)
+        self.miss_ratio[arrangement] = ratio if old is None else old + MISS_RATIO_WEIGHT * (ratio - old)
+
+    def _as_in(self, demand: Demand, arrangement: str, now: str) -> Demand:
+        """The demand scaled to the prefill work `arrangement` was seen to compute per new token,
+        against the arrangement `now` it was measured in (unscaled where either is unknown)."""
+        ratio, ratio_now = self.miss_ratio.get(arrangement), self.miss_ratio.get(now)
+        if ratio is None or not ratio_now or arrangement == now:
+            return demand
+        return replace(demand, prefill_tokens_per_s=demand.prefill_tokens_per_s * ratio / ratio_now)
+
     def _colocate(self, demand: Demand, cap: Capacity, loads: tuple[float, float], n: int, current: int, colocated_now: bool) -> str:
         """Why the fleet should be (or stay) colocated; "" if a PD split it is."""
         mode = self.config.colocation
@@ -235,9 +270,12 @@ class Split:
             if not contended and self.config.colocate_below_engines > 0:
                 return f"colocated: prefill load {loads[0]:.2f}, decode load {loads[1]:.2f} engines {where}"
             return ""
-        target = target_prefill_engines(loads, n, max(1, current))
-        pd_load = n * bottleneck(loads, target, n)
-        coloc_load = colocated_load(demand, cap, self.config.prefill_target_util, n)
+        util = self.config.prefill_target_util
+        now = "colocated" if colocated_now else "pd" if current else ""
+        pd_loads = stage_loads(self._as_in(demand, "pd", now), cap, util)
+        target = target_prefill_engines(pd_loads, n, max(1, current))
+        pd_load = n * bottleneck(pd_loads, target, n)
+        coloc_load = colocated_load(self._as_in(demand, "colocated", now), cap, util, n)
         loads_note = f"colocated load {coloc_load:.2f} vs PD {target}:{n - target} {pd_load:.2f} engines {where}"
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""

@@ -342,4 +342,5 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             switching=self.switching,
             role_since_s=self.role_since_s,
             prefilled_tokens_total=self.prefilled_tokens_total,
+            cached_prefix_tokens=self.core.cached_tokens,
         )
