@@ -36,6 +36,7 @@ def calibration(out: Path) -> int:
                 r["point"], f"{r['predicted']:.4g}", f"{r['published']:.4g}", r["unit"],
                 f"[{'green' if ok else 'red'}]{r['time_error']:+.1%}", r["source"],
             )  # fmt: skip
+    roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
         console.print(table)
     s = result["validation_summary"]
     console.print(
@@ -77,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench == "rollout":
         tables = tuple(t.strip() for t in args.tables.split(",") if t.strip())
         out = args.out or Path("runs") / f"rollout-{args.suite}"
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables)
+        per_gpu = tuple(int(n) for n in args.per_gpu.split(",") if n.strip())
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu)
     return 2
 
 
-def rollout(suite_name: str, out: Path, live: bool, jobs: int, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity")) -> int:
+def rollout(
+    suite_name: str, out: Path, live: bool, jobs: int, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), per_gpu: tuple[int, ...] = ()
+) -> int:
     from runners.rollout import SUITES, run_suite
 
     if suite_name not in SUITES:
@@ -91,7 +95,7 @@ def rollout(suite_name: str, out: Path, live: bool, jobs: int, tables: tuple[str
     if unknown:
         print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: main, sweep, ablation, sensitivity)", file=sys.stderr)
         return 2
-    results = run_suite(SUITES[suite_name], out, live, jobs, tables)
+    results = run_suite(SUITES[suite_name], out, live, jobs, tables, per_gpu)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
     bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]
