@@ -36,7 +36,6 @@ def calibration(out: Path) -> int:
                 r["point"], f"{r['predicted']:.4g}", f"{r['published']:.4g}", r["unit"],
                 f"[{'green' if ok else 'red'}]{r['time_error']:+.1%}", r["source"],
             )  # fmt: skip
-    roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
         console.print(table)
     s = result["validation_summary"]
     console.print(
@@ -63,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tables", default="main,sweep,ablation,sensitivity",
         help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
     )  # fmt: skip
+    roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
