@@ -94,7 +94,7 @@ class EngineSection(_Section):
     # recomputes them; "to-prefill" — pulled back by the prefill engine that holds the
     # trajectory's prefix, off the critical path; "store" — written to a shared KV store tier
     # any prefill engine loads from (`kv_store_*`).
-    kv_writeback: Literal["none", "to-prefill", "store"] = "none"
+    kv_writeback: Literal["none", "to-prefill", "store"] = "to-prefill"
     kv_store_link: str = "remote-store"  # link between engines and the store tier
     kv_store_capacity_tokens: int = 50_000_000  # store tier capacity (LRU eviction beyond it)
 
