@@ -42,6 +42,20 @@ def calibration(out: Path) -> int:
         f"validation (H100/H200, {s['points']} points): median |time error| {s['median_abs_time_error']:.1%} "
         f"(target {s['median_target']:.0%}), max {s['max_abs_time_error']:.1%} (target {s['max_target']:.0%})"
     )
+    from runners.lockstep_check import PUBLISHED_LOSS, check, grid
+
+    lockstep = check()
+    result["lockstep_check"] = {"loss": round(lockstep.loss, 3), "published_range": list(PUBLISHED_LOSS), "grid": grid()}
+    console.print(
+        f"lockstep check ({lockstep.preset}, DP attention, sglang): desynchronised prefill loses {lockstep.loss:.1%} of input "
+        f"throughput (published {PUBLISHED_LOSS[0]:.0%}-{PUBLISHED_LOSS[1]:.0%}); by client concurrency and output length:"
+    )
+    grid_table = Table()
+    for column in ("concurrency per rank", "output tokens", "loss, sglang", "loss, ideal"):
+        grid_table.add_column(column, justify="right")
+    for row in result["lockstep_check"]["grid"]:
+        grid_table.add_row(str(row["concurrency"]), str(row["output_tokens"]), f"{row['sglang']:.1%}", f"{row['ideal']:.1%}")
+    console.print(grid_table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'calibration.json'}")
