@@ -137,8 +137,10 @@ class EngineHandoff:
             self._wake.set()
             self._progress.set()
 
-    async def _request_kv(self, handle: KvHandle) -> tuple[str | None, KvChunk | None]:
-        request = KvFetch(handle_id=handle.handle_id, requester_id=self.actor_id)
+    async def _request_kv(self, handle: KvHandle, request: KvFetch | None = None) -> tuple[str | None, KvChunk | None]:
+        """One KV request to the engine holding `handle` (the whole hand-off unless `request`
+        says otherwise: a write-back asks for what the prefill side lacks); (error, chunk)."""
+        request = request or KvFetch(handle_id=handle.handle_id, requester_id=self.actor_id)
         try:
             reply = await self.nc.request(subjects.kv(handle.engine_id), encode(request), timeout=KV_REQUEST_TIMEOUT_WALL_S)
         except (NoRespondersError, TimeoutError) as err:

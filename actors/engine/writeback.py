@@ -233,7 +233,7 @@ class EngineWriteback:
         """Fetch positions have.. of the held KV and land them: (error, bytes moved, landed).
         Emulated: the reply carries the size; the transfer waits its modelled time on the link."""
         request = KvFetch(handle_id=notice.kv.handle_id, requester_id=self.actor_id, have_tokens=have)
-        error, chunk = await self._request_kv_fetch(notice.kv, request)
+        error, chunk = await self._request_kv(notice.kv, request)
         if error is not None:
             return error, 0, False
         if chunk.start_tokens != have or chunk.tokens != notice.kv.tokens - have:
@@ -243,20 +243,6 @@ class EngineWriteback:
         await self.clock.sleep(transfer_s(self.link, chunk.kv_bytes))
         landed = self.core.extend_prefix(notice.trajectory_id, notice.policy_version, have, notice.kv.tokens)
         return None, chunk.kv_bytes, landed
-
-    async def _request_kv_fetch(self, handle: KvHandle, request: KvFetch) -> tuple[str | None, KvChunk | None]:
-        from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
-
-        try:
-            reply = await self.nc.request(subjects.kv(handle.engine_id), encode(request), timeout=KV_REQUEST_TIMEOUT_WALL_S)
-        except (NoRespondersError, TimeoutError) as err:
-            return f"KV holder {handle.engine_id} unreachable: {err!r}", None
-        chunk = self.decode_or_count(KvChunk, reply)
-        if chunk is None:
-            return f"malformed KV reply from {handle.engine_id}", None
-        if not chunk.ok:
-            return f"KV holder {handle.engine_id}: {chunk.error}", None
-        return None, chunk
 
     # --- the store tier (emulated) --------------------------------------------------------------
     async def _write_to_store(self, seq: Seq) -> None:
