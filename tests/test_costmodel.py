@@ -36,7 +36,9 @@ def test_fitting_set_regression(point):
 def test_bench_writes_calibration_json(tmp_path):
     assert bench_main(["calibration", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "calibration.json").read_text())
-    assert set(result) == {"fitting", "validation", "validation_summary"}
+    assert set(result) == {"fitting", "validation", "validation_summary", "lockstep_check"}
+    lockstep = result.pop("lockstep_check")
+    assert len(lockstep["grid"]) == 9 and lockstep["published_range"] == [0.13, 0.35]
     assert [r["point"] for r in result["fitting"]] == [p.point for p in POINTS]
     assert [r["point"] for r in result["validation"]] == [p.point for p in VALIDATION]
     keys = {"point", "predicted", "published", "unit", "rel_error", "time_error", "source", "url", "setting", "tag", "gpu"}
