@@ -95,11 +95,11 @@ def test_the_least_busy_engines_switch_and_nothing_moves_within_the_dwell():
 
 def test_prorsa_skips_a_change_that_does_not_pay_for_its_switches_but_reactive_makes_it():
     roles = [P, P, P, D, D, D, D, D]
-    shifted = demand_for((3.6, 4.4))  # wants 4:4; the bottleneck drops 1.2 -> 1.1: 8 engine-s over 10 s
-    assert split(drain_deadline_s=10.0, min_gain_s=2.0).decide(shifted, fleet(roles)) == []  # one switch costs 10
-    [change] = split(drain_deadline_s=5.0, min_gain_s=2.0).decide(shifted, fleet(roles))  # costs 5: pays
+    shifted = demand_for((3.75, 4.25))  # wants 4:4; the bottleneck drops 1.25 -> 1.0625: 15 engine-s over 10 s
+    assert split(drain_deadline_s=15.0, min_gain_s=2.0).decide(shifted, fleet(roles)) == []  # one switch costs 15
+    [change] = split(drain_deadline_s=8.0, min_gain_s=2.0).decide(shifted, fleet(roles))  # costs 8: pays
     assert change.role is P
-    assert split(drain_deadline_s=5.0, min_gain_s=4.0).decide(shifted, fleet(roles)) == []  # hysteresis
+    assert split(drain_deadline_s=8.0, min_gain_s=8.0).decide(shifted, fleet(roles)) == []  # hysteresis
     reactive = split("reactive", weigh_cost=False, drain_deadline_s=50.0)
     assert len(reactive.decide(shifted, fleet(roles))) == 1  # reactive never weighs the cost
 
@@ -227,3 +227,21 @@ def test_a_working_set_the_decode_side_cannot_hold_keeps_the_fleet_colocated():
     assert policy.decide(full, fleet(colocated)) == [] and policy.last_reason.startswith("colocated")
     fleet_now = fleet(colocated, kv_held_tokens=[100] * 8)
     assert fleet_now.kv_working_set_tokens == 800
+
+
+def test_a_split_hovering_at_a_rounding_edge_keeps_its_size():
+    roles = [P, P, P, D, D, D, D, D]
+    assert split().decide(demand_for((3.5, 4.5)), fleet(roles)) == []  # ideal 3.5 engines: within the deadband of 3
+    assert len(split().decide(demand_for((3.8, 4.2)), fleet(roles))) == 1  # ideal 3.8: beyond it, grow to 4
+
+
+def test_a_change_that_undoes_the_last_one_is_held_off_longer_each_time():
+    policy = split(min_dwell_s=0.0)
+    grow, shrink = demand_for((5.0, 3.0)), demand_for((2.0, 6.0))
+    roles4, roles5 = [P] * 4 + [D] * 4, [P] * 5 + [D] * 3
+    assert len(policy.decide(grow, fleet(roles4, now_s=100.0))) == 1  # 4 -> 5
+    assert len(policy.decide(shrink, fleet(roles5, now_s=110.0))) == 3  # undoes it: allowed once, starts a hold
+    hold_s = policy.flap_penalty_s
+    assert hold_s >= AllocatorSection().horizon_s
+    assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s / 2)) == []  # a reversal inside the hold
+    assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s + 1.0)) != []  # after it

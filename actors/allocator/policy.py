@@ -34,6 +34,7 @@ Colocation is one of the choices (`allocator.colocation`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -43,7 +44,11 @@ from bus_schemas.control import Role
 
 DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
 DECODE_LOAD_FOR_PD = 2.0
-MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens per new token  # splitting also needs this many times the prefill threshold of decode load
+MISS_RATIO_WEIGHT = 0.2
+# Resize deadband: rounding alone flips between neighbours at x.5; a quarter engine beyond it [A]
+RESIZE_DEADBAND_ENGINES = 0.75
+FLAP_HALF_LIFE_HORIZONS = 6.0  # flap penalty half-life, in decision horizons [A]
+REVERSES = {"split": "colocate", "colocate": "split", "grow": "shrink", "shrink": "grow"}  # EWMA weight of a new observation of prefill tokens per new token  # splitting also needs this many times the prefill threshold of decode load
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +163,18 @@ def kv_tokens(demand: Demand) -> float:
 
 
 def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:
+    """Prefill engines for equal stage utilisation; a split keeps its size while the ideal
+    (fractional) count stays within RESIZE_DEADBAND_ENGINES of it, so an ideal hovering at a
+    rounding edge does not move an engine back and forth."""
     prefill, decode = loads
     if n < 2:
         return current
     if prefill + decode <= 0:
         return current  # nothing to go by: stay
-    return min(n - 1, max(1, round(n * prefill / (prefill + decode))))
+    ideal = n * prefill / (prefill + decode)
+    if 1 <= current <= n - 1 and abs(ideal - current) < RESIZE_DEADBAND_ENGINES:
+        return current
+    return min(n - 1, max(1, round(ideal)))
 
 
 def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
@@ -171,7 +182,9 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
     colocated layout's cost (with the target utilisation's headroom, as the prefill side
     gets), the decode load at its capacity, and the eager decode steps that DP-attention
     ranks run while a peer prefills (the share of time an engine prefills, times the decode
-    load, times the eager factor - 1)."""
+    load, times the eager factor - 1). Chunks are costed as if the ranks prefilled in step:
+    charging a chunk alone for its whole group's step made the fleet split where the split
+    then lost (DeepSeek SWE: 0.74x colocated-sticky), so the out-of-step cost is left out."""
     prefill = demand.prefill_tokens_per_s * cap.colocated_prefill_s_per_token / util
     decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
     mixed_share = min(1.0, prefill / max(n, 1))
@@ -198,6 +211,12 @@ class Split:
     # a PD split recomputes what per-turn placement cannot keep where its KV is, so the demand
     # measured while colocated under-states a split's prefill work, and the reverse
     miss_ratio: dict[str, float] = field(default_factory=dict)
+    # flap damping: a change that undoes the previous one (split <-> colocate, grow <-> shrink)
+    # doubles the hold during which the next reversal is refused (route-flap damping); the
+    # hold halves every FLAP_HALF_LIFE_HORIZONS horizons
+    flap_penalty_s: float = 0.0
+    last_change: tuple[str, float] = ("", 0.0)
+    now_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
@@ -208,6 +227,7 @@ class Split:
             return []
         usable = [e for e in fleet.engines if e.responsive]
         n = len(usable)
+        self.now_s = fleet.now_s
         if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
             self.last_reason = "a switch is under way or within its dwell"
             return []
@@ -223,7 +243,10 @@ class Split:
         colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
         if colocate:
             self.last_reason = colocate
-            return [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
+            changes = [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
+            if changes:
+                self._changed("colocate")
+            return changes
         target = target_prefill_engines(loads, n, current)
         pd_roles = all(e.role is not Role.COLOCATED for e in usable)
         if target == current and pd_roles:
@@ -234,11 +257,36 @@ class Split:
             gain_s = (bottleneck(loads, current, n) - bottleneck(loads, target, n)) * n * self.config.horizon_s
             to_prefill = max(0, target - current)  # only a switch to prefill drains decodes
             cost_s = to_prefill * self.config.drain_deadline_s + moves * cap.switch_s
-            if gain_s - cost_s < self.config.min_gain_s:
+            if gain_s - cost_s < self._required_gain_s("grow" if target > current else "shrink"):
                 self.last_reason = f"keep {current}:{n - current}: {target}:{n - target} gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
                 return []
         self.last_reason = f"{current}:{n - current} -> {target}:{n - target} ({demand.source})"
-        return self._pick(usable, target, fleet.now_s)
+        changes = self._pick(usable, target, fleet.now_s)
+        if changes:
+            self._changed("split" if not pd_roles else "grow" if target > current else "shrink")
+        return changes
+
+    def _penalty_s(self) -> float:
+        kind, at_s = self.last_change
+        if not kind:
+            return 0.0
+        half_life_s = FLAP_HALF_LIFE_HORIZONS * self.config.horizon_s
+        return self.flap_penalty_s * 0.5 ** (max(0.0, self.now_s - at_s) / half_life_s)
+
+    def _required_gain_s(self, kind: str) -> float:
+        """min_gain; infinite while `kind` would undo the last change within the flap hold."""
+        kind_last, at_s = self.last_change
+        if REVERSES.get(kind) == kind_last and self.now_s - at_s < self._penalty_s():
+            return math.inf
+        return self.config.min_gain_s
+
+    def _changed(self, kind: str) -> None:
+        """Record a change; one that undoes the previous change doubles the hold (model s)
+        during which the next reversal is refused (at least a horizon)."""
+        penalty = self._penalty_s()
+        if REVERSES.get(kind) == self.last_change[0]:
+            penalty = max(self.config.horizon_s, 2.0 * penalty)
+        self.flap_penalty_s, self.last_change = penalty, (kind, self.now_s)
 
     def _learn_miss_ratio(self, demand: Demand, arrangement: str) -> None:
         if not arrangement or demand.prefill_new_tokens_per_s <= 0:
@@ -283,10 +331,13 @@ class Split:
         if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
             cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s
             gain_s = (coloc_load - pd_load) * horizon_s
-            return "" if gain_s - cost_s >= self.config.min_gain_s else f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
+            need_s = self._required_gain_s("split")
+            return "" if gain_s - cost_s >= need_s else f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s, costs {cost_s:.1f} (+{need_s:.1f})"
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
         gain_s = (pd_load - coloc_load) * horizon_s
-        return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}" if gain_s - cost_s >= self.config.min_gain_s else ""
+        if gain_s - cost_s >= self._required_gain_s("colocate"):
+            return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
+        return ""
 
     def _pick(self, usable: list[EngineState], target: int, now_s: float) -> list[RoleChange]:
         """Role changes reaching `target` prefill engines, moving the least busy engines that
