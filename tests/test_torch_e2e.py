@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
 from ops.checks import incomplete_trajectories  # noqa: E402
 from tests.conftest import REPO  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
 from actors.config import ModelSection  # noqa: E402
 from actors.engine.core import Batch, Seq  # noqa: E402

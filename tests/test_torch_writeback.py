@@ -10,7 +10,7 @@ import asyncio
 import msgspec
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
 from actors.config import ModelSection  # noqa: E402
 from actors.engine.torch.actor import TorchEngineActor  # noqa: E402
