@@ -214,6 +214,9 @@ def print_summary(summary: dict, out: Path) -> None:
     console.print(f"  wrote {out / 'summary.json'} and {out / 'events.parquet'}")
 
 
+BUS_FILE = "bus.json"  # the run folder's bus address: {"url": ...}
+
+
 async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -237,6 +240,8 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
         if server is not None:
             console.print(f"started nats-server pid {server.proc.pid} at {url}", highlight=False)
         await prepare_bus(url, config, shared_server=nats_url is not None)
+        (out / BUS_FILE).write_text(json.dumps({"url": url}) + "\n")  # where `ops.monitor --run DIR` connects
+        console.print(f"bus: {url} (watch: python -m ops.monitor --run {out})", highlight=False)
         for spec in actor_specs(config):
             if interrupted.is_set():
                 break
