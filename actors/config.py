@@ -38,6 +38,16 @@ class RunSection(_Section):
     # so the allocator and the routers see the same freshness at any time compression
     heartbeat_wall_s: float | None = None
     ack_wait_wall_s: float = 30.0  # un-acked work is redelivered after this many wall seconds
+    # faults (docs/operations.md, "Faults and guarantees"): what the launcher does when an actor
+    # process dies; "restart" brings it back (at most max_restarts times per actor, waiting
+    # restart_backoff_wall_s, doubled at each restart); "abort" stops the run
+    on_actor_death: Literal["abort", "restart"] = "restart"
+    max_restarts: int = 3
+    restart_backoff_wall_s: float = 0.5
+    # an engine whose last heartbeat is older than this is out of allocation and routing until
+    # it reports again; default: 10 heartbeats, at least 3 s
+    lease_wall_s: float | None = None
+    max_deliver: int = 50  # deliveries of one work item before it goes to the dead-letter subject
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -46,6 +56,12 @@ class RunSection(_Section):
             self.heartbeat_wall_s = 1.0 / self.time_scale
         if self.ack_wait_wall_s <= 0 or self.heartbeat_wall_s <= 0:
             raise ValueError("run.ack_wait_wall_s and run.heartbeat_wall_s must be > 0")
+        if self.lease_wall_s is None:
+            self.lease_wall_s = max(10 * self.heartbeat_wall_s, 3.0)
+        if self.lease_wall_s <= self.heartbeat_wall_s:
+            raise ValueError("run.lease_wall_s must be longer than run.heartbeat_wall_s")
+        if self.max_restarts < 0 or self.restart_backoff_wall_s < 0 or self.max_deliver < 2:
+            raise ValueError("run.max_restarts and run.restart_backoff_wall_s must be >= 0, run.max_deliver >= 2")
 
 
 class LayoutSection(_Section):
@@ -62,7 +78,7 @@ class LayoutSection(_Section):
 
 class EngineSection(_Section):
     count: int = 4
-    backend: Literal["emulated", "torch"] = "emulated"  # torch: real compute, see [model]
+    backend: Literal["emulated", "torch", "vllm"] = "emulated"  # torch: real compute, see [model]; vllm: see [vllm]
     preset: str = "h100-qwen3-8b"  # cost-model preset, see actors.engine.emulated.costmodel.PRESETS
     link: str = "rdma-8x400g"  # KV transfer link preset, see actors.engine.emulated.costmodel.LINKS
     prefill_engines: int = 1  # engines in the prefill role under the `static` policy
@@ -236,6 +252,34 @@ class ModelSection(_Section):
             raise ValueError("model.kv_chunk_bytes must be in [1 KiB, 7 MiB] (the server's max_payload is 8 MiB)")
 
 
+class VllmSection(_Section):
+    """The `vllm` backend: a vLLM v1 engine in each engine actor (docs/vllm.md)."""
+
+    model: str = ""  # local HF checkpoint dir (no download); empty: the tiny model of [model], built by the launcher
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len_tokens: int = 2048  # longest context (prompt + output) of one sequence
+    kv_pool_gib: int = 1  # KV pool per engine (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes)
+    block_size_tokens: int = 0  # KV block size; 0: vLLM's default for the platform
+    enforce_eager: bool = True  # False: compiled / CUDA-graph model (slower start, faster steps)
+    tensor_parallel_size: int = 1  # GPUs per engine (CPU: 1)
+    max_num_seqs: int = 64  # sequences one engine step holds
+    seed: int = 0
+    # KV between engines: "prorsa" — Prorsa's connector over NATS (actors.engine.vllm.connector);
+    # "nixl" — vLLM's NixlConnector (GPU clusters; not tested here)
+    kv_connector: Literal["prorsa", "nixl"] = "prorsa"
+    kv_chunk_bytes: int = 4 * 1024 * 1024  # a KV transfer travels in chunks of this size
+    kv_ttl_wall_s: float = 120.0  # held KV is dropped after this unless fetched
+    kv_fetch_timeout_wall_s: float = 10.0  # one chunk's request/reply; past it the KV is recomputed
+
+    def __post_init__(self) -> None:
+        if min(self.max_model_len_tokens, self.kv_pool_gib, self.tensor_parallel_size, self.max_num_seqs) < 1:
+            raise ValueError("vllm.max_model_len_tokens, kv_pool_gib, tensor_parallel_size and max_num_seqs must be >= 1")
+        if self.kv_chunk_bytes < 1024 or self.kv_chunk_bytes > 7 * 1024 * 1024:
+            raise ValueError("vllm.kv_chunk_bytes must be in [1 KiB, 7 MiB] (the server's max_payload is 8 MiB)")
+        if self.kv_ttl_wall_s <= 0 or self.kv_fetch_timeout_wall_s <= 0:
+            raise ValueError("vllm.kv_ttl_wall_s and kv_fetch_timeout_wall_s must be > 0")
+
+
 class ForecasterSection(_Section):
     """The forecaster actor: one model, ticking every `tick_s` model seconds."""
 
@@ -298,6 +342,7 @@ class Config(_Section):
     workload: WorkloadSection = msgspec.field(default_factory=WorkloadSection)
     forecaster: ForecasterSection = msgspec.field(default_factory=ForecasterSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
+    vllm: VllmSection = msgspec.field(default_factory=VllmSection)
     allocator: AllocatorSection = msgspec.field(default_factory=AllocatorSection)
 
     def __post_init__(self) -> None:

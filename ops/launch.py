@@ -8,7 +8,10 @@
 3. Spawn every actor as `python -m actors.<kind> --config DIR/config.json --id <id>`; each
    dies with the launcher (PR_SET_PDEATHSIG), and each can be started by hand the same way.
 4. Watch: the run ends when the trainer finishes its steps. An actor that dies first is
-   reported (which one, its exit code, the end of its log) and stops the run with exit 1.
+   reported (which one, its exit code, the end of its log) and, under `run.on_actor_death =
+   "restart"` (the default), started again after a backoff, a bounded number of times
+   (counted in the summary); under "abort", or once it has used its restarts, or for the
+   trainer, it stops the run with exit 1.
 5. Stop every actor with SIGTERM (SIGKILL after a grace period), export the lifecycle log
    to DIR/events.parquet and write DIR/summary.json.
 """
@@ -24,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +42,7 @@ from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
 from ops.export import read_run, write_run
 from ops.natsserver import EmbeddedNats
-from ops.procs import die_with_parent
+from ops.procs import Supervision, die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_WALL_S = 15.0
@@ -132,10 +136,19 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 async def supervise(
-    procs: dict[ActorSpec, asyncio.subprocess.Process], logs: Path, url: str, expected: int, interrupted: asyncio.Event
+    procs: dict[ActorSpec, asyncio.subprocess.Process],
+    logs: Path,
+    url: str,
+    expected: int,
+    interrupted: asyncio.Event,
+    supervision: Supervision,
+    respawn: Callable[[ActorSpec], Awaitable[asyncio.subprocess.Process]],
 ) -> str:
-    """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'."""
+    """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'. A dead actor
+    is restarted as `supervision` says (`procs` then holds the new process), or fails the run."""
+    started = time.monotonic()
     waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
+    restarting: dict[asyncio.Task, ActorSpec] = {}  # backoff, then a new process
     stop_wait = asyncio.create_task(interrupted.wait())
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
     bar = progress.add_task("trajectories", total=expected)
@@ -148,26 +161,40 @@ async def supervise(
             return
         progress.advance(bar)
 
+    async def restart_after(spec: ActorSpec, delay_s: float) -> asyncio.subprocess.Process:
+        await asyncio.sleep(delay_s)
+        return await respawn(spec)
+
     await nc.subscribe(subjects.lifecycle("finished"), cb=on_finished)
     try:
         with progress:
             while True:
-                done, _ = await asyncio.wait({*waits, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*waits, *restarting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if stop_wait in done:
                     console.print("[yellow]interrupted: stopping every actor")
                     return "interrupted"
                 for task in done:
+                    if task in restarting:  # a restart's new process is up
+                        spec = restarting.pop(task)
+                        procs[spec] = task.result()
+                        waits[asyncio.create_task(procs[spec].wait(), name=spec.name)] = spec
+                        console.print(f"restarted {spec.name} pid {procs[spec].pid}", highlight=False)
+                        continue
                     spec = waits.pop(task)
                     code = task.result()
                     if spec.kind == "trainer" and code == 0:
                         return "completed"
                     log = logs / f"{spec.kind}-{spec.actor_id}.log"
-                    console.print(f"[red]error: {spec.name} died with exit code {code}; last lines of {log}:[/red]\n{tail(log)}")
-                    return "failed"
+                    delay_s, why = supervision.on_death(spec.name, spec.kind, code, time.monotonic() - started)
+                    console.print(f"[red]error: {spec.name} died with exit code {code} ({why}); last lines of {log}:[/red]\n{tail(log)}")
+                    if delay_s is None:
+                        return "failed"
+                    restarting[asyncio.create_task(restart_after(spec, delay_s), name=f"restart {spec.name}")] = spec
     finally:
         stop_wait.cancel()
-        for task in waits:
+        for task in [*waits, *restarting]:
             task.cancel()
+        await asyncio.gather(*restarting, return_exceptions=True)
         await close(nc)
 
 
@@ -187,7 +214,7 @@ async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[s
     return killed
 
 
-async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str]) -> dict:
+async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision) -> dict:
     nc = await connect(url, "launcher-export", LOG)
     try:
         record = await read_run(nc.jetstream())
@@ -195,6 +222,9 @@ async def export(url: str, out: Path, config: Config, status: str, wall_s: float
         await close(nc)
     summary = write_run(record, out, config, status, wall_s, console)
     summary["killed_at_stop"] = killed
+    summary["on_actor_death"] = supervision.mode
+    summary["restarts"] = dict(supervision.restarts)  # actor name -> times restarted
+    summary["actor_deaths"] = supervision.deaths  # every death: actor, exit code, wall s into the run, restarted
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -206,6 +236,8 @@ def print_summary(summary: dict, out: Path) -> None:
         f"lost {summary['trajectories_lost']}, invalid messages {summary['invalid_messages']}, "
         f"{summary['events']} events, {summary['wall_s']} s wall"
     )
+    if summary["restarts"]:
+        console.print("  restarted: " + ", ".join(f"{name} x{n}" for name, n in summary["restarts"].items()), highlight=False)
     for s in summary["steps"]:
         console.print(
             f"  step {s['step']}: rollout {s['rollout_s']:.1f} s (model), {s['trajectories']} trajectories, "
@@ -247,12 +279,15 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
                 break
             procs[spec] = await spawn(spec, config_path, url, logs)
             console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
+        rc = config.run
+        supervision = Supervision(rc.on_actor_death, rc.max_restarts, rc.restart_backoff_wall_s)
         if not interrupted.is_set():
-            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted)
+            respawn = lambda spec: spawn(spec, config_path, url, logs)  # noqa: E731
+            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted, supervision, respawn)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
-        summary = await export(url, out, config, status, time.monotonic() - started, killed)
+        summary = await export(url, out, config, status, time.monotonic() - started, killed, supervision)
         print_summary(summary, out)
     finally:
         await stop_all(procs)
@@ -269,9 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", metavar="POLICY", help=f"overrides run.policy: {', '.join(POLICIES)}, or static-P:D")
     parser.add_argument("--out", type=Path, help="run folder (default runs/<name>-<policy>-<time>)")
     parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    parser.add_argument("--on-actor-death", choices=["abort", "restart"], help="overrides run.on_actor_death")
     args = parser.parse_args(argv)
     try:
         config = with_policy(load_config(args.config), args.policy)
+        if args.on_actor_death:
+            config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, on_actor_death=args.on_actor_death))
         actor_specs(config)  # policy-level checks (e.g. a static split with no decode engine)
     except ConfigError as err:
         console.print(f"error: {err}", highlight=False, markup=False)

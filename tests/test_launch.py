@@ -90,7 +90,7 @@ def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path:
 
 def test_a_dead_actor_stops_the_run_with_its_name(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=3, time_scale=5.0)
-    proc = start_launcher(config, tmp_path / "run")
+    proc = start_launcher(config, tmp_path / "run", "--on-actor-death", "abort")
     pids, _ = read_until_started(proc)
     os.kill(pids["engine e1"], signal.SIGKILL)
     output, _ = proc.communicate(timeout=120)

@@ -1,8 +1,10 @@
-"""Connecting to the bus: reconnect forever, pings, every disconnect logged."""
+"""Connecting to the bus: reconnect forever, pings, every disconnect logged; credentials from
+the caller or the environment (PRORSA_NATS_USER, PRORSA_NATS_PASSWORD)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import nats.aio.client
@@ -32,8 +34,15 @@ def widen_nats_reads() -> None:
     nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, NATS_READ_BYTES)
 
 
-async def connect(url: str, name: str, log: logging.Logger) -> NATS:
+# credentials for a server that requires them (the launcher's embedded one does: ops/natsserver.py);
+# explicit arguments win, then these environment variables
+USER_ENV, PASSWORD_ENV = "PRORSA_NATS_USER", "PRORSA_NATS_PASSWORD"
+
+
+async def connect(url: str, name: str, log: logging.Logger, user: str | None = None, password: str | None = None) -> NATS:
     widen_nats_reads()
+    user = user or os.environ.get(USER_ENV) or None
+    password = password or os.environ.get(PASSWORD_ENV) or None
 
     async def on_error(err: Exception) -> None:
         log.warning("nats error: %s", err)
@@ -58,6 +67,8 @@ async def connect(url: str, name: str, log: logging.Logger) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        user=user,
+        password=password,
     )
     return nc
 

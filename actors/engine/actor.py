@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from actors.base import Actor
 from actors.base.flag import Flag
@@ -25,7 +26,9 @@ from bus_schemas import subjects
 from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import EngineStatus
-from bus_schemas.streams import affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
+from bus_schemas.codec import decode
+from bus_schemas.streams import TRAIN, affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
+from bus_schemas.train import PolicyVersion
 from bus_schemas.work import DecodeWork, PrefillWork
 
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long (it returns as soon as a message is there)
@@ -80,7 +83,28 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
         await self._setup_writeback()
+        await self._catch_up_policy()
         self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
+
+    async def _catch_up_policy(self) -> None:
+        """An engine (re)started mid-run loads the latest published policy version, so it can
+        take the step's work at once instead of waiting for the next LoadPolicy. (The
+        in-process bus has no last-by-subject lookup; simulated engines never restart.)"""
+        get_last_msg = getattr(self.js, "get_last_msg", None)
+        if get_last_msg is None:
+            return
+        try:
+            msg = await get_last_msg(TRAIN.name, subjects.train_policy())
+        except NotFoundError:
+            return  # no version published yet: the trainer's LoadPolicy comes
+        published = decode(PolicyVersion, msg.data)
+        if published.version > self.policy_version:
+            error = await self._load_weights(published.version)
+            if error is not None:
+                raise RuntimeError(f"could not load policy {published.version} at start: {error}")
+            self.policy_version = published.version
+            self.counters["policy_caught_up"] += 1
+            self.log.info("caught up to policy %d at start", published.version)
 
     async def serve(self, burst: bool) -> None:
         for queue in ("prefill", "decode"):

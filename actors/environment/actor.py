@@ -140,7 +140,11 @@ class EnvironmentActor(Actor):
         plan = plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
         t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=plan.prompt_tokens)
         self.live[a.trajectory_id] = t
-        self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens)
+        reruns = _deliveries(msg) - 1  # > 0: an earlier rollout was cut short (its environment died)
+        if reruns > 0:
+            self.counters["trajectories_rerun"] += 1
+            self.log.warning("rerunning trajectory %s from its start (delivery %d)", a.trajectory_id, reruns + 1)
+        self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens, attempt=reruns)
         await self._submit(t)
 
     async def _keep_alive(self) -> None:
@@ -193,8 +197,9 @@ class EnvironmentActor(Actor):
 
     def _on_result(self, r: TurnResult) -> None:
         t = self.live.get(r.trajectory_id)
-        if t is None or r.turn != t.turn or not t.awaiting_result:
-            self.counters["stale_results"] += 1  # a duplicate from a redelivered turn
+        this_rollout = t is not None and r.work_id.startswith(make_work_id(r.trajectory_id, t.nonce, t.turn, 0).rsplit("/a", 1)[0] + "/")
+        if t is None or r.turn != t.turn or not t.awaiting_result or not this_rollout:
+            self.counters["stale_results"] += 1  # a duplicate from a redelivered turn, or an earlier rollout's
             return
         t.awaiting_result = False
         t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
@@ -260,3 +265,11 @@ class EnvironmentActor(Actor):
             step=a.step,
             **fields,
         )
+
+
+def _deliveries(msg: Msg) -> int:
+    """How many times JetStream has delivered `msg` (1 on the in-process bus, which has no metadata)."""
+    try:
+        return msg.metadata.num_delivered or 1
+    except (AttributeError, TypeError, ValueError):  # no JetStream reply subject to read it from
+        return 1

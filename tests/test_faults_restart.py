@@ -1,0 +1,110 @@
+"""Faults, end to end: `kill -9` an actor of a real `ops.launch` run; the launcher restarts it
+and the run completes with every trajectory the trainer assigned finished exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from actors.base.connection import close, connect
+from bus_schemas import subjects
+from bus_schemas.codec import decode
+from bus_schemas.lifecycle import LifecycleEvent
+from ops.checks import incomplete_trajectories
+from ops.procs import Supervision
+from tests.conftest import write_tiny_config
+from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+
+STEPS, TASKS, SAMPLES = 3, 2, 2  # the tiny config's step shape (tests/conftest.py)
+ASSIGNED = {f"s{s}-k{k}-g{g}" for s in range(STEPS) for k in range(TASKS) for g in range(SAMPLES)}
+
+
+def test_supervision_restarts_with_backoff_then_gives_up():
+    sup = Supervision("restart", max_restarts=2, backoff_wall_s=0.5)
+    assert sup.on_death("engine e1", "engine", -9, 1.0)[0] == 0.5
+    assert sup.on_death("engine e1", "engine", -9, 2.0)[0] == 1.0  # doubled
+    assert sup.on_death("engine e0", "engine", 1, 2.5)[0] == 0.5  # counted per actor
+    delay, why = sup.on_death("engine e1", "engine", -9, 3.0)
+    assert delay is None and "max_restarts" in why
+    assert sup.restarts == {"engine e1": 2, "engine e0": 1}
+    assert [d["restarted"] for d in sup.deaths] == [True, True, True, False]
+    assert Supervision("restart", 3, 0.5).on_death("trainer trainer", "trainer", -9, 1.0)[0] is None
+    assert Supervision("abort", 3, 0.5).on_death("engine e0", "engine", -9, 1.0)[0] is None
+
+
+async def wait_for_event(bus_file: Path, kind: str, engine_id: str, timeout_wall_s: float) -> LifecycleEvent:
+    """The first lifecycle event of `kind` by `engine_id` on the run's bus."""
+    bus = json.loads(bus_file.read_text())
+    nc = await connect(bus["url"], "fault-injector", logging.getLogger("test"), user=bus.get("user"), password=bus.get("password"))
+    seen: asyncio.Future[LifecycleEvent] = asyncio.get_running_loop().create_future()
+
+    async def on_event(msg) -> None:
+        event = decode(LifecycleEvent, msg.data)
+        if event.engine_id == engine_id and not seen.done():
+            seen.set_result(event)
+
+    try:
+        await nc.subscribe(subjects.lifecycle(kind), cb=on_event)
+        return await asyncio.wait_for(seen, timeout=timeout_wall_s)
+    finally:
+        await close(nc)
+
+
+def wait_for_file(path: Path, timeout_wall_s: float) -> None:
+    deadline = time.monotonic() + timeout_wall_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} not written in {timeout_wall_s} s"
+        time.sleep(0.05)  # barrier-ok: polling for the launcher's file
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "victim, moment",
+    [
+        ("e0", "decode_queued"),  # the prefill engine, right after it handed KV off (it holds the KV)
+        ("e1", "decode_started"),  # the decode engine, mid-decode
+    ],
+)
+def test_kill_9_an_engine_mid_run_loses_and_duplicates_nothing(tmp_path: Path, victim: str, moment: str):
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
+    out = tmp_path / "run"
+    proc = start_launcher(config, out, "--policy", "static-1:1")
+    try:
+        pids, lines = read_until_started(proc)
+        wait_for_file(out / "bus.json", 30)
+        asyncio.run(wait_for_event(out / "bus.json", moment, victim, timeout_wall_s=60))
+        os.kill(pids[f"engine {victim}"], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert f"engine {victim} died with exit code -9" in output and f"restarted engine {victim} pid" in output
+    assert_all_gone(pids)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["restarts"] == {f"engine {victim}": 1}
+    assert [(d["actor"], d["exit_code"]) for d in summary["actor_deaths"]] == [(f"engine {victim}", -9)]
+    assert summary["trajectories_expected"] == summary["trajectories_finished"] == len(ASSIGNED)
+    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+
+    events = pl.read_parquet(out / "events.parquet")
+    finished = events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()
+    assert sorted(finished) == sorted(ASSIGNED)  # each assigned id finished exactly once in the log
+    started = set(events.filter(pl.col("kind") == "started")["trajectory_id"])
+    assert started == ASSIGNED  # and nothing else was started
+    assert incomplete_trajectories(events, ASSIGNED, disaggregated=True) == {}
+    killed_at_s = events.filter((pl.col("kind") == moment) & (pl.col("engine_id") == victim))["at_s"].min()
+    after = events.filter((pl.col("engine_id") == victim) & (pl.col("at_s") > killed_at_s + 1.0))
+    assert after.filter(pl.col("kind").is_in(["prefill_done", "decode_done"])).height > 0  # the new one worked
+    assert summary["actors"]["trainer"].get("duplicate_finished", 0) == 0
