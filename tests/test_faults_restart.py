@@ -40,15 +40,15 @@ def test_supervision_restarts_with_backoff_then_gives_up():
     assert Supervision("abort", 3, 0.5).on_death("engine e0", "engine", -9, 1.0)[0] is None
 
 
-async def wait_for_event(bus_file: Path, kind: str, engine_id: str, timeout_wall_s: float) -> LifecycleEvent:
-    """The first lifecycle event of `kind` by `engine_id` on the run's bus."""
+async def wait_for_event(bus_file: Path, kind: str, actor_id: str, timeout_wall_s: float) -> LifecycleEvent:
+    """The first lifecycle event of `kind` emitted by `actor_id` on the run's bus."""
     bus = json.loads(bus_file.read_text())
     nc = await connect(bus["url"], "fault-injector", logging.getLogger("test"), user=bus.get("user"), password=bus.get("password"))
     seen: asyncio.Future[LifecycleEvent] = asyncio.get_running_loop().create_future()
 
     async def on_event(msg) -> None:
         event = decode(LifecycleEvent, msg.data)
-        if event.engine_id == engine_id and not seen.done():
+        if event.actor_id == actor_id and not seen.done():
             seen.set_result(event)
 
     try:
@@ -67,13 +67,14 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "victim, moment",
+    "kind, victim, moment",
     [
-        ("e0", "decode_queued"),  # the prefill engine, right after it handed KV off (it holds the KV)
-        ("e1", "decode_started"),  # the decode engine, mid-decode
+        ("engine", "e0", "decode_queued"),  # the prefill engine, right after it handed KV off (it holds the KV)
+        ("engine", "e1", "decode_started"),  # the decode engine, mid-decode
+        ("environment", "env0", "tool_started"),  # the only environment, its trajectories mid-flight
     ],
 )
-def test_kill_9_an_engine_mid_run_loses_and_duplicates_nothing(tmp_path: Path, victim: str, moment: str):
+def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, kind: str, victim: str, moment: str):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
     proc = start_launcher(config, out, "--policy", "static-1:1")
@@ -81,30 +82,33 @@ def test_kill_9_an_engine_mid_run_loses_and_duplicates_nothing(tmp_path: Path, v
         pids, lines = read_until_started(proc)
         wait_for_file(out / "bus.json", 30)
         asyncio.run(wait_for_event(out / "bus.json", moment, victim, timeout_wall_s=60))
-        os.kill(pids[f"engine {victim}"], signal.SIGKILL)
+        os.kill(pids[f"{kind} {victim}"], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     output = "".join(lines) + rest
     assert proc.returncode == 0, output
-    assert f"engine {victim} died with exit code -9" in output and f"restarted engine {victim} pid" in output
+    assert f"{kind} {victim} died with exit code -9" in output and f"restarted {kind} {victim} pid" in output
     assert_all_gone(pids)
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert summary["restarts"] == {f"engine {victim}": 1}
-    assert [(d["actor"], d["exit_code"]) for d in summary["actor_deaths"]] == [(f"engine {victim}", -9)]
+    assert summary["restarts"] == {f"{kind} {victim}": 1}
+    assert [(d["actor"], d["exit_code"]) for d in summary["actor_deaths"]] == [(f"{kind} {victim}", -9)]
     assert summary["trajectories_expected"] == summary["trajectories_finished"] == len(ASSIGNED)
     assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
 
     events = pl.read_parquet(out / "events.parquet")
     finished = events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()
     assert sorted(finished) == sorted(ASSIGNED)  # each assigned id finished exactly once in the log
-    started = set(events.filter(pl.col("kind") == "started")["trajectory_id"])
+    started = set(events.filter(pl.col("kind") == "started")["trajectory_id"])  # reruns included
     assert started == ASSIGNED  # and nothing else was started
     assert incomplete_trajectories(events, ASSIGNED, disaggregated=True) == {}
-    killed_at_s = events.filter((pl.col("kind") == moment) & (pl.col("engine_id") == victim))["at_s"].min()
-    after = events.filter((pl.col("engine_id") == victim) & (pl.col("at_s") > killed_at_s + 1.0))
-    assert after.filter(pl.col("kind").is_in(["prefill_done", "decode_done"])).height > 0  # the new one worked
+    killed_at_s = events.filter((pl.col("kind") == moment) & (pl.col("actor_id") == victim))["at_s"].min()
+    after = events.filter((pl.col("actor_id") == victim) & (pl.col("at_s") > killed_at_s + 1.0))
+    assert after.filter(pl.col("kind").is_in(["prefill_done", "decode_done", "finished"])).height > 0  # the new one worked
+    if kind == "environment":  # its trajectories were rerun from their start, and say so
+        reruns = events.filter((pl.col("kind") == "started") & (pl.col("attempt") > 0))
+        assert reruns.height > 0 and summary["actors"][victim]["trajectories_rerun"] == reruns.height
     assert summary["actors"]["trainer"].get("duplicate_finished", 0) == 0
