@@ -7,8 +7,11 @@
 Each decision round that changes anything takes the next epoch; a restarted allocator
 starts above the highest epoch its engines report, so it never issues a stale command. An
 engine that does not ack in time is marked unresponsive, reported, and left out of the
-decisions until a later heartbeat shows it alive and not switching. Engines keep their roles
-and keep serving whatever the allocator does (or if it is gone).
+decisions until a later heartbeat shows it alive and not switching. Leases: an engine whose
+last heartbeat arrived longer ago than `run.lease_wall_s` is likewise out (not responsive)
+until it reports again; a new `incarnation` in its heartbeat (a restart, or a resume after a
+lapse) is a fresh registration and clears what was held against the old one. Engines keep
+their roles and keep serving whatever the allocator does (or if it is gone).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class AllocatorActor(Actor):
         self.statuses: dict[str, EngineStatus] = {}
         self.pending: dict[str, Role] = {}  # engine -> role commanded, ack not yet in
         self.unresponsive: dict[str, float] = {}  # engine -> model time it failed to ack
+        self.seen_at_s: dict[str, float] = {}  # engine -> model time its last heartbeat arrived
+        self.incarnations: dict[str, str] = {}  # engine -> the registration its heartbeats carry
+        self.expired: set[str] = set()  # engines whose lease ran out (reported once)
+        self.lease_s = config.run.lease_wall_s * clock.time_scale  # model seconds
         self.epoch = 0
         self.forecast: DemandForecast | None = None
         self.recorded = RecordedDemand(load_events(config.allocator.oracle_log)) if config.run.policy == "oracle" else None
@@ -70,6 +77,16 @@ class AllocatorActor(Actor):
         if status is None:
             return
         self.statuses[status.engine_id] = status
+        self.seen_at_s[status.engine_id] = self.clock.now_s()
+        if status.engine_id in self.expired:
+            self.expired.discard(status.engine_id)
+            self.log.info("engine %s reports again after its lease ran out", status.engine_id)
+        known = self.incarnations.get(status.engine_id)
+        self.incarnations[status.engine_id] = status.incarnation
+        if known is not None and status.incarnation != known:  # restarted, or resumed past its lease
+            self.counters["reregistrations"] += 1
+            self.unresponsive.pop(status.engine_id, None)
+            self.log.info("engine %s registered again (incarnation %s, was %s)", status.engine_id, status.incarnation, known)
         failed_at_s = self.unresponsive.get(status.engine_id)
         if failed_at_s is not None and status.at_s > failed_at_s and not status.switching:  # alive and settled
             del self.unresponsive[status.engine_id]
@@ -103,12 +120,24 @@ class AllocatorActor(Actor):
             await self.decide_once()
             await self.clock.sleep(self.config.allocator.tick_s)
 
+    def lease_expired(self, engine_id: str) -> bool:
+        """Has `engine_id` been silent for longer than its lease? (Reported once per lapse.)"""
+        silent_s = self.clock.now_s() - self.seen_at_s.get(engine_id, self.clock.now_s())
+        if silent_s <= self.lease_s:
+            return False
+        if engine_id not in self.expired:
+            self.expired.add(engine_id)
+            self.counters["lease_expiries"] += 1
+            self.log.warning("engine %s: no heartbeat for %.1f s (model), past its lease; out of allocation until it reports", engine_id, silent_s)
+        return True
+
     def fleet(self) -> Fleet:
         engines = []
         for engine_id in self.config.engine_ids():
             s = self.statuses.get(engine_id)
             if s is None:
                 continue
+            expired = self.lease_expired(engine_id)
             pending = self.pending.get(engine_id)
             engines.append(
                 EngineState(
@@ -123,7 +152,7 @@ class AllocatorActor(Actor):
                     held_kv_handles=s.held_kv_handles,
                     role_since_s=s.role_since_s,
                     switching=s.switching or pending is not None,
-                    responsive=engine_id not in self.unresponsive,
+                    responsive=engine_id not in self.unresponsive and not expired,
                 )
             )
         return Fleet(now_s=self.clock.now_s(), engines=tuple(engines))

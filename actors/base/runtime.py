@@ -196,9 +196,21 @@ class Actor:
             await self.nc.publish(subject, encode(status))
 
     async def _heartbeats(self) -> None:
+        lease_s = self.config.run.lease_wall_s * self.clock.time_scale  # model seconds
+        last_s = self.clock.now_s()
         while True:
+            now_s = self.clock.now_s()
+            if now_s - last_s > lease_s:  # frozen (SIGSTOP, a stalled host) past the lease
+                self.counters["lease_lapses"] += 1
+                self.log.warning("no heartbeat for %.1f s (model), past the lease: re-registering", now_s - last_s)
+                self.on_lease_lapsed()
+            last_s = now_s
             await self.publish_heartbeat()
             await self.clock.sleep_wall(self.config.run.heartbeat_wall_s)
+
+    def on_lease_lapsed(self) -> None:
+        """Called when this actor's heartbeats stopped for longer than its lease: the others
+        have counted it out (an engine re-registers under a new incarnation)."""
 
     def clock_counters(self) -> None:
         """Copy the clock's keeping-up figures into the counters (a ScaledClock has them)."""

@@ -70,6 +70,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         self._switched = asyncio.Event()  # set while no switch is under way
         self._switched.set()
         self._init_writeback()  # engines.kv_writeback: held write-backs, the store tier's index
+        self.incarnation = ""  # set at setup, renewed after a lease lapse (EngineStatus.incarnation)
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
@@ -84,7 +85,11 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
         await self._setup_writeback()
         await self._catch_up_policy()
-        self.log.info("engine up: role=%s preset=%s", self.core.role.value, self.core.preset.name)
+        self.incarnation = self.new_id()[:8]
+        self.log.info("engine up: role=%s preset=%s incarnation=%s", self.core.role.value, self.core.preset.name, self.incarnation)
+
+    def on_lease_lapsed(self) -> None:
+        self.incarnation = self.new_id()[:8]  # the fleet counted us out: register again
 
     async def _catch_up_policy(self) -> None:
         """An engine (re)started mid-run loads the latest published policy version, so it can
@@ -367,4 +372,5 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             role_since_s=self.role_since_s,
             prefilled_tokens_total=self.prefilled_tokens_total,
             cached_prefix_tokens=self.core.cached_tokens,
+            incarnation=self.incarnation,
         )

@@ -68,12 +68,13 @@ class EnvironmentActor(Actor):
         """Per-turn placement; with KV write-back a prefill engine's prefix includes the output."""
         ec = self.config.engines
         miss_share = store_miss_share(ec) if ec.kv_writeback == "store" else 1.0
-        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share)
+        lease_s = self.config.run.lease_wall_s * self.clock.time_scale
+        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share, lease_s)
 
     async def _on_engine_status(self, msg: Msg) -> None:
         status = self.decode_or_count(EngineStatus, msg)
         if status is not None and self.router is not None:
-            self.router.observe(status)
+            self.router.observe(status, self.clock.now_s())
 
     async def serve(self, burst: bool) -> None:
         self.spawn(self._result_loop(), "results")
@@ -180,7 +181,7 @@ class EnvironmentActor(Actor):
         t.awaiting_result = True
         engine_id = None
         if self.router is not None:
-            engine_id = self.router.route(t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens)
+            engine_id = self.router.route(t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens, self.clock.now_s())
         subject = subjects.work_prefill(engine_id)
         await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping, self.clock)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)

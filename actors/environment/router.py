@@ -26,7 +26,8 @@ this router sent it since, plus `SEQ_LOAD_TOKENS` per sequence it decodes: a tra
 moves off an engine that decodes far more than another once that imbalance outweighs the
 prefix it has to recompute elsewhere (after a PD phase, say, which gathers every
 trajectory's KV on the decode engines). Before the first heartbeats every engine counts as an idle colocated
-one (an engine that does not prefill forwards what it gets to the shared queue).
+one (an engine that does not prefill forwards what it gets to the shared queue). An engine
+silent for longer than its lease (`run.lease_wall_s`) gets no turns until it reports again.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SEQ_LOAD_TOKENS = 1024  # a decoding sequence weighs like this many queued prefi
 class _Engine:
     role: Role
     switching: bool
+    seen_at_s: float | None = None  # when its last heartbeat arrived (None: none yet)
     waiting_tokens: int = 0  # admitted, not yet prefilled (its last heartbeat)
     running_decode: int = 0  # sequences decoding (its last heartbeat)
     routed_tokens: int = 0  # sent by this router since that heartbeat
@@ -70,29 +72,38 @@ TYPICAL_PREFIX_TOKENS = 8192  # the prefix a typical agentic turn's prefill runs
 
 
 class Router:
-    def __init__(self, engine_ids: list[str], local_prefill_max_tokens: int = 0, writeback: str = "none", miss_share: float = 1.0) -> None:
+    def __init__(
+        self, engine_ids: list[str], local_prefill_max_tokens: int = 0, writeback: str = "none", miss_share: float = 1.0, lease_s: float = float("inf")
+    ) -> None:
         """`writeback`: the fleet's `engines.kv_writeback`; `miss_share`: with "store", what a
-        context token costs an engine that loads it from the store, against prefilling it."""
+        context token costs an engine that loads it from the store, against prefilling it;
+        `lease_s`: model seconds after its last heartbeat that an engine stops being a candidate."""
+        self.lease_s = lease_s
+        self.routed_around_expired = 0  # candidates skipped because their lease ran out
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.writeback = writeback
         self.miss_share = miss_share if writeback == "store" else 1.0
-        self.engines: dict[str, _Engine] = {e: _Engine(Role.COLOCATED, False, 0) for e in engine_ids}
+        self.engines: dict[str, _Engine] = {e: _Engine(Role.COLOCATED, False) for e in engine_ids}
         self.short_tokens = 0  # new tokens of turns short enough to prefill where their KV is
         self.long_tokens = 0  # ... and of the others: the prefill engines' share of the demand
         self.routed_local = 0
         self.routed_home = 0
         self.routed_balance = 0
 
-    def observe(self, status: EngineStatus) -> None:
-        self.engines[status.engine_id] = _Engine(status.role, status.switching, status.waiting_prefill_tokens, status.running_decode)
+    def observe(self, status: EngineStatus, seen_at_s: float | None = None) -> None:
+        """`seen_at_s`: when the heartbeat arrived (model seconds), for the lease."""
+        self.engines[status.engine_id] = _Engine(
+            status.role, status.switching, seen_at_s, waiting_tokens=status.waiting_prefill_tokens, running_decode=status.running_decode
+        )
 
-    def route(self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int) -> str | None:
+    def route(self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None) -> str | None:
         """The engine whose own queue gets this turn; None: the shared prefill queue.
 
         `kv_engine_id` decoded the trajectory's last turn (it holds all of its context),
         `prefix_engine_id` prefilled it (it holds the context up to that turn's output; with
-        write-back, all of it)."""
-        ready = {e: s for e, s in self.engines.items() if not s.switching}
+        write-back, all of it). With `now_s`, an engine whose last heartbeat is older than the
+        lease is not a candidate until it reports again."""
+        ready = {e: s for e, s in self.engines.items() if not s.switching and not self._expired(s, now_s)}
         local = self.local_prefill_max_tokens > 0
         # without write-back, a prefill engine would recompute the last output: an append small
         # against its context stays where the KV is; with it, only a really short one does
@@ -124,6 +135,12 @@ class Router:
             candidates[chosen].routed_tokens += round(miss_tokens) + new_tokens
         return chosen
 
+    def _expired(self, engine: _Engine, now_s: float | None) -> bool:
+        if now_s is None or engine.seen_at_s is None or now_s - engine.seen_at_s <= self.lease_s:
+            return False
+        self.routed_around_expired += 1
+        return True
+
     def counters(self) -> dict[str, int]:
         return {
             "prefill_short_tokens": self.short_tokens,
@@ -131,4 +148,5 @@ class Router:
             "routed_local": self.routed_local,
             "routed_home": self.routed_home,
             "routed_balance": self.routed_balance,
+            "routed_around_expired": self.routed_around_expired,
         }
