@@ -42,12 +42,14 @@ class RunSection(_Section):
     # process dies; "restart" brings it back (at most max_restarts times per actor, waiting
     # restart_backoff_wall_s, doubled at each restart); "abort" stops the run
     on_actor_death: Literal["abort", "restart"] = "restart"
-    max_restarts: int = 3
+    max_restarts: int = 5
     restart_backoff_wall_s: float = 0.5
     # an engine whose last heartbeat is older than this is out of allocation and routing until
     # it reports again; default: 10 heartbeats, at least 3 s
     lease_wall_s: float | None = None
-    max_deliver: int = 50  # deliveries of one work item before it goes to the dead-letter subject
+    # deliveries of one work item before it goes to the dead-letter subject (bus_schemas/streams.py);
+    # below max_restarts x engines, so a message that kills every engine it reaches stops first
+    max_deliver: int = 10
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -334,8 +336,24 @@ class AllocatorSection(_Section):
             raise ValueError("allocator.prefill_target_util must be in (0, 1] and decode_tpot_slack > 1")
 
 
+class BusSection(_Section):
+    """The embedded nats-server and the LIFECYCLE stream (docs/operations.md, "Faults and guarantees")."""
+
+    storage: Literal["file", "memory"] = "file"  # the LIFECYCLE stream's storage
+    # JetStream fsync: "always" (the safe choice: an acked event survives a host crash), or a
+    # period such as "2m" (NATS's default: faster, an acked event may be lost with the host)
+    sync_interval: str = "always"
+    lifecycle_max_bytes: int = -1  # -1: no limit; when full, new events are refused (discard new) and the launcher alerts
+    lifecycle_max_msgs: int = -1
+
+    def __post_init__(self) -> None:
+        if self.sync_interval != "always" and not re.fullmatch(r"\d+(ms|s|m|h)", self.sync_interval):
+            raise ValueError(f"bus.sync_interval must be 'always' or a period like '2m', not {self.sync_interval!r}")
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
+    bus: BusSection = msgspec.field(default_factory=BusSection)
     engines: EngineSection = msgspec.field(default_factory=EngineSection)
     environments: EnvironmentSection = msgspec.field(default_factory=EnvironmentSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)

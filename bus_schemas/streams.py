@@ -2,8 +2,12 @@
 
 Work queues (prefill, decode, tasks, results) use work-queue retention: a message leaves
 the stream when a consumer acks it, and un-acked work is redelivered after ``ack_wait``
-(a crashed engine loses nothing). The lifecycle log, the training record and the final
-reports use limits retention: they are the run's history.
+(a crashed engine loses nothing), at most ``max_deliver`` times: a message no consumer acks
+by then (a poison message) is moved to the DEAD stream with the reason (the launcher does
+this, `ops/deadletter.py`). The lifecycle log, the training record, the final reports and
+the dead letters use limits retention: they are the run's history. The LIFECYCLE stream's
+storage and size are `LifecycleLimits`; a full one refuses new events (`discard: new`), and
+the launcher alerts, so nothing already logged is ever dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from nats.js.errors import BadRequestError, NotFoundError
 from bus_schemas import subjects
 
 DUPLICATE_WINDOW_S = 120.0  # Nats-Msg-Id deduplication window
+DEFAULT_MAX_DELIVER = 10  # deliveries of one work item before it is dead-lettered (run.max_deliver)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleLimits:
+    """How the LIFECYCLE stream is stored (`[bus]` in the config). -1: no limit."""
+
+    storage: str = "file"  # "file" (survives a server crash) or "memory"
+    max_bytes: int = -1
+    max_msgs: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,14 +39,22 @@ class StreamDef:
     subjects: tuple[str, ...]
     work_queue: bool
 
-    def config(self) -> api.StreamConfig:
-        return api.StreamConfig(
+    def config(self, limits: LifecycleLimits | None = None) -> api.StreamConfig:
+        """`limits` apply to the LIFECYCLE stream (with `discard: new`: a full log refuses, never drops)."""
+        config = api.StreamConfig(
             name=self.name,
             subjects=list(self.subjects),
             retention=api.RetentionPolicy.WORK_QUEUE if self.work_queue else api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
         )
+        if self.name == "LIFECYCLE":
+            config.discard = api.DiscardPolicy.NEW
+            if limits is not None:
+                config.storage = api.StorageType(limits.storage)
+                config.max_bytes = limits.max_bytes
+                config.max_msgs = limits.max_msgs
+        return config
 
 
 LIFECYCLE = StreamDef("LIFECYCLE", (subjects.lifecycle_all(),), work_queue=False)
@@ -46,8 +68,9 @@ TRAIN = StreamDef(
     "TRAIN", (subjects.train_finished(), subjects.train_policy(), subjects.train_step()), work_queue=False
 )
 REPORTS = StreamDef("REPORTS", (subjects.report_all(),), work_queue=False)
+DEAD = StreamDef("DEAD", (subjects.dead_letter_all(),), work_queue=False)
 
-ALL_STREAMS = (LIFECYCLE, WORK_PREFILL, WORK_DECODE, RESULTS, TASKS, TRAIN, REPORTS)
+ALL_STREAMS = (LIFECYCLE, WORK_PREFILL, WORK_DECODE, RESULTS, TASKS, TRAIN, REPORTS, DEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +81,7 @@ class ConsumerDef:
     durable: str
     filter_subject: str
 
-    def config(self, ack_wait_s: float) -> api.ConsumerConfig:
+    def config(self, ack_wait_s: float, max_deliver: int = DEFAULT_MAX_DELIVER) -> api.ConsumerConfig:
         return api.ConsumerConfig(
             durable_name=self.durable,
             name=self.durable,
@@ -67,6 +90,7 @@ class ConsumerDef:
             ack_wait=ack_wait_s,
             deliver_policy=api.DeliverPolicy.ALL,
             max_ack_pending=-1,
+            max_deliver=max_deliver,
         )
 
 
@@ -95,26 +119,32 @@ def finished_consumer() -> ConsumerDef:
     return ConsumerDef(TRAIN, "trainer-finished", subjects.train_finished())
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create every stream, or bring an existing one to this definition. Idempotent."""
+async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = None) -> None:
+    """Create every stream, or bring an existing one to this definition. Idempotent. Without
+    `limits`, an existing LIFECYCLE stream keeps the storage and size its creator (the
+    launcher) gave it."""
     for stream in ALL_STREAMS:
         try:
-            await js.stream_info(stream.name)
+            info = await js.stream_info(stream.name)
         except NotFoundError:
             try:
-                await js.add_stream(stream.config())
+                await js.add_stream(stream.config(limits))
             except BadRequestError as err:  # another actor created it between the two calls
                 if "already in use" not in str(err):
                     raise
         else:
-            await js.update_stream(stream.config())
+            keep = limits
+            if keep is None and stream is LIFECYCLE:
+                have = info.config
+                keep = LifecycleLimits(api.StorageType(have.storage or "file").value, have.max_bytes or -1, have.max_msgs or -1)
+            await js.update_stream(stream.config(keep if stream is LIFECYCLE else None))
 
 
-async def pull_subscription(js: JetStreamContext, consumer: ConsumerDef, ack_wait_s: float):
+async def pull_subscription(js: JetStreamContext, consumer: ConsumerDef, ack_wait_s: float, max_deliver: int = DEFAULT_MAX_DELIVER):
     """Bind to (creating if needed) a durable pull consumer."""
     return await js.pull_subscribe(
         consumer.filter_subject,
         durable=consumer.durable,
         stream=consumer.stream.name,
-        config=consumer.config(ack_wait_s),
+        config=consumer.config(ack_wait_s, max_deliver),
     )

@@ -103,6 +103,23 @@ def report_all() -> str:
     return f"{PREFIX}.report.*"
 
 
+# --- dead letters -----------------------------------------------------------------------
+def dead_letter(stream: str) -> str:
+    """Work that `max_deliver` deliveries did not get acked (a poison message), moved out of
+    stream `stream` with the reason in its headers; held in the DEAD stream."""
+    return f"{PREFIX}.dead.{_token(stream, 'stream name')}"
+
+
+def dead_letter_all() -> str:
+    return f"{PREFIX}.dead.*"
+
+
+def max_deliveries_advisory() -> str:
+    """NATS's own advisory (not a Prorsa subject): a consumer gave up on a message after
+    `max_deliver` deliveries. The launcher turns each into a dead letter."""
+    return "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>"
+
+
 # --- training ---------------------------------------------------------------------------
 def train_tasks() -> str:
     """Trajectory assignments from the trainer to the environments (work queue)."""

@@ -41,6 +41,7 @@ from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
 from ops.export import read_run, write_run
+from ops.bus_guard import DeadLetters, LifecycleFill, read_dead_letters
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
 
@@ -101,11 +102,16 @@ def prepare_model(config: Config, out: Path) -> Config:
     return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, checkpoint=str(path.resolve())))
 
 
+def lifecycle_limits(config: Config) -> streams.LifecycleLimits:
+    bus = config.bus
+    return streams.LifecycleLimits(storage=bus.storage, max_bytes=bus.lifecycle_max_bytes, max_msgs=bus.lifecycle_max_msgs)
+
+
 async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
     nc = await connect(url, "launcher", LOG)
     try:
         js = nc.jetstream()
-        await streams.ensure_streams(js)
+        await streams.ensure_streams(js, lifecycle_limits(config))
         if shared_server:  # a server we did not start may hold an earlier run
             for stream in streams.ALL_STREAMS:
                 await js.purge_stream(stream.name)
@@ -143,9 +149,12 @@ async def supervise(
     interrupted: asyncio.Event,
     supervision: Supervision,
     respawn: Callable[[ActorSpec], Awaitable[asyncio.subprocess.Process]],
+    notes: dict,
 ) -> str:
     """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'. A dead actor
-    is restarted as `supervision` says (`procs` then holds the new process), or fails the run."""
+    is restarted as `supervision` says (`procs` then holds the new process), or fails the run.
+    Meanwhile poison work is dead-lettered and the lifecycle log's fill watched (alerts go
+    into `notes`)."""
     started = time.monotonic()
     waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
     restarting: dict[asyncio.Task, ActorSpec] = {}  # backoff, then a new process
@@ -166,13 +175,22 @@ async def supervise(
         return await respawn(spec)
 
     await nc.subscribe(subjects.lifecycle("finished"), cb=on_finished)
+    dead = DeadLetters(nc, LOG)
+    await dead.start()
+    fill = LifecycleFill(nc.jetstream(), lambda line: console.print(f"[red]alert: {line}", highlight=False))
+    notes["lifecycle_alerts"] = fill.alerts
+    watchers = [asyncio.create_task(fill.watch(), name="lifecycle-fill")]
+    fatal_wait = asyncio.create_task(dead.fatal.wait())
     try:
         with progress:
             while True:
-                done, _ = await asyncio.wait({*waits, *restarting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*waits, *restarting, stop_wait, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if stop_wait in done:
                     console.print("[yellow]interrupted: stopping every actor")
                     return "interrupted"
+                if fatal_wait in done:
+                    console.print(f"[red]error: {dead.fatal_reason}; the run cannot complete", highlight=False)
+                    return "failed"
                 for task in done:
                     if task in restarting:  # a restart's new process is up
                         spec = restarting.pop(task)
@@ -192,9 +210,11 @@ async def supervise(
                     restarting[asyncio.create_task(restart_after(spec, delay_s), name=f"restart {spec.name}")] = spec
     finally:
         stop_wait.cancel()
-        for task in [*waits, *restarting]:
+        fatal_wait.cancel()
+        for task in [*waits, *restarting, *watchers]:
             task.cancel()
-        await asyncio.gather(*restarting, return_exceptions=True)
+        await asyncio.gather(*restarting, *watchers, return_exceptions=True)
+        notes["dead_letter_errors"] = dead.errors
         await close(nc)
 
 
@@ -214,10 +234,11 @@ async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[s
     return killed
 
 
-async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision) -> dict:
+async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict) -> dict:
     nc = await connect(url, "launcher-export", LOG)
     try:
         record = await read_run(nc.jetstream())
+        dead_letters = await read_dead_letters(nc.jetstream())
     finally:
         await close(nc)
     summary = write_run(record, out, config, status, wall_s, console)
@@ -225,6 +246,10 @@ async def export(url: str, out: Path, config: Config, status: str, wall_s: float
     summary["on_actor_death"] = supervision.mode
     summary["restarts"] = dict(supervision.restarts)  # actor name -> times restarted
     summary["actor_deaths"] = supervision.deaths  # every death: actor, exit code, wall s into the run, restarted
+    summary["dead_letters"] = len(dead_letters)  # poison work moved to prorsa.dead.<stream>
+    summary["dead_letter_reasons"] = dead_letters
+    summary["lifecycle_alerts"] = notes.get("lifecycle_alerts", [])
+    summary["publish_failures"] = sum(c.get("publish_failures", 0) for c in summary["actors"].values())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -236,6 +261,8 @@ def print_summary(summary: dict, out: Path) -> None:
         f"lost {summary['trajectories_lost']}, invalid messages {summary['invalid_messages']}, "
         f"{summary['events']} events, {summary['wall_s']} s wall"
     )
+    if summary["dead_letters"]:
+        console.print(f"  [red]dead letters: {summary['dead_letters']}[/red] (prorsa.dead.<stream>; reasons in summary.json)")
     if summary["restarts"]:
         console.print("  restarted: " + ", ".join(f"{name} x{n}" for name, n in summary["restarts"].items()), highlight=False)
     for s in summary["steps"]:
@@ -259,7 +286,7 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     if not nats_url and (out / "nats").exists():  # the folder held an earlier run: start clean
         console.print(f"replacing the earlier run in {out}", highlight=False)
         shutil.rmtree(out / "nats")
-    server = None if nats_url else EmbeddedNats(out / "nats")
+    server = None if nats_url else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval)
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
     interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
@@ -281,13 +308,14 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
             console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
         rc = config.run
         supervision = Supervision(rc.on_actor_death, rc.max_restarts, rc.restart_backoff_wall_s)
+        notes: dict = {}
         if not interrupted.is_set():
             respawn = lambda spec: spawn(spec, config_path, url, logs)  # noqa: E731
-            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted, supervision, respawn)
+            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted, supervision, respawn, notes)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
-        summary = await export(url, out, config, status, time.monotonic() - started, killed, supervision)
+        summary = await export(url, out, config, status, time.monotonic() - started, killed, supervision, notes)
         print_summary(summary, out)
     finally:
         await stop_all(procs)

@@ -37,9 +37,10 @@ def free_port() -> int:
 
 
 class EmbeddedNats:
-    def __init__(self, root: Path, port: int | None = None) -> None:
+    def __init__(self, root: Path, port: int | None = None, sync_interval: str = "always") -> None:
         self.root = Path(root)
         self.port = port or free_port()
+        self.sync_interval = sync_interval  # JetStream fsync: "always", or a period such as "2m"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -58,7 +59,7 @@ class EmbeddedNats:
             f"max_payload: {MAX_PAYLOAD_BYTES}\n"
             "jetstream {\n"
             f'  store_dir: "{self.root / "jetstream"}"\n'
-            "  sync_interval: always\n"
+            f"  sync_interval: {self.sync_interval}\n"
             "}\n"
         )
         return conf

@@ -1,8 +1,12 @@
 """At-least-once JetStream publishing for work items, results and training messages.
 
 ``publish_durable`` retries until the stream acks (same ``Nats-Msg-Id`` on every try, so
-the stream stores the message once), counting each retry; it gives up only when the actor
-is stopping, and then raises so the caller leaves its input un-acked for redelivery.
+the stream stores the message once), counting each retry. It gives up when the actor is
+stopping (``PublishAborted``), or when another try could land after the stream's duplicate
+window (``PublishFailed``, counted as ``publish_failures``): past that window a retry of a
+publish that was stored but whose ack was lost would be stored twice. Either way it raises,
+so the caller leaves its input un-acked for redelivery (an actor that cannot publish for
+that long stops, and the launcher restarts it).
 """
 
 from __future__ import annotations
@@ -15,13 +19,20 @@ from nats.js.client import JetStreamContext
 
 from actors.base.clock import Clock
 from actors.base.connection import BUS_ERRORS
+from bus_schemas.streams import DUPLICATE_WINDOW_S
 
 _ACK_TIMEOUT_WALL_S = 5.0
 _RETRY_WALL_S = 0.25
+# the last try must be acked (or time out) inside the duplicate window, with a margin
+GIVE_UP_WALL_S = DUPLICATE_WINDOW_S - 2 * _ACK_TIMEOUT_WALL_S
 
 
 class PublishAborted(RuntimeError):
     """The actor stopped before the stream acked the publish."""
+
+
+class PublishFailed(PublishAborted):
+    """No try was acked before another could outlive the stream's duplicate window."""
 
 
 async def publish_durable(
@@ -33,8 +44,12 @@ async def publish_durable(
     log: logging.Logger,
     stopping: asyncio.Event,
     clock: Clock,
+    give_up_wall_s: float = GIVE_UP_WALL_S,
 ) -> None:
+    """`give_up_wall_s`: no try starts later than this after the first one that could still
+    be unacked when the duplicate window (from the first try) closes."""
     attempt = 0
+    first_s = clock.now_s()
     while True:
         try:
             await js.publish(subject, data, timeout=clock.loop_s(_ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
@@ -46,6 +61,11 @@ async def publish_durable(
                 log.warning("publish to %s failed (attempt %d): %s", subject, attempt, err)
             if stopping.is_set():
                 raise PublishAborted(f"stopped before {subject} acked {msg_id}") from err
+            elapsed_wall_s = (clock.now_s() - first_s) / clock.time_scale
+            if elapsed_wall_s + _RETRY_WALL_S + _ACK_TIMEOUT_WALL_S > give_up_wall_s:
+                counters["publish_failures"] += 1
+                log.error("publish to %s (id %s) not acked after %d tries in %.0f s: giving up inside the duplicate window", subject, msg_id, attempt, elapsed_wall_s)
+                raise PublishFailed(f"{subject} did not ack {msg_id} within {give_up_wall_s:g} s") from err
             await clock.sleep_wall(_RETRY_WALL_S)
 
 

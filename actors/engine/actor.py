@@ -75,12 +75,13 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
         ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
+        max_deliver = self.config.run.max_deliver
         self._subs = {
-            "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait),
-            "decode": await pull_subscription(self.js, decode_consumer(), ack_wait),
+            "prefill": await pull_subscription(self.js, prefill_consumer(), ack_wait, max_deliver),
+            "decode": await pull_subscription(self.js, decode_consumer(), ack_wait, max_deliver),
         }
         if self.config.affinity_routing:
-            self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait)
+            self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait, max_deliver)
         await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
         await self._setup_writeback()

@@ -24,7 +24,7 @@ from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import ActorStatus, EngineStatus
 from bus_schemas.streams import pull_subscription, results_consumer, tasks_consumer
 from bus_schemas.train import FinishedTrajectory, TaskAssignment
-from bus_schemas.work import PrefillWork, TurnResult, make_work_id
+from bus_schemas.work import DecodeWork, PrefillWork, TurnResult, make_work_id
 
 FETCH_WAIT_WALL_S = 0.2
 
@@ -58,11 +58,13 @@ class EnvironmentActor(Actor):
 
     async def setup(self) -> None:
         ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
-        self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait)
-        self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait)
+        max_deliver = self.config.run.max_deliver
+        self._task_sub = await pull_subscription(self.js, tasks_consumer(), ack_wait, max_deliver)
+        self._result_sub = await pull_subscription(self.js, results_consumer(self.actor_id), ack_wait, max_deliver)
         self.router = self._make_router() if self.config.affinity_routing else None
         if self.router is not None:
             await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_engine_status)
+        await self.nc.subscribe(subjects.dead_letter_all(), cb=self._on_dead_letter)
 
     def _make_router(self) -> Router:
         """Per-turn placement; with KV write-back a prefill engine's prefix includes the output."""
@@ -147,6 +149,26 @@ class EnvironmentActor(Actor):
             self.log.warning("rerunning trajectory %s from its start (delivery %d)", a.trajectory_id, reruns + 1)
         self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens, attempt=reruns)
         await self._submit(t)
+
+    async def _on_dead_letter(self, msg: Msg) -> None:
+        """A turn of ours was dead-lettered (no engine could finish it): this rollout cannot
+        finish, so it is given back to be rerun from its start (never reported as complete)."""
+        stream = msg.subject.rsplit(".", 1)[-1]
+        kinds = {"WORK_PREFILL": PrefillWork, "WORK_DECODE": DecodeWork, "RESULTS": TurnResult}
+        if stream not in kinds:
+            return
+        item = self.decode_or_count(kinds[stream], msg)
+        work_id = item.prefill.work_id if isinstance(item, DecodeWork) else getattr(item, "work_id", "")
+        trajectory_id = work_id.split("/", 1)[0]
+        t = self.live.get(trajectory_id)
+        if t is None or not work_id.startswith(f"{trajectory_id}/{t.nonce}/"):
+            return  # not ours, or an earlier rollout's
+        del self.live[trajectory_id]
+        self.counters["trajectories_dead_lettered"] += 1
+        self.log.error("turn %s was dead-lettered: rerunning trajectory %s from its start", work_id, trajectory_id)
+        with self.counting_bus_errors("nak_failures"):
+            await t.task_msg.nak()
+        self._room.set()
 
     async def _keep_alive(self) -> None:
         period_wall_s = self.config.run.ack_wait_wall_s / 3
