@@ -33,3 +33,4 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     fallback_reason: str = ""  # why (empty when fallback is False)
     fallbacks_total: int = 0  # ticks so far that fell back
     late_events: int = 0  # events that arrived after their tick was computed (counted in the next one)
+    skipped_ticks: int = 0  # ticks so far never computed: the forecaster was behind and skipped ahead to now

@@ -50,13 +50,20 @@ def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns:
     return events
 
 
-def synthetic_log(
+def synthetic_events(
     trajectories: int, seed: int, spread_s: float = 20.0, max_turns: int = 12, min_turns: int = 1, until_s: float = float("inf")
-) -> pl.DataFrame:
+) -> list[LifecycleEvent]:
     """`trajectories` trajectories starting uniformly over the first `spread_s` seconds, with
     min_turns..max_turns turns each; no turn starts after `until_s` (a log cut short)."""
     rng = np.random.default_rng(seed)
     events: list[LifecycleEvent] = []
     for i in range(trajectories):
         events += _trajectory(rng, i, float(rng.uniform(0, spread_s)), max_turns, min_turns, until_s)
-    return events_frame(events)
+    return events
+
+
+def synthetic_log(
+    trajectories: int, seed: int, spread_s: float = 20.0, max_turns: int = 12, min_turns: int = 1, until_s: float = float("inf")
+) -> pl.DataFrame:
+    """`synthetic_events` as a frame."""
+    return events_frame(synthetic_events(trajectories, seed, spread_s, max_turns, min_turns, until_s))

@@ -7,6 +7,14 @@
 The tick is the same code the replay runner drives (runners.replay), so on the same log
 the forecasts are the same numbers. An event that arrives after its tick was computed
 (later than the watermark) is counted as late and goes into the next tick.
+
+A forecaster that falls behind (a tick that took longer than tick_s, a busy machine, a high
+time scale) never catches up tick by tick: it skips ahead to the latest tick already due
+(`due_tick`) and computes that one over all the bins since the last, counting the ticks it
+skipped (`skipped_ticks` in the counters and in every DemandForecast). So it is always
+within one tick of the clock, and a stop request is seen after at most one tick. While
+behind it yields the loop as long as each tick took (at most half a core; the consumer
+keeps reading the log).
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ FETCH_BATCH = 2000
 FETCH_WAIT_WALL_S = 0.1
 
 
+def due_tick(next_index: int, now_s: float, tick_s: float, watermark_s: float) -> int:
+    """The index k (tick at k * tick_s) to compute now: the latest whose watermark has passed
+    (k * tick_s + watermark_s <= now_s), and never before `next_index`, the next not yet
+    computed. Indices in between are skipped."""
+    latest = int((now_s - watermark_s) // tick_s + 1e-9)
+    return max(next_index, latest)
+
+
 class ForecasterActor(Actor):
     kind = "forecaster"
 
@@ -36,7 +52,10 @@ class ForecasterActor(Actor):
         fc = config.forecaster
         self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s)))
         self.buffer: list[LifecycleEvent] = []
-        self.ticks = 0
+        self.ticks = 0  # ticks computed
+        self.next_index = 1  # the next tick to compute is at next_index * tick_s
+        self.skipped_ticks = 0  # ticks never computed: the forecaster was behind and skipped ahead
+        self.max_lag_s = 0.0  # most model seconds a tick was computed after its due time (tick + watermark)
         self.late_events = 0
         self.last_event_s = 0.0
         self._drained = asyncio.Event()  # the consumer had nothing pending at the last fetch
@@ -51,21 +70,44 @@ class ForecasterActor(Actor):
         self.spawn(self._consume(), "consume")
         fc = self.config.forecaster
         while not self.stopping.is_set():
-            until_s = fc.tick_s * (self.ticks + 1)
-            if burst:
+            if burst:  # every tick, as fast as the log drains (no clock to keep up with)
+                index = self.next_index
                 await self._drained.wait()
-                if until_s > self.last_event_s + fc.tick_s:
+                if fc.tick_s * index > self.last_event_s + fc.tick_s:
                     return
             else:
-                await self.clock.sleep_until(until_s + fc.watermark_s)
-            await self._tick(until_s)
-            await asyncio.sleep(0)  # let the consumer run between catch-up ticks
+                await self.clock.sleep_until(fc.tick_s * self.next_index + fc.watermark_s)
+                now_s = self.clock.now_s()
+                index = due_tick(self.next_index, now_s, fc.tick_s, fc.watermark_s)
+                self._skip(index - self.next_index, now_s - fc.tick_s * index - fc.watermark_s)
+            self.next_index = index + 1
+            began_s = self.clock.now_s()
+            await self._tick(fc.tick_s * index)
+            behind = not burst and self.clock.now_s() >= fc.tick_s * self.next_index + fc.watermark_s
+            # behind (the next tick is due already): yield as long as the tick took, so the
+            # forecaster takes at most half a core and the consumer keeps reading the log
+            await self.clock.sleep_wall(self.clock.to_wall_s(self.clock.now_s() - began_s) if behind else 0.0)
+
+    def _skip(self, skipped: int, lag_s: float) -> None:
+        self.max_lag_s = max(self.max_lag_s, lag_s)
+        self.counters["max_tick_lag_ms"] = max(self.counters["max_tick_lag_ms"], round(lag_s * 1e3))
+        if skipped <= 0:
+            return
+        self.skipped_ticks += skipped
+        self.counters["skipped_ticks"] += skipped
+        if self.skipped_ticks == skipped or self.skipped_ticks // 100 > (self.skipped_ticks - skipped) // 100:
+            self.log.warning("behind the clock: skipped %d ticks to tick %d (%d skipped so far)", skipped, self.next_index + skipped, self.skipped_ticks)
 
     async def _consume(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             try:
                 msgs = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_WALL_S)
             except TimeoutError:
+                # asyncio.wait_for (3.11) inside fetch can turn our cancellation into a
+                # TimeoutError: honour it, or shutdown waits on this loop for ever
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise asyncio.CancelledError from None
                 self._drained.set()
                 continue
             self._drained.clear()
@@ -123,4 +165,5 @@ class ForecasterActor(Actor):
             fallback_reason=outcome.fallback_reason,
             fallbacks_total=outcome.fallbacks_total,
             late_events=self.late_events,
+            skipped_ticks=self.skipped_ticks,
         )
