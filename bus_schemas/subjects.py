@@ -44,6 +44,12 @@ def kv_writeback(engine_id: str) -> str:
     return f"{PREFIX}.kv.writeback.{_token(engine_id, 'engine id')}"
 
 
+def kv_connector_stats(engine_id: str) -> str:
+    """Request/reply: the counters of a vLLM engine's KV connector (KV held, served, fetched,
+    failed), answered from inside vLLM's worker process (`engines.backend = "vllm"`)."""
+    return f"{PREFIX}.kv.stats.{_token(engine_id, 'engine id')}"
+
+
 def kv_store_put() -> str:
     """KV written to the shared store tier (`engines.kv_writeback = "store"`): every engine's
     view of the store follows these notices (core pub/sub, never stored)."""

