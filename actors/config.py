@@ -326,8 +326,13 @@ class AllocatorSection(_Section):
     disaggregate_above_engines: float = 1.0
     colocate_below_engines: float = 0.5
     oracle_log: str = ""  # oracle: events.parquet of a recorded run of the same workload
+    # prorsa: size on the forecast's mean (0) or on this quantile of it, in (0, 1) (e.g. 0.9:
+    # provision for the upper end of the calibrated 10-90% interval); see docs/forecasting.md
+    provision_quantile: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.provision_quantile < 1:
+            raise ValueError("allocator.provision_quantile must be 0 (the mean) or a quantile level in (0, 1)")
         if min(self.tick_s, self.horizon_s, self.ack_timeout_wall_s) <= 0 or self.min_dwell_s < 0 or self.drain_deadline_s < 0:
             raise ValueError("allocator.tick_s, horizon_s and ack_timeout_wall_s must be > 0; min_dwell_s, drain_deadline_s >= 0")
         if not 0 <= self.colocate_below_engines <= self.disaggregate_above_engines:

@@ -3,6 +3,7 @@
     events of [last tick, this tick)  ─▶ series.chunk_totals ─▶ closed bins (totals per target)
                                       └▶ LiveState.ingest ─▶ trajectories, learned distributions
     for each model: update(history); predict(max horizon)   (FitError etc. → naive, counted)
+                    quantiles shifted by the model's recent errors (forecasting.calibrate)
     ─▶ TickResult: per model, the forecast at every horizon, and whether it fell back
 
 The caller hands each tick the events with at_s in [previous tick, this tick), sorted by
@@ -17,6 +18,7 @@ import numpy as np
 import polars as pl
 
 from forecasting import series
+from forecasting.calibrate import Conformal
 from forecasting.live import LiveState
 from forecasting.models import TARGETS, FitError, History, Prediction, make
 from forecasting.models.timeseries import Naive
@@ -30,6 +32,7 @@ class ModelOutcome:
     prediction: Prediction
     fallback_reason: str = ""  # non-empty: this tick's forecast is naive's, because of this
     fallbacks_total: int = 0
+    raw_quantiles: dict[str, np.ndarray] | None = None  # the model's own, before calibration (None: not calibrated)
 
 
 @dataclass(slots=True)
@@ -63,6 +66,8 @@ class CoreConfig:
     bin_s: float = 1.0
     horizons_s: tuple[float, ...] = (1.0, 5.0, 10.0, 20.0, 30.0)
     keep_series: bool = False  # keep the per-family series frames (the replay runner plots them)
+    calibrate: bool = True  # shift quantiles by the model's recent errors (forecasting.calibrate)
+    calibration_window_bins: int = 300  # recent residuals per (target, horizon) the shifts are learned from
 
     def __post_init__(self) -> None:
         if self.bin_s <= 0:
@@ -89,6 +94,7 @@ class ForecastCore:
         self.models = {name: make(name) for name in self.config.models}
         self._naive = {name: Naive() for name in self.config.models}
         self.fallbacks = {name: 0 for name in self.config.models}
+        self.calibrators = {name: Conformal(self.config.calibration_window_bins) for name in self.config.models} if self.config.calibrate else {}
         self.series = {t: _Growing() for t in TARGETS}
         self.frames: list[pl.DataFrame] = []
         self.end_s = 0.0
@@ -112,12 +118,17 @@ class ForecastCore:
     def _run(self, name: str, history: History) -> ModelOutcome:
         naive = self._naive[name].update(history)  # kept current: the fallback is always ready
         try:
-            prediction = self.models[name].update(history).predict(self.config.horizon_bins)
-            return ModelOutcome(prediction, "", self.fallbacks[name])
+            outcome = ModelOutcome(self.models[name].update(history).predict(self.config.horizon_bins), "", self.fallbacks[name])
         except FIT_FAILURES as err:
             self.fallbacks[name] += 1
             reason = f"{type(err).__name__}: {err}"[:200]
-            return ModelOutcome(naive.predict(self.config.horizon_bins), reason, self.fallbacks[name])
+            outcome = ModelOutcome(naive.predict(self.config.horizon_bins), reason, self.fallbacks[name])
+        calibrator = self.calibrators.get(name)
+        if calibrator is not None:  # learns the errors of what was issued, the fallback's included
+            calibrator.observe(history.series, history.n_bins)
+            outcome.raw_quantiles = outcome.prediction.quantiles
+            outcome.prediction = calibrator.adjust(outcome.prediction, history.n_bins)
+        return outcome
 
     def series_frame(self) -> pl.DataFrame:
         return pl.concat(self.frames) if self.frames else pl.DataFrame()

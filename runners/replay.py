@@ -1,12 +1,20 @@
-"""Replay a recorded lifecycle log through forecasting models and score them.
+"""Replay recorded lifecycle logs through forecasting models and score them.
 
     python -m runners.replay LOG.parquet --models naive ets arima lifecycle hybrid \\
         --horizons 1 5 10 20 30 --bin-s 1 --out DIR
+    python -m runners.replay --config configs/forecast-swe.toml configs/forecast-shift.toml \\
+        --holdout-seeds 1011 1023 --models ets arima lifecycle --out DIR
 
-The log goes through forecasting.core tick by tick, exactly as the live forecaster actor
-runs it. Writes DIR/accuracy.csv (model, target, horizon_s, mae, smape, mase, pinball,
-coverage, fallbacks) and DIR/forecast_vs_actual.png. Naive always runs: MASE is measured
-against it. Exit 2, with one line naming the problem, for a log that cannot be used.
+Each log goes through forecasting.core tick by tick, exactly as the live forecaster actor
+runs it. With --holdout-seeds, fresh logs are recorded from each config with each seed
+(runners.simulate, virtual time, under DIR/holdout/) and only those are scored: a model
+is judged on logs it was not developed against. Writes DIR/accuracy.csv (log, model,
+target, horizon_s, mae, smape, mase, pinball, coverage of the published 10-90% interval,
+coverage_raw of the model's own before calibration, fallbacks), DIR/gain.csv (the
+lifecycle models' MASE gain over the best of ETS/ARIMA, when they ran) and
+DIR/forecast_vs_actual.png. Naive always runs: MASE is measured against it. A config's
+seeds are pooled into one row per (model, target, horizon). Exit 2, with one line naming
+the problem, for a log or config that cannot be used.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import polars as pl
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from actors.config import ConfigError, load_config
 from forecasting import metrics, series
 from forecasting.core import CoreConfig, ForecastCore, TickResult
 from forecasting.models import QUANTILES, TARGETS
@@ -72,8 +81,10 @@ class Scored:
     horizon_s: float
     actual: np.ndarray
     forecast: np.ndarray
-    quantiles: np.ndarray  # (len(QUANTILES), n)
+    quantiles: np.ndarray  # (len(QUANTILES), n): as published (calibrated)
     naive: np.ndarray
+    raw_quantiles: np.ndarray | None = None  # the model's own, before calibration
+    log: str = ""
 
 
 def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarray], from_s: float) -> list[Scored]:
@@ -87,30 +98,64 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
                 rows = [(r, b) for r, b in rows if b < n_bins]
                 if not rows:
                     continue
+                raw = [r.outcomes[model].raw_quantiles for r, _ in rows]
                 out.append(Scored(
                     model, target, h_s,
                     actual=np.array([actual[target][b] for _, b in rows]),
                     forecast=np.array([r.outcomes[model].prediction.point_forecast(target)[hi] for r, _ in rows]),
                     quantiles=np.array([[r.outcomes[model].prediction.quantiles[target][q, hi] for r, _ in rows] for q in range(len(QUANTILES))]),
                     naive=np.array([r.outcomes["naive"].prediction.mean[target][hi] for r, _ in rows]),
+                    raw_quantiles=None if any(q is None for q in raw) else np.array([[q[target][l, hi] for q in raw] for l in range(len(QUANTILES))]),
                 ))  # fmt: skip
     return out
+
+
+def pooled(scored: list[Scored], log: str) -> list[Scored]:
+    """The scores of several logs as one per (model, target, horizon): their points joined."""
+    groups: dict[tuple[str, str, float], list[Scored]] = {}
+    for s in scored:
+        groups.setdefault((s.model, s.target, s.horizon_s), []).append(s)
+
+    def join(parts: list[np.ndarray | None], axis: int) -> np.ndarray | None:
+        return None if any(p is None for p in parts) else np.concatenate(parts, axis=axis)
+
+    return [
+        Scored(model, target, h_s, *(np.concatenate([getattr(p, f) for p in parts]) for f in ("actual", "forecast")),
+               quantiles=np.concatenate([p.quantiles for p in parts], axis=1), naive=np.concatenate([p.naive for p in parts]),
+               raw_quantiles=join([p.raw_quantiles for p in parts], 1), log=log)
+        for (model, target, h_s), parts in groups.items()
+    ]  # fmt: skip
 
 
 def accuracy_table(scored: list[Scored], fallbacks: dict[str, int]) -> pl.DataFrame:
     lo, hi = QUANTILES.index(0.1), QUANTILES.index(0.9)
     rows = [
         {
-            "model": s.model, "target": s.target, "horizon_s": s.horizon_s, "points": len(s.actual),
+            "log": s.log, "model": s.model, "target": s.target, "horizon_s": s.horizon_s, "points": len(s.actual),
             "mae": metrics.mae(s.actual, s.forecast), "smape": metrics.smape(s.actual, s.forecast),
             "mase": metrics.mase(s.actual, s.forecast, s.naive),
             "pinball": metrics.pinball(s.actual, s.quantiles, QUANTILES),
             "coverage": metrics.coverage(s.actual, s.quantiles[lo], s.quantiles[hi]),
+            "coverage_raw": metrics.coverage(s.actual, s.raw_quantiles[lo], s.raw_quantiles[hi]) if s.raw_quantiles is not None else float("nan"),
             "fallbacks": fallbacks.get(s.model, 0),
         }
         for s in scored
     ]  # fmt: skip
     return pl.DataFrame(rows)
+
+
+BASELINES = ("ets", "arima")
+
+
+def gain_table(table: pl.DataFrame) -> pl.DataFrame:
+    """Per log, target and horizon: each non-baseline model's MASE gain over the best of
+    ETS/ARIMA, 1 - MASE / min(MASE of ETS, ARIMA) (empty unless a baseline ran)."""
+    base = table.filter(pl.col("model").is_in(BASELINES)).group_by("log", "target", "horizon_s").agg(pl.col("mase").min().alias("best_baseline_mase"))
+    if base.height == 0:
+        return pl.DataFrame()
+    others = table.filter(~pl.col("model").is_in([*BASELINES, "naive"])).select("log", "model", "target", "horizon_s", "mase", "coverage")
+    gains = others.join(base, on=["log", "target", "horizon_s"]).with_columns((1 - pl.col("mase") / pl.col("best_baseline_mase")).alias("gain"))
+    return gains.sort("log", "model", "target", "horizon_s")
 
 
 def plot(path: Path, scored: list[Scored], horizon_s: float, targets: tuple[str, ...]) -> None:
@@ -134,48 +179,112 @@ def plot(path: Path, scored: list[Scored], horizon_s: float, targets: tuple[str,
     plt.close(fig)
 
 
-def run(log: Path, models: list[str], horizons_s: list[float], bin_s: float, tick_s: float | None, out: Path) -> pl.DataFrame:
+def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None = None) -> tuple[list[Scored], dict[str, int]]:
+    """One log's scores (and each model's fallbacks)."""
     events = load_events(log)
-    cfg = CoreConfig(models=tuple(dict.fromkeys(["naive", *models])), bin_s=bin_s, horizons_s=tuple(horizons_s))
     span_s = float(events["at_s"].max() - events["at_s"].min()) if events.height else 0.0
-    needed_s = max(horizons_s) + MIN_SCORED_BINS * bin_s
+    needed_s = max(cfg.horizons_s) + MIN_SCORED_BINS * cfg.bin_s
     if events.height == 0:
         raise ReplayError(f"{log}: the log is empty: no events to replay")
     if span_s < needed_s:
         raise ReplayError(f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)")
     results, core = replay(events, cfg, tick_s, progress=True)
-    actual_frame = series.bin_events(events, bin_s, end_s=results[-1].as_of_s)
+    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s)
     actual = {t: np.array(series.totals(actual_frame, t)) for t in TARGETS}
     scored = align(results, cfg, actual, from_s=float(events["at_s"].min()))
-    table = accuracy_table(scored, core.fallbacks)
+    for s in scored:
+        s.log = name or log.stem
+    return scored, dict(core.fallbacks)
+
+
+def record_holdout(config_path: Path, seeds: list[int], out: Path) -> list[Path]:
+    """Fresh logs of `config_path` with each seed, in virtual time (runners.simulate)."""
+    import msgspec
+
+    from runners.simulate import run as simulate
+
+    config = load_config(config_path)
+    logs = []
+    for seed in seeds:
+        if seed == config.run.seed:
+            raise ReplayError(f"{config_path}: seed {seed} is the config's own: not held out")
+        where = out / "holdout" / f"{config.run.name}-seed{seed}"
+        console.print(f"recording {config_path} with seed {seed} → {where}")
+        summary = simulate(msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, seed=seed)), where, show_progress=False)
+        if summary["status"] != "completed":
+            raise ReplayError(f"{config_path} with seed {seed}: the simulation {summary['status']}")
+        logs.append(where / "events.parquet")
+    return logs
+
+
+def run(logs: list[tuple[str, list[Path]]], cfg: CoreConfig, out: Path, tick_s: float | None = None) -> pl.DataFrame:
+    """Score each group of logs (a name, its logs pooled) and write the tables and the plot."""
+    scored: list[Scored] = []
+    fallbacks: dict[str, int] = {}
+    for name, paths in logs:
+        group = []
+        for path in paths:
+            part, falls = score_log(path, cfg, name, tick_s)
+            group += part
+            for model, n in falls.items():
+                fallbacks[model] = fallbacks.get(model, 0) + n
+        scored += pooled(group, name) if len(paths) > 1 else group
+    table = accuracy_table(scored, fallbacks)
     out.mkdir(parents=True, exist_ok=True)
     table.write_csv(out / "accuracy.csv", float_precision=4)
-    plot(out / "forecast_vs_actual.png", scored, horizon_s=sorted(horizons_s)[len(horizons_s) // 2], targets=("prefill_new_tokens", "decode_active_seqs"))
+    gains = gain_table(table)
+    if gains.height:
+        gains.write_csv(out / "gain.csv", float_precision=4)
+    first = [s for s in scored if s.log == scored[0].log]
+    plot(out / "forecast_vs_actual.png", first, horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2], targets=("prefill_new_tokens", "decode_active_seqs"))
     return table
+
+
+def wide(table: pl.DataFrame, value: str) -> pl.DataFrame:
+    """One row per (log, model, target), one column per horizon."""
+    return table.pivot(on="horizon_s", index=["log", "model", "target"], values=value).sort("log", "target", "model")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runners.replay", description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", type=Path)
+    parser.add_argument("log", type=Path, nargs="?", help="a recorded events.parquet (or --config with --holdout-seeds)")
+    parser.add_argument("--config", type=Path, nargs="+", default=[], help="configs to record held-out logs from")
+    parser.add_argument("--holdout-seeds", type=int, nargs="+", default=[], help="record and score only fresh logs with these seeds")
     parser.add_argument("--models", nargs="+", default=["moving_average", "ets", "arima", "lifecycle", "hybrid"])
     parser.add_argument("--horizons", nargs="+", type=float, default=[1.0, 5.0, 10.0, 20.0, 30.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
+    parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="note: %(message)s", stream=sys.stderr)
+    if (args.log is None) == (not args.holdout_seeds) or bool(args.config) != bool(args.holdout_seeds):
+        print("error: give a LOG, or --config CONFIG... with --holdout-seeds SEED...", file=sys.stderr)
+        return 2
     try:
-        table = run(args.log, args.models, args.horizons, args.bin_s, args.tick_s, args.out)
-    except (EventLogError, ReplayError) as err:
+        cfg = CoreConfig(models=tuple(dict.fromkeys(["naive", *args.models])), bin_s=args.bin_s, horizons_s=tuple(args.horizons), calibrate=not args.no_calibrate)
+        if args.log is not None:
+            logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log])]
+        else:
+            logs = [(path.stem, record_holdout(path, args.holdout_seeds, args.out)) for path in args.config]
+        table = run(logs, cfg, args.out, args.tick_s)
+    except (EventLogError, ReplayError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:  # a bad flag value (unknown model, horizon not a multiple of the bin)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    with pl.Config(tbl_rows=200, tbl_cols=12, float_precision=3):
-        print(table.filter(pl.col("target").is_in(["prefill_new_tokens", "decode_active_seqs"])).sort("target", "horizon_s", "model"))
+    with pl.Config(tbl_rows=200, tbl_cols=12, float_precision=3, tbl_width_chars=160):
+        print("MASE (vs naive; < 1 is better)")
+        print(wide(table, "mase"))
+        print("coverage of the published 10-90% interval (target 0.75-0.85)")
+        print(wide(table.filter(pl.col("model") != "naive"), "coverage"))
+        gains = gain_table(table)
+        if gains.height:
+            print("MASE gain over the best of ETS/ARIMA")
+            print(wide(gains, "gain"))
     print(f"wrote {args.out / 'accuracy.csv'} and {args.out / 'forecast_vs_actual.png'}")
     return 0
 

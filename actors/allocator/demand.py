@@ -2,9 +2,10 @@
 
 * `from_queues` (`reactive`): what waits now — prefill tokens to clear within the horizon,
   sequences decoding now;
-* `from_forecast` (`prorsa`): the forecaster's expected demand over the horizon, plus the
-  backlog of now (forecast flows count work done, which under-states demand while a
-  stage is the bottleneck);
+* `from_forecast` (`prorsa`): the forecaster's expected demand over the horizon (its mean,
+  or a calibrated quantile: `allocator.provision_quantile`), plus the backlog of now
+  (forecast flows count work done, which under-states demand while a stage is the
+  bottleneck);
 * `RecordedDemand` (`oracle`): the true demand over the horizon, read from the lifecycle log
   of a recorded run of the same workload, plus the backlog of now.
 """
@@ -15,7 +16,7 @@ import numpy as np
 import polars as pl
 
 from actors.allocator.policy import Demand, Fleet
-from bus_schemas.forecast import DemandForecast
+from bus_schemas.forecast import DemandForecast, TargetForecast
 from forecasting.series import bin_events, totals
 
 ORACLE_BIN_S = 1.0
@@ -31,9 +32,22 @@ def from_queues(fleet: Fleet, horizon_s: float) -> Demand:
     )
 
 
-def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float) -> Demand:
-    """Mean expected demand over the horizons up to `horizon_s` (at least the first one)."""
-    by_target = {t.target: t.mean for t in forecast.targets}
+def forecast_values(target: TargetForecast, quantile: float = 0.0) -> list[float]:
+    """Per horizon: the mean (quantile 0) or that quantile, interpolated between the
+    published levels (clamped to the outermost ones)."""
+    if quantile == 0.0:
+        return list(target.mean)
+    levels = np.asarray(target.quantile_levels)
+    values = np.asarray(target.quantiles)  # [level][horizon]
+    order = np.argsort(levels)
+    return [float(np.interp(quantile, levels[order], values[order, i])) for i in range(values.shape[1])]
+
+
+def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quantile: float = 0.0) -> Demand:
+    """Expected demand over the horizons up to `horizon_s` (at least the first one): the
+    mean of each horizon's forecast (quantile 0), or of its `quantile` (allocator.provision_quantile:
+    the average of per-bin upper quantiles, which provisions for a busy stretch)."""
+    by_target = {t.target: forecast_values(t, quantile) for t in forecast.targets}
     within = [i for i, h in enumerate(forecast.horizons_s) if h <= horizon_s + 1e-9] or [0]
 
     def mean(target: str) -> float:
@@ -44,7 +58,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float) -> D
         prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + fleet.waiting_prefill_tokens / horizon_s,
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
         decode_context_tokens=fleet.mean_decode_context_tokens,
-        source=f"forecast@{forecast.as_of_s:.0f}s",
+        source=f"forecast@{forecast.as_of_s:.0f}s" + (f"/q{quantile:g}" if quantile else ""),
         prefill_new_tokens_per_s=mean("prefill_new_tokens") / forecast.bin_s,
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
     )
