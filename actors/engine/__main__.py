@@ -18,6 +18,13 @@ def _build(args, config, nc, clock) -> EngineActor:
         from actors.engine.torch.actor import TorchEngineActor  # imports torch only when used
 
         return TorchEngineActor(args.id, config, nc, clock, role)
+    if config.engines.backend == "vllm":
+        from actors.engine.vllm.engine import require_vllm
+
+        require_vllm()  # one line naming the extra to install
+        from actors.engine.vllm.actor import VllmEngineActor  # imports vLLM only when used
+
+        return VllmEngineActor(args.id, config, nc, clock, role)
     return EngineActor(args.id, config, nc, clock, role)
 
 

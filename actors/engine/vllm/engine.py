@@ -106,6 +106,7 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str)
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=True,
         seed=cfg.seed,
+        logprobs_mode="processed_logprobs",  # of the tempered distribution, as the trainer's ratio needs
         kv_transfer_config=kv,
         disable_log_stats=True,
     )
@@ -121,6 +122,7 @@ class VllmEngine:
         self.role = role
         self.llm = None
         self.vocab_size = 0
+        self.eos_token_id: int | None = None
         self.invalid_inputs = 0
 
     async def start(self) -> None:
@@ -129,6 +131,8 @@ class VllmEngine:
 
         self.llm = AsyncLLM.from_engine_args(engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url))
         self.vocab_size = self.llm.model_config.get_vocab_size()
+        eos = getattr(self.llm.model_config.hf_config, "eos_token_id", None)
+        self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -178,16 +182,17 @@ class VllmEngine:
         logprobs = [float(done.logprobs[i][t].logprob) for i, t in enumerate(ids)] if done.logprobs is not None else []
         return Generated(ids, logprobs, int(final.num_cached_tokens or 0), done.finish_reason)
 
-    async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0) -> Generated:
+    async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0, ignore_eos: bool = True) -> Generated:
         """Compute the prompt's KV, sample the first token, hold the KV under `hold` for a decode engine."""
-        return await self.generate(request_id, token_ids, 1, temperature, {"prorsa_hold": hold})
+        return await self.generate(request_id, token_ids, 1, temperature, {"prorsa_hold": hold}, ignore_eos)
 
     async def decode(
         self, request_id: str, token_ids: list[int], max_tokens: int, source: KvSource | None, temperature: float = 0.0,
+        ignore_eos: bool = True,
     ) -> Generated:  # fmt: skip
         """`token_ids`: the prompt and the first token; the prompt's KV comes from `source`."""
         kv = {"prorsa_load": {"holder": source.holder, "handle": source.handle, "tokens": source.tokens}} if source else None
-        return await self.generate(request_id, token_ids, max_tokens, temperature, kv)
+        return await self.generate(request_id, token_ids, max_tokens, temperature, kv, ignore_eos)
 
     async def connector_counters(self, nc, timeout_wall_s: float = 5.0) -> dict[str, int]:
         """The KV connector's counters, asked over the bus (it runs in vLLM's worker process)."""

@@ -1,0 +1,191 @@
+"""The engine actor with the `vllm` backend: the same bus protocol, vLLM's scheduler inside.
+
+vLLM batches and schedules by itself, so this actor does not plan steps with Prorsa's
+scheduler core: each pulled work item becomes one vLLM request, run as its own task.
+
+* prefill role: `VllmEngine.prefill` (the prompt's KV held by the connector under the work
+  id), then a `DecodeWork` with the first token, its logprob and the KV handle, published
+  durably before the prefill work is acked;
+* decode role: `VllmEngine.decode` on the prompt and the first token, the KV loaded over
+  NATS by the connector (anything it cannot load, vLLM recomputes: counted in the
+  connector's `kv_load_failures`); the `TurnResult` carries all tokens and logprobs;
+* colocated (or a turn the role prefills where its KV lives): the whole turn here;
+* a role switch only changes which queues the actor pulls: the engine is built `kv_both`,
+  nothing restarts, and turns in flight finish where they run (`migrates_decodes = False`);
+* input vLLM cannot run (token ids outside the vocabulary, too long): the work item is
+  terminated with one logged line, counted in `invalid_messages`; the engine goes on.
+
+Not here yet (docs/vllm.md): weight updates from the trainer (`LoadPolicy` is refused with
+its reason), KV write-back of decoded tokens, migrating a decode mid-turn.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.msg import Msg
+
+from actors.engine.actor import IDLE_WAKE_WALL_S, EngineActor
+from actors.engine.vllm.engine import BadInput, Generated, KvSource, VllmEngine
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.control import Role
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.status import EngineStatus
+from bus_schemas.work import DecodeWork, KvHandle, PrefillWork, TurnResult
+
+
+def model_dir(config) -> str:
+    path = config.vllm.model or config.model.checkpoint
+    if not path:
+        raise ValueError("engines.backend = \"vllm\" needs vllm.model (or model.checkpoint): a local Hugging Face checkpoint dir")
+    return path
+
+
+def bus_url(nc) -> str:
+    url = nc.connected_url
+    return f"{url.scheme}://{url.hostname}:{url.port}"
+
+
+class VllmEngineActor(EngineActor):
+    migrates_decodes = False  # a turn runs to its end inside vLLM; a switch waits for it
+
+    def __init__(self, actor_id, config, nc, clock, role, engine: VllmEngine | None = None) -> None:
+        super().__init__(actor_id, config, nc, clock, role)
+        if config.engines.kv_writeback == "store":
+            raise ValueError('engines.kv_writeback = "store" is modelled by the emulated backend only')
+        self._owns_engine = engine is None  # a given engine (tests) outlives the actor
+        self.vllm = engine or VllmEngine(actor_id, config.vllm, model_dir(config), bus_url(nc), role)
+        self._running = {"prefill": 0, "decode": 0}
+
+    async def setup(self) -> None:
+        if self.vllm.llm is None:
+            await self.vllm.start()
+        await super().setup()
+
+    async def teardown(self) -> None:
+        await super().teardown()
+        if self._owns_engine:
+            self.vllm.shutdown()
+
+    async def _on_kv_fetch(self, msg: Msg) -> None:
+        return  # the connector inside vLLM's worker answers on subjects.kv(this engine)
+
+    async def _load_weights(self, version: int) -> str | None:
+        return f"engine {self.actor_id}: the vllm backend does not load trainer weights yet (policy {version} refused)"
+
+    # --- work --------------------------------------------------------------------------------
+    async def _admit(self, msg: Msg, queue: str) -> None:
+        if queue == "decode":
+            item = await self.decode_work(DecodeWork, msg)
+            if item is None:
+                return
+            if not self._pulling or "decode" not in self._queues():
+                self.counters["returned_not_ready"] += 1
+                await msg.nak()
+                return
+            key = f"{item.prefill.work_id}/d"  # not the prefill's key: this engine may have prefilled it
+            self._start(key, msg, "decode", self._decode(item, key))
+            return
+        work = await self.decode_work(PrefillWork, msg)
+        if work is None:
+            return
+        if work.policy_version > self.policy_version or not self._pulling or not self._takes_prefill(queue):
+            self.counters["returned_not_ready"] += 1
+            await msg.nak(delay=0.1)
+            return
+        self._start(work.work_id, msg, "prefill", self._prefill(work))
+
+    def _start(self, key: str, msg: Msg, stage: str, coro) -> None:
+        if key in self._msgs:  # redelivered while still running here: ack the newest delivery
+            self._msgs[key] = msg
+            self.counters["redelivered_in_flight"] += 1
+            coro.close()
+            return
+        self._msgs[key] = msg
+        self._pending_transfers += 1
+        self._running[stage] += 1
+        self.spawn(self._run(key, stage, coro), f"vllm-{stage}-{key}")
+
+    async def _run(self, key: str, stage: str, coro) -> None:
+        try:
+            await coro
+        except BadInput as err:
+            self.counters["invalid_messages"] += 1
+            self.log.error("rejected %s work %s: %s", stage, key, err)
+            msg = self._msgs.pop(key, None)
+            if msg is not None:
+                await msg.term()
+        finally:
+            self._pending_transfers -= 1
+            self._running[stage] -= 1
+            self._room.set()
+            self._progress.set()
+            self._wake.set()
+
+    def _sampling(self) -> dict:
+        return {"temperature": self.config.model.temperature, "ignore_eos": not self.config.model.stop_at_eos}
+
+    async def _prefill(self, work: PrefillWork) -> None:
+        ids = list(work.context_token_ids) + list(work.token_ids)
+        self._event(EventKind.PREFILL_STARTED, work)
+        if self.core.role is Role.COLOCATED or self.core.role is Role.DECODE:  # the whole turn here
+            gen = await self.vllm.generate(work.work_id, ids, work.max_output_tokens, **self._sampling())
+            self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
+            self._event(EventKind.DECODE_STARTED, work)
+            await self._finish(work, work.work_id, self.actor_id, gen.cached_tokens, gen)
+            return
+        gen = await self.vllm.prefill(work.work_id, ids, hold=work.work_id, **self._sampling())
+        now_s = self.clock.now_s()
+        self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
+        handle = KvHandle(
+            engine_id=self.actor_id, handle_id=work.work_id, tokens=len(ids), kv_bytes=0,
+            expires_at_s=now_s + self.config.vllm.kv_ttl_wall_s * self.clock.time_scale,
+        )  # fmt: skip
+        item = DecodeWork(
+            prefill=work, kv=handle, first_token_id=gen.token_ids[0], first_logprob=gen.logprobs[0],
+            cached_prefix_tokens=gen.cached_tokens, prefilled_at_s=now_s,
+        )  # fmt: skip
+        await self._publish(subjects.work_decode(), encode(item), work.work_id)
+        self._event(EventKind.DECODE_QUEUED, work)
+        await self._ack(work.work_id)
+
+    async def _decode(self, item: DecodeWork, key: str) -> None:
+        work = item.prefill
+        ids = list(work.context_token_ids) + list(work.token_ids) + [item.first_token_id]
+        first = Generated([item.first_token_id], [item.first_logprob], item.cached_prefix_tokens, None)
+        self._event(EventKind.KV_TRANSFER_DONE, work, detail=item.kv.engine_id)
+        self._event(EventKind.DECODE_STARTED, work)
+        left_tokens = work.max_output_tokens - item.generated_tokens
+        if left_tokens > 0 and not self._ends_turn(item.first_token_id):
+            source = KvSource(item.kv.engine_id, item.kv.handle_id, item.kv.tokens)
+            rest = await self.vllm.decode(key, ids, left_tokens, source, **self._sampling())
+            first.token_ids += rest.token_ids
+            first.logprobs += rest.logprobs
+        await self._finish(work, key, item.kv.engine_id, item.cached_prefix_tokens, first)
+
+    def _ends_turn(self, token_id: int) -> bool:
+        eos = self.vllm.eos_token_id
+        return self.config.model.stop_at_eos and eos is not None and token_id == eos
+
+    async def _finish(self, work: PrefillWork, key: str, prefill_engine_id: str, cached_tokens: int, gen: Generated) -> None:
+        now_s = self.clock.now_s()
+        self._event(EventKind.DECODE_DONE, work, generated_tokens=len(gen.token_ids), cached_prefix_tokens=cached_tokens)
+        result = TurnResult(
+            work_id=work.work_id, trajectory_id=work.trajectory_id, turn=work.turn, policy_version=work.policy_version,
+            prefill_engine_id=prefill_engine_id, decode_engine_id=self.actor_id, output_tokens=len(gen.token_ids),
+            cached_prefix_tokens=cached_tokens, token_ids=gen.token_ids, logprobs=gen.logprobs, finished_at_s=now_s,
+        )  # fmt: skip
+        await self._publish(subjects.result(work.env_id), encode(result), work.work_id)
+        await self._ack(key)
+
+    def _event(self, kind: EventKind, work: PrefillWork, **fields) -> None:
+        fields.setdefault("cached_prefix_tokens", 0)
+        self._work_event(
+            kind, work, at_s=self.clock.now_s(), role=self.core.role.value,
+            new_tokens=work.new_tokens, context_tokens=work.context_tokens, **fields,
+        )  # fmt: skip
+
+    # --- heartbeat ---------------------------------------------------------------------------
+    def heartbeat(self) -> EngineStatus:
+        status = super().heartbeat()
+        return msgspec.structs.replace(status, waiting_prefill=self._running["prefill"], running_decode=self._running["decode"])
