@@ -3,8 +3,10 @@
     python -m ops.launch CONFIG.toml [--policy colocated|colocated-sticky|static|static-P:D|reactive|prorsa|oracle] [--out DIR] [--nats-url URL]
 
 1. Validate the config (a typo fails here, before anything starts).
-2. Start an embedded nats-server under DIR (unless --nats-url), create the streams, set the
-   run's time origin.
+2. Start an embedded nats-server under DIR (unless --nats-url), bound to 127.0.0.1 and
+   requiring a password: one user per actor, permissions per role (`ops/access.py`), the
+   credentials in DIR/credentials/ (mode 0600) and the monitor's in DIR/bus.json. Create the
+   streams, set the run's time origin.
 3. Spawn every actor as `python -m actors.<kind> --config DIR/config.json --id <id>`; each
    dies with the launcher (PR_SET_PDEATHSIG), and each can be started by hand the same way.
 4. Watch: the run ends when the trainer finishes its steps. An actor that dies first is
@@ -41,6 +43,7 @@ from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
 from ops.export import read_run, write_run
+from ops import access
 from ops.bus_guard import DeadLetters, LifecycleFill, read_dead_letters
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
@@ -49,6 +52,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_WALL_S = 15.0
 LOG = logging.getLogger("prorsa.launch")
 console = Console(stderr=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Bus:
+    """Where the run's bus is, and (embedded server) every user's credentials."""
+
+    url: str
+    users: dict[str, access.User] | None = None  # None: a server we did not start (credentials from the environment)
+
+    async def connect(self, name: str):
+        launcher = self.users[access.LAUNCHER] if self.users else None
+        return await connect(self.url, name, LOG, user=launcher and launcher.name, password=launcher and launcher.password)
+
+    def actor_env(self, spec: ActorSpec) -> dict[str, str]:
+        return access.actor_env(self.users[access.user_name(spec.kind, spec.actor_id)]) if self.users else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +125,8 @@ def lifecycle_limits(config: Config) -> streams.LifecycleLimits:
     return streams.LifecycleLimits(storage=bus.storage, max_bytes=bus.lifecycle_max_bytes, max_msgs=bus.lifecycle_max_msgs)
 
 
-async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
-    nc = await connect(url, "launcher", LOG)
+async def prepare_bus(bus: Bus, config: Config, shared_server: bool) -> None:
+    nc = await bus.connect("launcher")
     try:
         js = nc.jetstream()
         await streams.ensure_streams(js, lifecycle_limits(config))
@@ -120,13 +138,13 @@ async def prepare_bus(url: str, config: Config, shared_server: bool) -> None:
         await close(nc)
 
 
-async def spawn(spec: ActorSpec, config_path: Path, url: str, logs: Path) -> asyncio.subprocess.Process:
+async def spawn(spec: ActorSpec, config_path: Path, bus: Bus, logs: Path) -> asyncio.subprocess.Process:
     log = open(logs / f"{spec.kind}-{spec.actor_id}.log", "ab")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])), **bus.actor_env(spec)}
     try:
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", f"actors.{spec.kind}", "--config", str(config_path), "--id", spec.actor_id,
-            "--nats-url", url, *spec.extra,
+            "--nats-url", bus.url, *spec.extra,
             stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
             env=env, preexec_fn=die_with_parent,
         )  # fmt: skip
@@ -144,7 +162,7 @@ def tail(path: Path, lines: int = 15) -> str:
 async def supervise(
     procs: dict[ActorSpec, asyncio.subprocess.Process],
     logs: Path,
-    url: str,
+    bus: Bus,
     expected: int,
     interrupted: asyncio.Event,
     supervision: Supervision,
@@ -161,7 +179,7 @@ async def supervise(
     stop_wait = asyncio.create_task(interrupted.wait())
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
     bar = progress.add_task("trajectories", total=expected)
-    nc = await connect(url, "launcher-watch", LOG)
+    nc = await bus.connect("launcher-watch")
 
     async def on_finished(msg) -> None:
         try:
@@ -234,8 +252,8 @@ async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[s
     return killed
 
 
-async def export(url: str, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict) -> dict:
-    nc = await connect(url, "launcher-export", LOG)
+async def export(bus: Bus, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict) -> dict:
+    nc = await bus.connect("launcher-export")
     try:
         record = await read_run(nc.jetstream())
         dead_letters = await read_dead_letters(nc.jetstream())
@@ -273,7 +291,22 @@ def print_summary(summary: dict, out: Path) -> None:
     console.print(f"  wrote {out / 'summary.json'} and {out / 'events.parquet'}")
 
 
-BUS_FILE = "bus.json"  # the run folder's bus address: {"url": ...}
+BUS_FILE = "bus.json"  # the run folder's bus address: {"url": ...}, with the monitor's "user" and "password"
+
+
+def write_bus_file(out: Path, bus: Bus) -> None:
+    """DIR/bus.json: where `ops.monitor --run DIR` connects, as the read-only monitor user
+    (mode 0600: it holds a password); the credentials of every user go to DIR/credentials/."""
+    record = {"url": bus.url}
+    if bus.users:
+        access.write_credentials(out / "credentials", bus.users)
+        monitor = bus.users[access.MONITOR]
+        record |= {"user": monitor.name, "password": monitor.password}
+    path = out / BUS_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.chmod(path, 0o600)
 
 
 async def launch(config: Config, out: Path, nats_url: str | None) -> int:
@@ -286,7 +319,8 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     if not nats_url and (out / "nats").exists():  # the folder held an earlier run: start clean
         console.print(f"replacing the earlier run in {out}", highlight=False)
         shutil.rmtree(out / "nats")
-    server = None if nats_url else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval)
+    users = None if nats_url else access.make_users([(spec.kind, spec.actor_id) for spec in actor_specs(config)])
+    server = None if nats_url else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval, authorization=access.authorization_block(users))
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
     interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
@@ -295,27 +329,27 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
         loop.add_signal_handler(sig, interrupted.set)
     status = "interrupted"
     try:
-        url = nats_url or server.start()
+        bus = Bus(nats_url or server.start(), users)
         if server is not None:
-            console.print(f"started nats-server pid {server.proc.pid} at {url}", highlight=False)
-        await prepare_bus(url, config, shared_server=nats_url is not None)
-        (out / BUS_FILE).write_text(json.dumps({"url": url}) + "\n")  # where `ops.monitor --run DIR` connects
-        console.print(f"bus: {url} (watch: python -m ops.monitor --run {out})", highlight=False)
+            console.print(f"started nats-server pid {server.proc.pid} at {bus.url}", highlight=False)
+        await prepare_bus(bus, config, shared_server=nats_url is not None)
+        write_bus_file(out, bus)
+        console.print(f"bus: {bus.url} (watch: python -m ops.monitor --run {out})", highlight=False)
         for spec in actor_specs(config):
             if interrupted.is_set():
                 break
-            procs[spec] = await spawn(spec, config_path, url, logs)
+            procs[spec] = await spawn(spec, config_path, bus, logs)
             console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
         rc = config.run
         supervision = Supervision(rc.on_actor_death, rc.max_restarts, rc.restart_backoff_wall_s)
         notes: dict = {}
         if not interrupted.is_set():
-            respawn = lambda spec: spawn(spec, config_path, url, logs)  # noqa: E731
-            status = await supervise(procs, logs, url, config.trajectories_expected(), interrupted, supervision, respawn, notes)
+            respawn = lambda spec: spawn(spec, config_path, bus, logs)  # noqa: E731
+            status = await supervise(procs, logs, bus, config.trajectories_expected(), interrupted, supervision, respawn, notes)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
-        summary = await export(url, out, config, status, time.monotonic() - started, killed, supervision, notes)
+        summary = await export(bus, out, config, status, time.monotonic() - started, killed, supervision, notes)
         print_summary(summary, out)
     finally:
         await stop_all(procs)

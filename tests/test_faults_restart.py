@@ -40,15 +40,16 @@ def test_supervision_restarts_with_backoff_then_gives_up():
     assert Supervision("abort", 3, 0.5).on_death("engine e0", "engine", -9, 1.0)[0] is None
 
 
-async def wait_for_event(bus_file: Path, kind: str, actor_id: str, timeout_wall_s: float) -> LifecycleEvent:
-    """The first lifecycle event of `kind` emitted by `actor_id` on the run's bus."""
+async def wait_for_event(bus_file: Path, kind: str, actor_id: str, step: int, timeout_wall_s: float) -> LifecycleEvent:
+    """The first lifecycle event of `kind` emitted by `actor_id` in RL step `step` or later,
+    watched on the run's bus with the monitor's (read-only) credentials from DIR/bus.json."""
     bus = json.loads(bus_file.read_text())
     nc = await connect(bus["url"], "fault-injector", logging.getLogger("test"), user=bus.get("user"), password=bus.get("password"))
     seen: asyncio.Future[LifecycleEvent] = asyncio.get_running_loop().create_future()
 
     async def on_event(msg) -> None:
         event = decode(LifecycleEvent, msg.data)
-        if event.actor_id == actor_id and not seen.done():
+        if event.actor_id == actor_id and (event.step or 0) >= step and not seen.done():
             seen.set_result(event)
 
     try:
@@ -67,21 +68,23 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "kind, victim, moment",
+    "kind, victim, moment, step",
     [
-        ("engine", "e0", "decode_queued"),  # the prefill engine, right after it handed KV off (it holds the KV)
-        ("engine", "e1", "decode_started"),  # the decode engine, mid-decode
-        ("environment", "env0", "tool_started"),  # the only environment, its trajectories mid-flight
+        # the only prefill engine, right after it handed KV off (it holds the KV), in step 1: the
+        # new one must load policy 1 before it can take the step's work
+        ("engine", "e0", "decode_queued", 1),
+        ("engine", "e1", "decode_started", 0),  # the only decode engine, mid-decode
+        ("environment", "env0", "tool_started", 0),  # the only environment, its trajectories mid-flight
     ],
 )
-def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, kind: str, victim: str, moment: str):
+def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, kind: str, victim: str, moment: str, step: int):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
     proc = start_launcher(config, out, "--policy", "static-1:1")
     try:
         pids, lines = read_until_started(proc)
         wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", moment, victim, timeout_wall_s=60))
+        asyncio.run(wait_for_event(out / "bus.json", moment, victim, step, timeout_wall_s=60))
         os.kill(pids[f"{kind} {victim}"], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=240)
     finally:
@@ -112,3 +115,6 @@ def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, ki
         reruns = events.filter((pl.col("kind") == "started") & (pl.col("attempt") > 0))
         assert reruns.height > 0 and summary["actors"][victim]["trajectories_rerun"] == reruns.height
     assert summary["actors"]["trainer"].get("duplicate_finished", 0) == 0
+    assert summary["dead_letters"] == 0
+    if step > 0:
+        assert summary["actors"][victim]["policy_caught_up"] == 1

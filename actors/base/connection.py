@@ -39,6 +39,11 @@ def widen_nats_reads() -> None:
 USER_ENV, PASSWORD_ENV = "PRORSA_NATS_USER", "PRORSA_NATS_PASSWORD"
 
 
+def inbox_prefix(user: str | None) -> str:
+    """A user's own reply inbox (the server lets each user subscribe only to its own)."""
+    return f"_INBOX_{user}" if user else "_INBOX"
+
+
 async def connect(url: str, name: str, log: logging.Logger, user: str | None = None, password: str | None = None) -> NATS:
     widen_nats_reads()
     user = user or os.environ.get(USER_ENV) or None
@@ -69,6 +74,7 @@ async def connect(url: str, name: str, log: logging.Logger, user: str | None = N
         reconnected_cb=on_reconnect,
         user=user,
         password=password,
+        inbox_prefix=inbox_prefix(user),
     )
     return nc
 

@@ -27,8 +27,8 @@ from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import EngineStatus
 from bus_schemas.codec import decode
-from bus_schemas.streams import TRAIN, affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
-from bus_schemas.train import PolicyVersion
+from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.streams import LIFECYCLE, affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
 from bus_schemas.work import DecodeWork, PrefillWork
 
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long (it returns as soon as a message is there)
@@ -99,18 +99,18 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         get_last_msg = getattr(self.js, "get_last_msg", None)
         if get_last_msg is None:
             return
-        try:
-            msg = await get_last_msg(TRAIN.name, subjects.train_policy())
+        try:  # the lifecycle log, not the TRAIN stream: engines may not read trajectories (ops/access.py)
+            msg = await get_last_msg(LIFECYCLE.name, subjects.lifecycle(EventKind.POLICY_PUBLISHED.value))
         except NotFoundError:
             return  # no version published yet: the trainer's LoadPolicy comes
-        published = decode(PolicyVersion, msg.data)
-        if published.version > self.policy_version:
-            error = await self._load_weights(published.version)
+        version = decode(LifecycleEvent, msg.data).policy_version
+        if version > self.policy_version:
+            error = await self._load_weights(version)
             if error is not None:
-                raise RuntimeError(f"could not load policy {published.version} at start: {error}")
-            self.policy_version = published.version
+                raise RuntimeError(f"could not load policy {version} at start: {error}")
+            self.policy_version = version
             self.counters["policy_caught_up"] += 1
-            self.log.info("caught up to policy %d at start", published.version)
+            self.log.info("caught up to policy %d at start", version)
 
     async def serve(self, burst: bool) -> None:
         for queue in ("prefill", "decode"):
