@@ -1,0 +1,66 @@
+"""Faults, end to end: SIGSTOP an engine of a real `ops.launch` run past its lease, then
+SIGCONT. The fleet counts it out, it re-registers, its late work counts nowhere twice, and
+the run completes with every assigned trajectory finished exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from ops.checks import incomplete_trajectories
+from tests.conftest import write_tiny_config
+from tests.test_faults_restart import wait_for_event, wait_for_file
+from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+
+pytestmark = pytest.mark.e2e
+STEPS = 2
+ASSIGNED = {f"s{s}-k{k}-g{g}" for s in range(STEPS) for k in range(2) for g in range(2)}
+LEASE_WALL_S = 1.0
+ACK_WAIT_WALL_S = 2.0
+
+
+def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp_path: Path):
+    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=STEPS, time_scale=10.0, ack_wait=ACK_WAIT_WALL_S)
+    text = config.read_text().replace("ack_wait_wall_s", f"lease_wall_s = {LEASE_WALL_S}\nack_wait_wall_s", 1)
+    config.write_text(text + '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    out = tmp_path / "run"
+    proc = start_launcher(config, out)
+    try:
+        pids, lines = read_until_started(proc)
+        wait_for_file(out / "bus.json", 30)
+        asyncio.run(wait_for_event(out / "bus.json", "decode_started", "e1", 0, timeout_wall_s=60))
+        os.kill(pids["engine e1"], signal.SIGSTOP)
+        time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # the fault's length (past lease and ack wait), not a barrier
+        os.kill(pids["engine e1"], signal.SIGCONT)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.kill(pids["engine e1"], signal.SIGCONT)
+            proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert_all_gone(pids)
+
+    summary = json.loads((out / "summary.json").read_text())
+    actors = summary["actors"]
+    assert summary["status"] == "completed" and summary["restarts"] == {}  # frozen, not dead
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] == len(ASSIGNED)
+    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0 and summary["dead_letters"] == 0
+    assert actors["e1"]["lease_lapses"] == 1  # it noticed its own lapse ...
+    assert actors["allocator"]["lease_expiries"] >= 1  # ... the allocator counted it out ...
+    assert actors["allocator"]["reregistrations"] >= 1  # ... and took it back under its new incarnation
+    assert actors["trainer"].get("duplicate_finished", 0) == 0
+
+    events = pl.read_parquet(out / "events.parquet")
+    assert sorted(events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()) == sorted(ASSIGNED)
+    assert incomplete_trajectories(events, ASSIGNED, disaggregated=None) == {}
+    results = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id", "turn").len()
+    turns = events.filter(pl.col("kind") == "tool_done").height + len(ASSIGNED)  # turns the environments used
+    assert results.height == turns  # a decode for every turn the environments took, none for a turn they did not
