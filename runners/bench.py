@@ -5,6 +5,7 @@
                                                      every policy side by side (runners.rollout)
     python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
                                                      simulation wall time vs fleet size (runners.simscale)
+    python -m runners.bench bus [--out DIR]          lifecycle events/s and control latency on the real server (runners.bench_bus)
 """
 
 from __future__ import annotations
@@ -81,7 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
     sim.add_argument("--out", type=Path, default=Path("runs/simscale"))
+    bus = sub.add_parser("bus", help="lifecycle events per second and control latency on the real nats-server")
+    bus.add_argument("--out", type=Path, default=Path("runs/bench-bus"))
+    bus.add_argument("--events", type=int, default=100_000, help="lifecycle events, fsync off")
+    bus.add_argument("--fsync-events", type=int, default=20_000, help="lifecycle events, sync_interval always")
+    bus.add_argument("--switches", type=int, default=200, help="role switches timed")
+    bus.add_argument("--engines", type=int, default=64, help="engines whose heartbeats flow meanwhile")
+    bus.add_argument("--heartbeat-wall-s", type=float, default=0.05, help="their heartbeat period (a 20x run's)")
     args = parser.parse_args(argv)
+    if args.bench == "bus":
+        import asyncio
+
+        from runners.bench_bus import bench
+
+        result = asyncio.run(bench(args.out, args.events, args.fsync_events, args.switches, args.engines, args.heartbeat_wall_s))
+        print(json.dumps({k: v for k, v in result.items() if k != "measured"}))
+        print(f"wrote {args.out / 'bus.json'}")
+        return 0 if result["lost"] == 0 else 1
     if args.bench == "calibration":
         return calibration(args.out)
     if args.bench == "simulation":
