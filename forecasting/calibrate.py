@@ -1,94 +1,133 @@
-"""Calibrated quantiles: split-conformal shifts learned from each model's recent errors.
+"""Calibrated quantiles: split-conformal shifts learned from each model's recent errors,
+with the interval's level steered by adaptive conformal inference.
 
-    tick t:   raw = model.predict(H)            quantiles q_l(h) for levels l, horizons h
-              published = raw + shift[l, h]      (clipped at 0, kept in level order)
-    later:    bin b closes with value y; every forecast issued for it (b = issued + h - 1)
-              adds y - raw q_l(h) to the recent residuals of (target, l, h)
-    shift[l, h] = the l-quantile of those residuals (the last `window_bins` of them)
+    tick t:   raw = model.predict(H)               quantiles lo, med, hi per horizon h
+              published lo' = max(lo + s_lo, 0), med' = med + s_med, hi' = hi + s_hi
+    later:    bin b closes with value y; every forecast issued for it adds y - raw to the
+              recent residuals of its (target, h), and whether [lo', hi'] held y to c
+    s_lo  = the (1 - c)/2-quantile of the lower residuals  y - lo   (the last window_bins)
+    s_hi  = the (c + m_lo)-quantile of the upper residuals y - hi, where m_lo is the share
+            of recent outcomes that fell below lo' (a lower bound clipped at 0 misses fewer)
+    s_med = the 0.5-quantile of y - med
+    c    += gamma · (0.8 - covered)   per outcome (Gibbs & Candès 2021), kept in [0.5, 0.99]
 
-So each published quantile q_l covers a share l of the recent outcomes at its horizon, and
-the 10-90% interval 80% of them, whatever the model's own spread says (a normal spread
-around a lifecycle forecast is too narrow; one around ETS too wide). The shift is the
-quantile of the residuals of the same level, so an asymmetric error (a flow that is mostly
-zero with rare large bins) moves the upper quantile and leaves the lower one. Until a
-(target, horizon) has `min_points` residuals its quantiles go out as the model made them.
+So each (target, horizon)'s published 10-90% interval holds about 80% of the outcomes,
+whatever the model's own spread says (a normal spread around a lifecycle forecast is too
+narrow; a zero-inflated flow's lower bound sits at 0 and misses little, so the upper one
+takes the rest), and the level correction keeps it there when the residuals of one
+horizon are correlated from tick to tick (a level like decode sequences 30 s ahead). Until
+a (target, horizon) has `min_points` residuals its quantiles go out as the model made them.
 The mean and the point forecast are never changed.
 """
 
+
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from forecasting.models.base import QUANTILES, TARGETS, Prediction
 
-LEVELS = np.asarray(QUANTILES)
+LO, MED, HI = QUANTILES.index(0.1), QUANTILES.index(0.5), QUANTILES.index(0.9)
+COVERAGE = QUANTILES[HI] - QUANTILES[LO]  # what the 10-90% interval should hold
 
 
 @dataclass(slots=True)
-class _Ring:
-    """The last `window` residuals per (level, horizon), NaN where there are none yet."""
+class _Target:
+    """One target's recent residuals per horizon (NaN where none yet) and its level c."""
 
-    values: np.ndarray  # (levels, horizons, window)
-    count: np.ndarray  # (horizons,): residuals seen so far per horizon
+    residuals: np.ndarray  # (levels, horizons, window): y - raw quantile
+    lower: np.ndarray  # (horizons, window): the raw lower quantile of each residual
+    count: np.ndarray  # (horizons,): residuals seen so far
+    level: np.ndarray = field(init=False)  # (horizons,): the interval's nominal coverage c
 
-    def add(self, h: int, residuals: np.ndarray) -> None:
-        window = self.values.shape[2]
-        self.values[:, h, self.count[h] % window] = residuals
+    def __post_init__(self) -> None:
+        self.level = np.full(self.residuals.shape[1], COVERAGE)
+
+    def add(self, h: int, residuals: np.ndarray, lower: float) -> None:
+        at = self.count[h] % self.residuals.shape[2]
+        self.residuals[:, h, at], self.lower[h, at] = residuals, lower
         self.count[h] += 1
 
 
+def _quantiles(sorted_values: np.ndarray, n: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """Per row, the `level` quantile (linear interpolation) of its first n sorted values."""
+    position = np.clip(level, 0.0, 1.0) * np.maximum(n - 1, 0)
+    below = np.floor(position).astype(np.int64)
+    above = np.minimum(below + 1, np.maximum(n - 1, 0))
+    rows = np.arange(len(n))
+    low, high = sorted_values[rows, below], sorted_values[rows, above]
+    return low + (position - below) * (high - low)
+
+
 class Conformal:
-    def __init__(self, window_bins: int = 300, min_points: int = 30) -> None:
-        if window_bins < 1 or min_points < 1:
-            raise ValueError("window_bins and min_points must be >= 1")
-        self.window_bins = window_bins
-        self.min_points = min_points
-        self._issued: dict[int, dict[str, np.ndarray]] = {}  # bins closed at issue -> raw quantiles per target
-        self._rings: dict[str, _Ring] = {}
+    def __init__(self, window_bins: int = 300, min_points: int = 30, gamma: float = 0.01) -> None:
+        if window_bins < 1 or min_points < 1 or not 0 <= gamma < 1:
+            raise ValueError("window_bins and min_points must be >= 1, gamma in [0, 1)")
+        self.window_bins, self.min_points, self.gamma = window_bins, min_points, gamma
+        # bins closed at issue -> per target: (raw quantiles, published lower, published upper)
+        self._issued: dict[int, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._targets: dict[str, _Target] = {}
         self._seen = 0  # bins whose residuals have been taken
 
     def observe(self, series: dict[str, np.ndarray], n_bins: int) -> None:
         """Take the residuals of every issued forecast for the bins closed since the last call."""
         for b in range(self._seen, n_bins):
-            for issued_at, raw in self._issued.items():
-                for target, q in raw.items():
-                    h = b - issued_at  # bin issued_at is horizon index 0
-                    if 0 <= h < q.shape[1]:
-                        self._ring(target, q.shape[1]).add(h, series[target][b] - q[:, h])
+            for issued_at, per_target in self._issued.items():
+                h = b - issued_at  # bin issued_at is horizon index 0
+                for target, (raw, lower, upper) in per_target.items():
+                    if 0 <= h < raw.shape[1]:
+                        y = series[target][b]
+                        state = self._state(target, raw.shape[1])
+                        state.add(h, y - raw[:, h], raw[LO, h])
+                        covered = lower[h] <= y <= upper[h]
+                        state.level[h] = min(max(state.level[h] + self.gamma * (COVERAGE - covered), 0.5), 0.99)
         self._seen = max(self._seen, n_bins)
-        for issued_at in [k for k, raw in self._issued.items() if k + _horizon(raw) <= self._seen]:
+        for issued_at in [k for k, v in self._issued.items() if k + max(raw.shape[1] for raw, _, _ in v.values()) <= self._seen]:
             del self._issued[issued_at]
 
     def adjust(self, prediction: Prediction, issued_at: int) -> Prediction:
-        """The prediction with calibrated quantiles; remembers the raw ones to learn from."""
-        self._issued[issued_at] = {t: prediction.quantiles[t].copy() for t in TARGETS if t in prediction.quantiles}
+        """The prediction with calibrated quantiles; remembers them to learn from."""
         quantiles = dict(prediction.quantiles)
-        for target, q in prediction.quantiles.items():
-            shift = self.shift(target, q.shape[1])
+        issued = {}
+        for target in TARGETS:
+            raw = prediction.quantiles.get(target)
+            if raw is None:
+                continue
+            shift = self.shift(target, raw.shape[1])
             if shift is not None:
-                quantiles[target] = np.sort(np.maximum(q + shift, 0.0), axis=0)
+                quantiles[target] = np.sort(np.maximum(raw + shift, 0.0), axis=0)
+            issued[target] = (raw.copy(), quantiles[target][LO].copy(), quantiles[target][HI].copy())
+        self._issued[issued_at] = issued
         return Prediction(prediction.mean, quantiles, prediction.point)
 
     def shift(self, target: str, horizons: int) -> np.ndarray | None:
         """(levels, horizons): the shift of each quantile; 0 where too few residuals yet."""
-        ring = self._rings.get(target)
-        if ring is None or ring.values.shape[1] < horizons or ring.count.max() < self.min_points:
+        state = self._targets.get(target)
+        if state is None or state.residuals.shape[1] < horizons or state.count.max() < self.min_points:
             return None
-        values = ring.values[:, :horizons]
-        out = np.zeros((len(LEVELS), horizons))
-        ready = ring.count[:horizons] >= self.min_points
-        for i, level in enumerate(LEVELS):
-            out[i, ready] = np.nanquantile(values[i, ready], level, axis=1)
+        n = np.minimum(state.count[:horizons], self.window_bins)
+        ready = n >= self.min_points
+        out = np.zeros((len(QUANTILES), horizons))
+        if not ready.any():
+            return out
+        n, level = n[ready], state.level[:horizons][ready]
+        residuals = state.residuals[:, :horizons][:, ready]  # NaN (none yet) sorts last
+        ordered = np.sort(residuals, axis=2)
+        s_lo = _quantiles(ordered[LO], n, (1.0 - level) / 2.0)
+        y = residuals[LO] + state.lower[:horizons][ready]
+        below = np.nansum(y < np.maximum(state.lower[:horizons][ready] + s_lo[:, None], 0.0), axis=1) / n
+        out[LO, ready] = s_lo
+        out[MED, ready] = _quantiles(ordered[MED], n, np.full(len(n), 0.5))
+        out[HI, ready] = _quantiles(ordered[HI], n, level + below)
         return out
 
-    def _ring(self, target: str, horizons: int) -> _Ring:
-        ring = self._rings.get(target)
-        if ring is None or ring.values.shape[1] < horizons:
-            ring = self._rings[target] = _Ring(np.full((len(LEVELS), horizons, self.window_bins), np.nan), np.zeros(horizons, np.int64))
-        return ring
-
-
-def _horizon(raw: dict[str, np.ndarray]) -> int:
-    return max((q.shape[1] for q in raw.values()), default=0)
+    def _state(self, target: str, horizons: int) -> _Target:
+        state = self._targets.get(target)
+        if state is None or state.residuals.shape[1] < horizons:
+            w = self.window_bins
+            state = self._targets[target] = _Target(
+                np.full((len(QUANTILES), horizons, w), np.nan), np.full((horizons, w), np.nan), np.zeros(horizons, np.int64)
+            )
+        return state

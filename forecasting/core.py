@@ -68,6 +68,7 @@ class CoreConfig:
     keep_series: bool = False  # keep the per-family series frames (the replay runner plots them)
     calibrate: bool = True  # shift quantiles by the model's recent errors (forecasting.calibrate)
     calibration_window_bins: int = 300  # recent residuals per (target, horizon) the shifts are learned from
+    prefill_cost: series.PrefillCost = series.UNIT_COST  # prefill_engine_s: engine-seconds per prefill (default: its tokens)
 
     def __post_init__(self) -> None:
         if self.bin_s <= 0:
@@ -88,9 +89,11 @@ class CoreConfig:
 @dataclass
 class ForecastCore:
     config: CoreConfig
-    live: LiveState = field(default_factory=LiveState)
+    live: LiveState | None = None
 
     def __post_init__(self) -> None:
+        if self.live is None:
+            self.live = LiveState(cost=self.config.prefill_cost)
         self.models = {name: make(name) for name in self.config.models}
         self._naive = {name: Naive() for name in self.config.models}
         self.fallbacks = {name: 0 for name in self.config.models}
@@ -103,9 +106,9 @@ class ForecastCore:
 
     def tick(self, events: pl.DataFrame, until_s: float) -> TickResult:
         """Close the bins of [end_s, until_s) with `events`, then forecast from until_s."""
-        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry)
+        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry, self.config.prefill_cost)
         if self.config.keep_series:
-            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry)
+            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost)
             self.frames.append(chunk)
         for t in TARGETS:
             self.series[t].extend(totals[t])

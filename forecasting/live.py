@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from forecasting.empirical import Empirical, TurnHazard
-from forecasting.series import kind_codes, of_fleet
+from forecasting.series import UNIT_COST, PrefillCost, kind_codes, of_fleet
 
 PRE, DEC, TOOL = 0, 1, 2
 PHASES = ("pre", "dec", "tool")
@@ -52,6 +52,8 @@ class FamilyStats:
     gen_tokens: Empirical = field(default_factory=Empirical)
     miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turns > 0
     prompt_miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turn 0
+    engine_s: Empirical = field(default_factory=Empirical)  # prefill engine-seconds of turns > 0 (series.PrefillCost)
+    prompt_engine_s: Empirical = field(default_factory=Empirical)  # ... of turn 0
     prompt_tokens: Empirical = field(default_factory=Empirical)
     turns: TurnHazard = field(default_factory=TurnHazard)
 
@@ -71,7 +73,8 @@ def _up_to_finish(slot: np.ndarray, code: np.ndarray) -> np.ndarray:
 
 
 class LiveState:
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, cost: PrefillCost = UNIT_COST) -> None:
+        self.cost = cost
         self.families: list[str] = []
         self._family_index: dict[str, int] = {}
         self.stats: dict[str, FamilyStats] = {POOLED: FamilyStats()}
@@ -211,6 +214,9 @@ class LiveState:
         done = code == PREFILLED
         self._learn("prompt_miss_tokens", fam[done & (turn == 0)], miss[done & (turn == 0)])
         self._learn("miss_tokens", fam[done & (turn != 0)], miss[done & (turn != 0)])
+        engine_s = self.cost.engine_s(miss.astype(float), col["cached_prefix_tokens"].astype(float))
+        self._learn("prompt_engine_s", fam[done & (turn == 0)], engine_s[done & (turn == 0)])
+        self._learn("engine_s", fam[done & (turn != 0)], engine_s[done & (turn != 0)])
         done = code == DEC_DONE
         self._learn("gen_tokens", fam[done], col["generated_tokens"][done])
         done = code == TOOL_DONE

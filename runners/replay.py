@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +30,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.config import ConfigError, load_config
+from actors.forecaster.actor import prefill_cost
 from forecasting import metrics, series
 from forecasting.core import CoreConfig, ForecastCore, TickResult
 from forecasting.models import QUANTILES, TARGETS
+from forecasting.series import UNIT_COST, PrefillCost
 from ops.export import EventLogError, load_events
 
 console = Console(stderr=True)
@@ -189,7 +191,7 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     if span_s < needed_s:
         raise ReplayError(f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)")
     results, core = replay(events, cfg, tick_s, progress=True)
-    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s)
+    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s, cost=cfg.prefill_cost)
     actual = {t: np.array(series.totals(actual_frame, t)) for t in TARGETS}
     scored = align(results, cfg, actual, from_s=float(events["at_s"].min()))
     for s in scored:
@@ -197,8 +199,9 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     return scored, dict(core.fallbacks)
 
 
-def record_holdout(config_path: Path, seeds: list[int], out: Path) -> list[Path]:
-    """Fresh logs of `config_path` with each seed, in virtual time (runners.simulate)."""
+def record_holdout(config_path: Path, seeds: list[int], out: Path) -> tuple[list[Path], PrefillCost]:
+    """Fresh logs of `config_path` with each seed, in virtual time (runners.simulate), and
+    the config's prefill cost."""
     import msgspec
 
     from runners.simulate import run as simulate
@@ -214,17 +217,26 @@ def record_holdout(config_path: Path, seeds: list[int], out: Path) -> list[Path]
         if summary["status"] != "completed":
             raise ReplayError(f"{config_path} with seed {seed}: the simulation {summary['status']}")
         logs.append(where / "events.parquet")
-    return logs
+    return logs, prefill_cost(config)
 
 
-def run(logs: list[tuple[str, list[Path]]], cfg: CoreConfig, out: Path, tick_s: float | None = None) -> pl.DataFrame:
-    """Score each group of logs (a name, its logs pooled) and write the tables and the plot."""
+def preset_cost(name: str) -> PrefillCost:
+    from actors.engine.emulated.costmodel import PRESETS
+
+    if name not in PRESETS:
+        raise ReplayError(f"unknown cost-model preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return PrefillCost(per_token_s=PRESETS[name].t_tok_s, per_token_pair_s=PRESETS[name].c_attn_s)
+
+
+def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: Path, tick_s: float | None = None) -> pl.DataFrame:
+    """Score each group of logs (a name, its logs pooled, their prefill cost) and write the
+    tables and the plot."""
     scored: list[Scored] = []
     fallbacks: dict[str, int] = {}
-    for name, paths in logs:
+    for name, paths, cost in logs:
         group = []
         for path in paths:
-            part, falls = score_log(path, cfg, name, tick_s)
+            part, falls = score_log(path, replace(cfg, prefill_cost=cost), name, tick_s)
             group += part
             for model, n in falls.items():
                 fallbacks[model] = fallbacks.get(model, 0) + n
@@ -236,7 +248,7 @@ def run(logs: list[tuple[str, list[Path]]], cfg: CoreConfig, out: Path, tick_s: 
     if gains.height:
         gains.write_csv(out / "gain.csv", float_precision=4)
     first = [s for s in scored if s.log == scored[0].log]
-    plot(out / "forecast_vs_actual.png", first, horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2], targets=("prefill_new_tokens", "decode_active_seqs"))
+    plot(out / "forecast_vs_actual.png", first, horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2], targets=("prefill_engine_s", "decode_active_seqs"))
     return table
 
 
@@ -253,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["moving_average", "ets", "arima", "lifecycle", "hybrid"])
     parser.add_argument("--horizons", nargs="+", type=float, default=[1.0, 5.0, 10.0, 20.0, 30.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
+    parser.add_argument("--preset", help="a LOG's cost-model preset, for prefill_engine_s (default: 1 s per token); --config gives its own")
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
     parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
     parser.add_argument("--out", type=Path, required=True)
@@ -266,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = CoreConfig(models=tuple(dict.fromkeys(["naive", *args.models])), bin_s=args.bin_s, horizons_s=tuple(args.horizons), calibrate=not args.no_calibrate)
         if args.log is not None:
-            logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log])]
+            cost = preset_cost(args.preset) if args.preset else UNIT_COST
+            logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log], cost)]
         else:
-            logs = [(path.stem, record_holdout(path, args.holdout_seeds, args.out)) for path in args.config]
+            logs = [(path.stem, *record_holdout(path, args.holdout_seeds, args.out)) for path in args.config]
         table = run(logs, cfg, args.out, args.tick_s)
     except (EventLogError, ReplayError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -28,12 +28,21 @@ from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.control import Role
 from forecasting.core import CoreConfig, ForecastCore, TickResult
+from forecasting.series import PrefillCost
 from forecasting.models import QUANTILES, TARGETS
 from bus_schemas.eventlog import events_frame
 
 FETCH_BATCH = 2000
 FETCH_WAIT_WALL_S = 0.1
+
+
+def prefill_cost(config) -> PrefillCost:
+    """The prefill engines' cost per token and per (token x context token): what the
+    prefill_engine_s target weighs each cache-missed token by."""
+    preset = config.engines.cost_preset(Role.PREFILL)
+    return PrefillCost(per_token_s=preset.t_tok_s, per_token_pair_s=preset.c_attn_s)
 
 
 def due_tick(next_index: int, now_s: float, tick_s: float, watermark_s: float) -> int:
@@ -50,7 +59,7 @@ class ForecasterActor(Actor):
     def __init__(self, actor_id, config, nc, clock) -> None:
         super().__init__(actor_id, config, nc, clock)
         fc = config.forecaster
-        self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s)))
+        self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s), prefill_cost=prefill_cost(config)))
         self.buffer: list[LifecycleEvent] = []
         self.ticks = 0  # ticks computed
         self.next_index = 1  # the next tick to compute is at next_index * tick_s

@@ -6,7 +6,8 @@ then the chain of phases that follows — PRE → DEC → TOOL → PRE … — b
 family's learned duration distributions; at each decode completion the trajectory goes on
 with the family's turn-continuation probability. That gives, per slot, the expected
 
-    prefill arrivals (TOOL ends)   × observation tokens (and cache-missed tokens)
+    prefill arrivals (TOOL ends)   × observation tokens (and cache-missed tokens, and their
+                                     prefill engine-seconds)
     decode starts and completions  → decode sequences active; × generation tokens
     plus the sync-RL steps' start bursts: the running step's trajectories not started yet
     (as many as the step before had, launched with the learned spread after step_started),
@@ -46,6 +47,7 @@ class _Demand:
     slots: int
     new_tokens: np.ndarray = field(init=False)
     miss_tokens: np.ndarray = field(init=False)
+    engine_s: np.ndarray = field(init=False)
     decode_tokens: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
     var: dict[str, np.ndarray] = field(init=False)
@@ -53,7 +55,7 @@ class _Demand:
 
     def __post_init__(self) -> None:
         self.arrivals = []
-        for name in ("new_tokens", "miss_tokens", "decode_tokens", "decode_active"):
+        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_active"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
 
@@ -227,6 +229,7 @@ class Lifecycle(Forecaster):
             if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
                 waiting = int((~live.prefilled[sel]).sum())
                 demand.miss_tokens[0] += waiting * _stat(stats, pooled, "miss_tokens").mean()
+                demand.engine_s[0] += waiting * _stat(stats, pooled, "engine_s").mean()
         chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
         self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
@@ -234,15 +237,18 @@ class Lifecycle(Forecaster):
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool) -> None:
         obs = _stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
         miss = _stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
+        engine = _stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
         gen = _stat(stats, pooled, "gen_tokens")
         demand.new_tokens += flows.arrivals * obs.mean()
         demand.arrivals.append((flows.arrivals, obs))
         demand.miss_tokens += flows.arrivals * miss.mean()
+        demand.engine_s += flows.arrivals * engine.mean()
         demand.decode_tokens += flows.ends * gen.mean()
         occupancy = np.cumsum(flows.starts - flows.ends)
         demand.decode_active += occupancy
         demand.var["prefill_new_tokens"] += flows.arrivals * obs.second_moment()
         demand.var["prefill_miss_tokens"] += flows.arrivals * miss.second_moment()
+        demand.var["prefill_engine_s"] += flows.arrivals * engine.second_moment()
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
 
@@ -269,15 +275,17 @@ class Lifecycle(Forecaster):
         """`size` trajectories that start in each slot with probability p, as one block, in
         the families' shares `mix` (pooled statistics where it is empty)."""
         pooled = live.stats[POOLED]
-        prompt_new = prompt_miss = 0.0  # a start's expected prompt and its prefill compute
+        prompt_new = prompt_miss = prompt_engine_s = 0.0  # a start's expected prompt and its prefill compute
         for key, share in ({live.families[f]: share for f, share in mix.items()} or {POOLED: 1.0}).items():
             stats = live.stats[key]
             self._add_family_starts(demand, stats, pooled, size * share, p, step_s)
             prompt_new += share * _stat(stats, pooled, "prompt_tokens").mean()
             prompt_miss += share * _stat(stats, pooled, "prompt_miss_tokens").mean()
+            prompt_engine_s += share * _stat(stats, pooled, "prompt_engine_s").mean()
         burst_var = size**2 * p * (1 - np.minimum(p, 1.0))
         demand.var["prefill_new_tokens"] += burst_var * prompt_new**2
         demand.var["prefill_miss_tokens"] += burst_var * prompt_miss**2
+        demand.var["prefill_engine_s"] += burst_var * prompt_engine_s**2
 
     def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float) -> None:
         stages = _stages(stats, pooled)
@@ -303,6 +311,7 @@ class Lifecycle(Forecaster):
         mean = {
             "prefill_new_tokens": flow(d.new_tokens),
             "prefill_miss_tokens": flow(d.miss_tokens),
+            "prefill_engine_s": flow(d.engine_s),
             "decode_active_seqs": level(d.decode_active),
             "decode_tokens": flow(d.decode_tokens),
         }
