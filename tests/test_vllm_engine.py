@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
+import time
 
 import pytest
 
@@ -19,7 +21,9 @@ from actors.engine.vllm.actor import VllmEngineActor  # noqa: E402
 from actors.engine.vllm.engine import BadInput, KvSource, VllmEngine  # noqa: E402
 from bus_schemas import subjects  # noqa: E402
 from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.control import CommandAck, Role, SetRole  # noqa: E402
+from actors.engine.torch.model import checksum, split_chunks  # noqa: E402
+from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole  # noqa: E402
+from bus_schemas.train import WeightsChunk, WeightsFetch  # noqa: E402
 from bus_schemas.work import TurnResult  # noqa: E402
 from tests.conftest import clean_bus  # noqa: E402
 from tests.torch_helpers import clock, real_work  # noqa: E402
@@ -57,8 +61,10 @@ async def engines(nats_server, tmp_path_factory):
     b = VllmEngine("vb", TEST_VLLM, model_dir, nats_server.url, Role.DECODE)
     nc = await connect(nats_server.url, "test-vllm", logging.getLogger("test"))
     try:
-        await a.start()
-        await b.start()
+        for engine in (a, b):
+            started = time.perf_counter()
+            await engine.start()
+            print(f"\nvLLM engine {engine.engine_id} started in {time.perf_counter() - started:.1f} s")
         yield a, b, nc
     finally:
         a.shutdown()
@@ -149,6 +155,38 @@ async def test_bad_input_gets_one_clear_line_and_the_engine_keeps_serving(engine
     assert len(ok.token_ids) == 3
 
 
+async def test_handoff_figures(engines):
+    """Prints what a hand-off costs here (run with -s); asserts what moved: exactly the prompt's
+    blocks of every layer, once per turn."""
+    a, b, nc = engines
+    cache = b.llm.vllm_config.cache_config
+    block_size, n_tokens, rounds = cache.block_size, 512, 5
+    layers, kv_heads, head_size, dtype_bytes = 2, 2, 32, 4
+    block_bytes = layers * kv_heads * block_size * 2 * head_size * dtype_bytes
+    alone_s, split_s, prefill_s = [], [], []
+    before = await b.connector_counters(nc)
+    for i in range(rounds):
+        ids = prompt(n_tokens, seed=100 + i)  # a fresh prompt each round: no prefix cache hit anywhere
+        started = time.perf_counter()
+        await a.generate(f"fig-alone-{i}", ids, 2)
+        alone_s.append(time.perf_counter() - started)
+        ids = prompt(n_tokens, seed=200 + i)
+        started = time.perf_counter()
+        first = await a.prefill(f"fig-p-{i}", ids, hold=f"fig-h-{i}")
+        prefill_s.append(time.perf_counter() - started)
+        await b.decode(f"fig-d-{i}", ids + first.token_ids, 1, KvSource("va", f"fig-h-{i}", n_tokens))
+        split_s.append(time.perf_counter() - started)
+    after = await b.connector_counters(nc)
+    fetched = after["kv_bytes_fetched"] - before.get("kv_bytes_fetched", 0)
+    assert fetched == rounds * -(-n_tokens // block_size) * block_bytes
+    per_turn_mb = fetched / rounds / 1e6
+    alone, split, pre = (statistics.median(x) * 1e3 for x in (alone_s, split_s, prefill_s))
+    print(f"\nhand-off figures: {n_tokens} prompt tokens, block {block_size}, {per_turn_mb:.2f} MB of KV per turn; "
+          f"medians of {rounds}: one engine prefill + 1 decode token {alone:.0f} ms; "
+          f"prefill on A {pre:.0f} ms, then KV over NATS + 1 decode token on B {split - pre:.0f} ms "
+          f"(split total {split:.0f} ms)")
+
+
 # --- the engine actor on the same engines: work over JetStream, a role switch by command ---------
 ACTOR_CONFIG = """
 [run]
@@ -164,7 +202,7 @@ kv_writeback = "none"
 [environments]
 count = 1
 [model]
-temperature = 0.000001  # below vLLM's sampling epsilon: greedy, comparable with one engine alone
+temperature = 0.001  # below vLLM's floor of 0.01: greedy, comparable with one engine alone
 stop_at_eos = false
 [vllm]
 model = "{model}"
@@ -194,8 +232,9 @@ async def _set_role(nc, engine_id: str, role: Role, epoch: int) -> CommandAck:
     return decode(CommandAck, reply.data)
 
 
-async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engines, tmp_path):
+async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engines, nats_server, tmp_path):
     a, b, nc = engines
+    nc = await connect(nats_server.url, "test-vllm-actors", logging.getLogger("test"))  # closed after: the actors' subscriptions go with it
     await clean_bus(nc)
     await publish_origin(nc.jetstream(), "test")
     (tmp_path / "vllm.toml").write_text(ACTOR_CONFIG.format(model=a.model_dir))
@@ -225,6 +264,7 @@ async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engine
         pb.request_stop("test over")
         await asyncio.wait_for(asyncio.gather(*running), timeout=60)
         await sub.unsubscribe()
+        await close(nc)
 
     for traj, ids in prompts.items():
         r = results.got[traj]
@@ -238,3 +278,53 @@ async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engine
     assert after.token_ids == (await a.generate("ref-after", switched, 5)).token_ids
     assert "bad" not in results.got and pa.counters["invalid_messages"] == 1
     assert a.llm is not None and b.llm is not None  # the actors did not shut down the engines they were given
+
+
+# --- last: it changes engine A's weights ------------------------------------------------------
+async def test_weight_update_changes_outputs_and_never_reuses_old_kv(engines, nats_server, tmp_path):
+    """The trainer's part (serving policy 1's weights in checksummed chunks on the bus) is played
+    by the test with real bytes: the model's own weights, scaled."""
+    from safetensors.torch import load_file
+    from safetensors.torch import save as st_save
+
+    a, _, _ = engines
+    nc = await connect(nats_server.url, "test-vllm-weights", logging.getLogger("test"))
+    await clean_bus(nc)
+    (tmp_path / "vllm.toml").write_text(ACTOR_CONFIG.format(model=a.model_dir))
+    config = load_config(tmp_path / "vllm.toml")
+    ids = prompt(160, seed=40)
+    before = await a.generate("w-before-1", ids, 8)
+    repeat = await a.generate("w-before-2", ids, 8)
+    assert repeat.cached_tokens > 0 and repeat.token_ids == before.token_ids  # the prefix cache serves a repeat
+
+    state = load_file(f"{a.model_dir}/model.safetensors")
+    payload = st_save({name: tensor * 1.5 for name, tensor in state.items()})
+    chunks = split_chunks(payload, 64 * 1024)
+
+    async def serve(msg) -> None:
+        req = decode(WeightsFetch, msg.data)
+        await msg.respond(encode(WeightsChunk(
+            version=1, ok=True, chunk=req.chunk, n_chunks=len(chunks), total_bytes=len(payload),
+            checksum=checksum(payload), data=bytes(chunks[req.chunk]),
+        )))  # fmt: skip
+
+    sub = await nc.subscribe(subjects.train_weights(), cb=serve)
+    actor = VllmEngineActor("va", config, nc, clock(), Role.COLOCATED, engine=a)
+    running = asyncio.create_task(actor.run())
+    try:
+        await asyncio.wait_for(actor.ready.wait(), timeout=60)
+        reply = await nc.request(subjects.ctl_engine("va"), encode(LoadPolicy(version=1)), timeout=120)
+        ack = decode(CommandAck, reply.data)
+    finally:
+        actor.request_stop("test over")
+        await asyncio.wait_for(running, timeout=60)
+        await sub.unsubscribe()
+        await close(nc)
+
+    assert ack.ok and ack.policy_version == 1, ack.error
+    assert actor.counters["weights_bytes_loaded"] == len(payload) and len(chunks) > 1
+    after = await a.generate("w-after-1", ids, 8)
+    assert after.cached_tokens == 0  # the prompt's blocks cached under policy 0 are not reused
+    assert after.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the new weights are in use
+    repeat = await a.generate("w-after-2", ids, 8)
+    assert repeat.cached_tokens > 0 and repeat.token_ids == after.token_ids  # and cached again under policy 1

@@ -15,23 +15,33 @@ scheduler core: each pulled work item becomes one vLLM request, run as its own t
 * input vLLM cannot run (token ids outside the vocabulary, too long): the work item is
   terminated with one logged line, counted in `invalid_messages`; the engine goes on.
 
-Not here yet (docs/vllm.md): weight updates from the trainer (`LoadPolicy` is refused with
-its reason), KV write-back of decoded tokens, migrating a decode mid-turn.
+* `LoadPolicy(v)`: the trainer's weights of v fetched in checksummed chunks and loaded into
+  vLLM in place (`VllmEngine.load_weights`); requests are then salted with v, so no KV of
+  an older policy is reused.
+
+Not here yet (docs/vllm.md): KV write-back of decoded tokens, migrating a decode mid-turn.
 """
 
 from __future__ import annotations
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from actors.engine.actor import IDLE_WAKE_WALL_S, EngineActor
+from actors.engine.torch.model import checksum
 from actors.engine.vllm.engine import BadInput, Generated, KvSource, VllmEngine
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Role
 from bus_schemas.lifecycle import EventKind
 from bus_schemas.status import EngineStatus
+from bus_schemas.train import WeightsChunk, WeightsFetch
 from bus_schemas.work import DecodeWork, KvHandle, PrefillWork, TurnResult
+
+
+WEIGHTS_TIMEOUT_WALL_S = 30.0
+MIN_TEMPERATURE = 0.01  # vLLM's floor for sampling; model.temperature below it decodes greedily
 
 
 def model_dir(config) -> str:
@@ -71,7 +81,29 @@ class VllmEngineActor(EngineActor):
         return  # the connector inside vLLM's worker answers on subjects.kv(this engine)
 
     async def _load_weights(self, version: int) -> str | None:
-        return f"engine {self.actor_id}: the vllm backend does not load trainer weights yet (policy {version} refused)"
+        """The trainer's weights of `version` (chunks on subjects.train_weights, checksummed),
+        loaded into vLLM in place; later requests are salted with the version."""
+        chunks = []
+        n_chunks = 1
+        while len(chunks) < n_chunks:
+            request = encode(WeightsFetch(version=version, chunk=len(chunks), requester_id=self.actor_id))
+            try:
+                reply = await self.nc.request(subjects.train_weights(), request, timeout=WEIGHTS_TIMEOUT_WALL_S)
+            except (NoRespondersError, TimeoutError) as err:
+                return f"weights of policy {version} unavailable: {err!r}"
+            answer = self.decode_or_count(WeightsChunk, reply)
+            if answer is None or not answer.ok or answer.chunk != len(chunks) or answer.version != version:
+                return f"weights of policy {version}, chunk {len(chunks)}: {answer.error if answer else 'malformed reply'}"
+            chunks.append(answer)
+            n_chunks = answer.n_chunks
+        payload = b"".join(c.data for c in chunks)
+        if len(payload) != chunks[0].total_bytes or checksum(payload) != chunks[0].checksum:
+            self.counters["weights_checksum_mismatch"] += 1
+            return f"weights of policy {version} failed their checksum"
+        await self.vllm.load_weights(payload, version)
+        self.counters["weights_bytes_loaded"] += len(payload)
+        self.log.info("loaded policy %d into vLLM (%d bytes)", version, len(payload))
+        return None
 
     # --- work --------------------------------------------------------------------------------
     async def _admit(self, msg: Msg, queue: str) -> None:
@@ -123,7 +155,9 @@ class VllmEngineActor(EngineActor):
             self._wake.set()
 
     def _sampling(self) -> dict:
-        return {"temperature": self.config.model.temperature, "ignore_eos": not self.config.model.stop_at_eos}
+        temperature = self.config.model.temperature
+        # vLLM raises a temperature below 0.01 to 0.01; below that, Prorsa means greedy
+        return {"temperature": 0.0 if temperature < MIN_TEMPERATURE else temperature, "ignore_eos": not self.config.model.stop_at_eos}
 
     async def _prefill(self, work: PrefillWork) -> None:
         ids = list(work.context_token_ids) + list(work.token_ids)

@@ -17,8 +17,11 @@ entry point that builds one needs a `__main__` guard.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +127,9 @@ class VllmEngine:
         self.vocab_size = 0
         self.eos_token_id: int | None = None
         self.invalid_inputs = 0
+        self.policy_version = 0  # salts the prefix cache: KV of an older policy is never reused
+        self._weights_dir: Path | None = None
+        self._reloading = asyncio.Lock()  # one reload at a time (two at once kill vLLM's worker)
 
     async def start(self) -> None:
         guard_child_processes()
@@ -138,6 +144,23 @@ class VllmEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    async def load_weights(self, safetensors_payload: bytes, version: int) -> None:
+        """Load policy `version`'s weights in place (vLLM's `reload_weights`: no restart) and
+        salt the prefix cache with the version from now on."""
+        async with self._reloading:
+            if self._weights_dir is None:
+                self._weights_dir = Path(tempfile.mkdtemp(prefix=f"prorsa-vllm-{self.engine_id}-"))
+            path = self._weights_dir / f"policy-{version}"
+            path.mkdir(exist_ok=True)
+            (path / "model.safetensors").write_bytes(safetensors_payload)
+            try:
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+            self.policy_version = version
 
     def set_role(self, role: Role) -> None:
         """Any role runs on the same engine (kv_both): nothing restarts, nothing is dropped."""
@@ -175,7 +198,8 @@ class VllmEngine:
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )  # fmt: skip
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+        tokens = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"policy-{self.policy_version}")
+        async for out in self.llm.generate(tokens, params, request_id):
             final = out
         done = final.outputs[0]
         ids = list(done.token_ids)
