@@ -53,6 +53,7 @@ class FamilyStats:
     miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turns > 0
     prompt_miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turn 0
     engine_s: Empirical = field(default_factory=Empirical)  # prefill engine-seconds of turns > 0 (series.PrefillCost)
+    cached_share: Empirical = field(default_factory=Empirical)  # turns > 0: cached prefix / context at prefill
     prompt_engine_s: Empirical = field(default_factory=Empirical)  # ... of turn 0
     prompt_tokens: Empirical = field(default_factory=Empirical)
     turns: TurnHazard = field(default_factory=TurnHazard)
@@ -87,6 +88,8 @@ class LiveState:
         self.turn = np.zeros(capacity, np.int32)
         self.prefilled = np.zeros(capacity, bool)  # PRE only: prefill_done seen for this turn
         self.alive = np.zeros(capacity, bool)
+        self.context = np.zeros(capacity)  # tokens before the next prefill's new ones (after a decode: all of the turn's)
+        self.queued_new = np.zeros(capacity)  # PRE: the new tokens queued for this turn's prefill
         self.step_pending_since_s: float | None = None  # rollout_done seen, next step not started
         self.step_gap_s = Empirical(50, tail_weight=0.05)  # rollout_done → next step_started
         self.step_started_s: float | None = None  # the running step's step_started
@@ -194,7 +197,7 @@ class LiveState:
     def _grow(self) -> None:
         old = len(self.alive)
         new = max(1024, 2 * old)
-        for name in ("family", "phase", "entered_s", "turn", "prefilled", "alive"):
+        for name in ("family", "phase", "entered_s", "turn", "prefilled", "alive", "context", "queued_new"):
             array = getattr(self, name)
             grown = np.zeros(new, array.dtype)
             grown[:old] = array
@@ -203,7 +206,7 @@ class LiveState:
 
     def _learn_chunk(self, code, col, fam, slot, opened) -> None:
         at_s, turn = col["at_s"], col["turn"]
-        phase_before, entered_before = self._walk(code, at_s, turn, slot)
+        phase_before, entered_before = self._walk(code, at_s, turn, slot, col)
         for kind, phase in _ENDS.items():
             done = (code == kind) & (phase_before == phase)
             self._learn_stage(fam[done], phase, np.maximum(at_s[done] - entered_before[done], 0.0))
@@ -217,6 +220,8 @@ class LiveState:
         engine_s = self.cost.engine_s(miss.astype(float), col["cached_prefix_tokens"].astype(float))
         self._learn("prompt_engine_s", fam[done & (turn == 0)], engine_s[done & (turn == 0)])
         self._learn("engine_s", fam[done & (turn != 0)], engine_s[done & (turn != 0)])
+        later = done & (turn != 0) & (col["context_tokens"] > 0)
+        self._learn("cached_share", fam[later], np.minimum(col["cached_prefix_tokens"][later] / np.maximum(col["context_tokens"][later], 1), 1.0))
         done = code == DEC_DONE
         self._learn("gen_tokens", fam[done], col["generated_tokens"][done])
         done = code == TOOL_DONE
@@ -234,7 +239,7 @@ class LiveState:
         for key, members in self._by_family(fam[done]):
             self.stats[key].turns.add_finished_many(turn[done][members])
 
-    def _walk(self, code, at_s, turn, slot) -> tuple[np.ndarray, np.ndarray]:
+    def _walk(self, code, at_s, turn, slot, col) -> tuple[np.ndarray, np.ndarray]:
         """Phase and phase-entry time of each event's trajectory just before the event; then
         leave every slot in the state after its last event."""
         sets_phase = _SETS_PHASE[code]
@@ -259,7 +264,10 @@ class LiveState:
             (sets_clock, self.entered_s, at_s),
             ((code == QUEUED) | (code == TOOL_DONE), self.turn, np.where(code == TOOL_DONE, turn + 1, np.maximum(turn, 0))),
             (np.isin(code, (QUEUED, REPREFILL, PREFILLED, TOOL_DONE)), self.prefilled, code == PREFILLED),
-        ):
+            (np.isin(code, (QUEUED, REPREFILL, DEC_DONE)), self.context,
+             np.where(code == DEC_DONE, col["context_tokens"] + col["new_tokens"] + col["generated_tokens"], col["context_tokens"])),
+            ((code == QUEUED) | (code == REPREFILL), self.queued_new, col["new_tokens"]),
+        ):  # fmt: skip
             array[slot[valid]] = values[valid]  # repeated slots: the last event wins
         return phase_before, entered_before
 

@@ -99,19 +99,19 @@ def test_compound_poisson_quantiles_match_a_simulation():
     assert got[1, 1] == pytest.approx(expected[1, 1], rel=0.03, abs=60)  # past P(none) = e^-0.9 < 0.5
 
 
-def test_the_point_forecast_of_prefill_new_tokens_is_its_median_while_its_mean_stays_the_mean():
+def test_the_point_forecast_of_a_flow_is_its_median_while_its_mean_stays_the_mean():
     core = ForecastCore(CoreConfig(models=("naive",)))
     events = synthetic_log(trajectories=40, seed=1)
     at_s = events["at_s"].to_numpy()
     for until_s in range(1, 61):
         core.tick(events.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
     history = History(1.0, 60.0, {t: s.view() for t, s in core.series.items()}, core.live)
-    median, mean = Lifecycle().update(history).predict(10), Lifecycle(median_new_tokens=False).update(history).predict(10)
+    median, mean = Lifecycle().update(history).predict(10), Lifecycle(median_flows=False).update(history).predict(10)
+    for flow in ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens"):
+        np.testing.assert_array_equal(median.point_forecast(flow), median.quantiles[flow][QUANTILES.index(0.5)])
+        np.testing.assert_array_equal(median.quantiles[flow], mean.quantiles[flow])
+        np.testing.assert_array_equal(median.mean[flow], mean.mean[flow])  # demand consumers still get the mean
+        np.testing.assert_array_equal(mean.point_forecast(flow), mean.mean[flow])
     new = "prefill_new_tokens"
-    np.testing.assert_array_equal(median.point_forecast(new), median.quantiles[new][QUANTILES.index(0.5)])
-    np.testing.assert_array_equal(median.quantiles[new], mean.quantiles[new])
-    np.testing.assert_array_equal(median.mean[new], mean.mean[new])  # demand consumers still get the mean
-    np.testing.assert_array_equal(mean.point_forecast(new), mean.mean[new])
     assert mean.mean[new].sum() > median.point_forecast(new).sum() > 0  # sizes are skewed: the median is lower
-    for target in ("prefill_miss_tokens", "decode_active_seqs", "decode_tokens"):
-        np.testing.assert_array_equal(median.point_forecast(target), median.mean[target])
+    np.testing.assert_array_equal(median.point_forecast("decode_active_seqs"), median.mean["decode_active_seqs"])  # a level

@@ -20,10 +20,12 @@ Trajectories that share (family, phase, elapsed slot, turn) share their vectors,
 grows with those groups, not with the number of trajectories; the chains of phases are
 walked as spectra (`_Chain`). Uncertainty: a compound Poisson spread per slot (variance =
 Σ p · E[size²]); the next step's burst arrives as a block (variance N² p (1-p) · size²);
-quantiles are normal on that spread. Prefill new tokens instead take the compound Poisson
-distribution itself (forecasting.compound: arrivals per family × its learned sizes): the
-per-bin flow is often zero and heavy-tailed, so its point forecast is the median (the one
-that minimises the absolute error; `median_new_tokens`), and the quantiles are its own.
+quantiles are normal on that spread. The flows (prefill new and cache-missed tokens, prefill
+engine-seconds, decode tokens) instead take the compound Poisson distribution itself
+(forecasting.compound: arrivals per family × its learned sizes, scaled to the mean where a
+trajectory's own context prices its next prefill): a per-bin flow is often zero and
+heavy-tailed, so its point forecast is the median (the one that minimises the absolute
+error; `median_flows`), and the quantiles are its own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, Hi
 from forecasting.models.timeseries import Naive
 
 
+COMPOUND = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens")  # the flows
+
+
 @dataclass(slots=True)
 class _Demand:
     """Expected demand per fine slot, and its variance."""
@@ -51,10 +56,11 @@ class _Demand:
     decode_tokens: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
     var: dict[str, np.ndarray] = field(init=False)
-    arrivals: list[tuple[np.ndarray, Empirical]] = field(init=False)  # expected arrivals per slot, their sizes
+    # flow target -> per source: (expected items per slot, their sizes): a compound Poisson flow
+    compound: dict[str, list[tuple[np.ndarray, Empirical]]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.arrivals = []
+        self.compound = {t: [] for t in COMPOUND}
         for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_active"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
@@ -166,16 +172,31 @@ def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
     return own if own.n else getattr(pooled, name)
 
 
+def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, members: np.ndarray, new, new_squared) -> tuple[np.ndarray, np.ndarray]:
+    """Expected engine-seconds and cache-missed tokens of each member's next prefill: `new`
+    tokens (mean, and mean square) on its context C, of which a share ρ is cached (the
+    family's learned ρ). With n = C(1-ρ) + new missed on a prefix ρC (series.PrefillCost):
+    E[n] = C(1 - E[ρ]) + E[new];
+    E[cost] = t·E[n] + k·(C²(1 - E[ρ²])/2 + C·E[new] + E[new²]/2)."""
+    context = live.context[members]
+    share = _stat(stats, pooled, "cached_share")
+    r1, r2 = (share.mean(), share.second_moment()) if share.n else (1.0, 1.0)  # none seen: all cached
+    miss = context * (1.0 - r1) + new
+    pairs = context * context * (1.0 - r2) / 2.0 + context * new + new_squared / 2.0
+    return live.cost.per_token_s * miss + live.cost.per_token_pair_s * pairs, miss
+
+
 @register
 class Lifecycle(Forecaster):
     """substeps: slots per bin; cycles: turns followed ahead; censoring: running stages count
-    at risk; median_new_tokens: the point forecast (`Prediction.point`) of prefill_new_tokens
-    is its median; `mean` stays its expected value, which is what the allocator sizes on."""
+    at risk; median_flows: the point forecast (`Prediction.point`) of each flow (tokens,
+    engine-seconds) is its median; `mean` stays its expected value, which is what the
+    allocator sizes on."""
 
     name = "lifecycle"
 
-    def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True, median_new_tokens: bool = True) -> None:
-        self.median_new_tokens = median_new_tokens
+    def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True, median_flows: bool = True) -> None:
+        self.median_flows = median_flows
         self.substeps = substeps
         self.censoring = censoring
         self.cycles = cycles
@@ -227,9 +248,18 @@ class Lifecycle(Forecaster):
             if phase == DEC:
                 demand.decode_active += len(sel)
             if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
-                waiting = int((~live.prefilled[sel]).sum())
-                demand.miss_tokens[0] += waiting * _stat(stats, pooled, "miss_tokens").mean()
-                demand.engine_s[0] += waiting * _stat(stats, pooled, "engine_s").mean()
+                waiting = sel[~live.prefilled[sel]]
+                new = live.queued_new[waiting]
+                engine_s, miss = _next_prefill(live, stats, pooled, waiting, new, new * new)
+                demand.miss_tokens[0] += miss.sum()
+                demand.engine_s[0] += engine_s.sum()
+            if phase == TOOL and _stat(stats, pooled, "cached_share").n:  # the next prefill: on this trajectory's context
+                obs = _stat(stats, pooled, "obs_tokens")
+                engine_s, miss = _next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
+                own = np.array([engine_s - _stat(stats, pooled, "engine_s").mean(), miss - _stat(stats, pooled, "miss_tokens").mean()])
+                first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
+                demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
+                demand.miss_tokens += first[1]
         chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
         self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
@@ -240,7 +270,9 @@ class Lifecycle(Forecaster):
         engine = _stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
         gen = _stat(stats, pooled, "gen_tokens")
         demand.new_tokens += flows.arrivals * obs.mean()
-        demand.arrivals.append((flows.arrivals, obs))
+        for target, sizes in (("prefill_new_tokens", obs), ("prefill_miss_tokens", miss), ("prefill_engine_s", engine)):
+            demand.compound[target].append((flows.arrivals, sizes))
+        demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.miss_tokens += flows.arrivals * miss.mean()
         demand.engine_s += flows.arrivals * engine.mean()
         demand.decode_tokens += flows.ends * gen.mean()
@@ -317,12 +349,19 @@ class Lifecycle(Forecaster):
         }
         var = {t: (level if t == "decode_active_seqs" else flow)(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
-        if d.arrivals:  # prefill new tokens: the compound Poisson distribution of arrivals × sizes
-            rates = np.array([flow(r) for r, _ in d.arrivals])
-            quantiles = compound_poisson_quantiles(rates, [sizes.values() for _, sizes in d.arrivals], QUANTILES)
-            prediction.quantiles["prefill_new_tokens"] = quantiles
-            if self.median_new_tokens:
-                prediction.point["prefill_new_tokens"] = quantiles[QUANTILES.index(0.5)]
+        for target, sources in d.compound.items():  # the compound Poisson distribution of items × sizes
+            if not sources:
+                continue
+            rates = np.array([flow(r) for r, _ in sources])
+            quantiles = compound_poisson_quantiles(rates, [sizes.values() for _, sizes in sources], QUANTILES)
+            # sized by the family means; the mean also has each trajectory's own next prefill
+            # (its context) and the prefills waiting now: scale to it
+            family_mean = sum(r * sizes.mean() for r, sizes in zip(rates, (z for _, z in sources)))
+            scale = np.divide(mean[target], family_mean, out=np.ones_like(family_mean), where=family_mean > 1e-12)
+            quantiles = np.where(family_mean > 1e-12, quantiles * scale, mean[target])
+            prediction.quantiles[target] = quantiles
+            if self.median_flows:
+                prediction.point[target] = quantiles[QUANTILES.index(0.5)]
         return prediction
 
 
