@@ -1,6 +1,7 @@
 """Launch a Prorsa run: one process per actor, over an embedded (or given) NATS server.
 
     python -m ops.launch CONFIG.toml [--policy colocated|colocated-sticky|static|static-P:D|reactive|prorsa|oracle] [--out DIR] [--nats-url URL]
+        [--on-actor-death abort|restart]
 
 1. Validate the config (a typo fails here, before anything starts).
 2. Start an embedded nats-server under DIR (unless --nats-url), bound to 127.0.0.1 and
@@ -13,7 +14,8 @@
    reported (which one, its exit code, the end of its log) and, under `run.on_actor_death =
    "restart"` (the default), started again after a backoff, a bounded number of times
    (counted in the summary); under "abort", or once it has used its restarts, or for the
-   trainer, it stops the run with exit 1.
+   trainer, it stops the run with exit 1. The embedded nats-server is watched the same way
+   and restarted on its port and store. (`ops/supervise.py`)
 5. Stop every actor with SIGTERM (SIGKILL after a grace period), export the lifecycle log
    to DIR/events.parquet and write DIR/summary.json.
 """
@@ -29,27 +31,23 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.base.connection import close, connect, publish_origin
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
-from bus_schemas import streams, subjects
-from bus_schemas.codec import decode
-from bus_schemas.lifecycle import LifecycleEvent
-from ops.export import read_run, write_run
+from bus_schemas import streams
 from ops import access
-from ops.bus_guard import DeadLetters, LifecycleFill, read_dead_letters
+from ops.export import read_run, write_run
+from ops.bus_guard import read_dead_letters
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
+from ops.supervise import STOP_GRACE_WALL_S, stop_all, supervise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STOP_GRACE_WALL_S = 15.0
 LOG = logging.getLogger("prorsa.launch")
 console = Console(stderr=True)
 
@@ -152,106 +150,6 @@ async def spawn(spec: ActorSpec, config_path: Path, bus: Bus, logs: Path) -> asy
         log.close()
 
 
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
-async def supervise(
-    procs: dict[ActorSpec, asyncio.subprocess.Process],
-    logs: Path,
-    bus: Bus,
-    expected: int,
-    interrupted: asyncio.Event,
-    supervision: Supervision,
-    respawn: Callable[[ActorSpec], Awaitable[asyncio.subprocess.Process]],
-    notes: dict,
-) -> str:
-    """Wait for the end of the run; return 'completed', 'failed' or 'interrupted'. A dead actor
-    is restarted as `supervision` says (`procs` then holds the new process), or fails the run.
-    Meanwhile poison work is dead-lettered and the lifecycle log's fill watched (alerts go
-    into `notes`)."""
-    started = time.monotonic()
-    waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
-    restarting: dict[asyncio.Task, ActorSpec] = {}  # backoff, then a new process
-    stop_wait = asyncio.create_task(interrupted.wait())
-    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
-    bar = progress.add_task("trajectories", total=expected)
-    nc = await bus.connect("launcher-watch")
-
-    async def on_finished(msg) -> None:
-        try:
-            decode(LifecycleEvent, msg.data)
-        except msgspec.MsgspecError:
-            return
-        progress.advance(bar)
-
-    async def restart_after(spec: ActorSpec, delay_s: float) -> asyncio.subprocess.Process:
-        await asyncio.sleep(delay_s)
-        return await respawn(spec)
-
-    await nc.subscribe(subjects.lifecycle("finished"), cb=on_finished)
-    dead = DeadLetters(nc, LOG)
-    await dead.start()
-    fill = LifecycleFill(nc.jetstream(), lambda line: console.print(f"[red]alert: {line}", highlight=False))
-    notes["lifecycle_alerts"] = fill.alerts
-    watchers = [asyncio.create_task(fill.watch(), name="lifecycle-fill")]
-    fatal_wait = asyncio.create_task(dead.fatal.wait())
-    try:
-        with progress:
-            while True:
-                done, _ = await asyncio.wait({*waits, *restarting, stop_wait, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if stop_wait in done:
-                    console.print("[yellow]interrupted: stopping every actor")
-                    return "interrupted"
-                if fatal_wait in done:
-                    console.print(f"[red]error: {dead.fatal_reason}; the run cannot complete", highlight=False)
-                    return "failed"
-                for task in done:
-                    if task in restarting:  # a restart's new process is up
-                        spec = restarting.pop(task)
-                        procs[spec] = task.result()
-                        waits[asyncio.create_task(procs[spec].wait(), name=spec.name)] = spec
-                        console.print(f"restarted {spec.name} pid {procs[spec].pid}", highlight=False)
-                        continue
-                    spec = waits.pop(task)
-                    code = task.result()
-                    if spec.kind == "trainer" and code == 0:
-                        return "completed"
-                    log = logs / f"{spec.kind}-{spec.actor_id}.log"
-                    delay_s, why = supervision.on_death(spec.name, spec.kind, code, time.monotonic() - started)
-                    console.print(f"[red]error: {spec.name} died with exit code {code} ({why}); last lines of {log}:[/red]\n{tail(log)}")
-                    if delay_s is None:
-                        return "failed"
-                    restarting[asyncio.create_task(restart_after(spec, delay_s), name=f"restart {spec.name}")] = spec
-    finally:
-        stop_wait.cancel()
-        fatal_wait.cancel()
-        for task in [*waits, *restarting, *watchers]:
-            task.cancel()
-        await asyncio.gather(*restarting, *watchers, return_exceptions=True)
-        notes["dead_letter_errors"] = dead.errors
-        await close(nc)
-
-
-async def stop_all(procs: dict[ActorSpec, asyncio.subprocess.Process]) -> list[str]:
-    """SIGTERM every live actor, SIGKILL what is left after the grace period; name those."""
-    live = {spec: p for spec, p in procs.items() if p.returncode is None}
-    for p in live.values():
-        p.send_signal(signal.SIGTERM)
-    killed = []
-    for spec, p in live.items():
-        try:
-            await asyncio.wait_for(p.wait(), timeout=STOP_GRACE_WALL_S)
-        except TimeoutError:
-            p.kill()
-            await p.wait()
-            killed.append(spec.name)
-    return killed
-
-
 async def export(bus: Bus, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict) -> dict:
     nc = await bus.connect("launcher-export")
     try:
@@ -345,10 +243,12 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
         notes: dict = {}
         if not interrupted.is_set():
             respawn = lambda spec: spawn(spec, config_path, bus, logs)  # noqa: E731
-            status = await supervise(procs, logs, bus, config.trajectories_expected(), interrupted, supervision, respawn, notes)
+            status = await supervise(procs, logs, bus, config.trajectories_expected(), interrupted, supervision, respawn, notes, server)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
+        if server is not None and server.proc.poll() is not None:  # died and not restarted: its store still holds the log
+            await asyncio.to_thread(server.start)
         summary = await export(bus, out, config, status, time.monotonic() - started, killed, supervision, notes)
         print_summary(summary, out)
     finally:

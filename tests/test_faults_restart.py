@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -49,11 +50,11 @@ async def wait_for_event(bus_file: Path, kind: str, actor_id: str, step: int, ti
 
     async def on_event(msg) -> None:
         event = decode(LifecycleEvent, msg.data)
-        if event.actor_id == actor_id and (event.step or 0) >= step and not seen.done():
+        if actor_id in (event.actor_id, "*") and (step <= 0 or event.step >= step) and not seen.done():
             seen.set_result(event)
 
     try:
-        await nc.subscribe(subjects.lifecycle(kind), cb=on_event)
+        await nc.jetstream().subscribe(subjects.lifecycle(kind), cb=on_event, ordered_consumer=True)  # the log from its start
         return await asyncio.wait_for(seen, timeout=timeout_wall_s)
     finally:
         await close(nc)
@@ -118,3 +119,59 @@ def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, ki
     assert summary["dead_letters"] == 0
     if step > 0:
         assert summary["actors"][victim]["policy_caught_up"] == 1
+
+
+@pytest.mark.e2e
+def test_kill_9_the_nats_server_mid_run_restarts_it_on_its_store_and_loses_nothing(tmp_path: Path):
+    config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
+    out = tmp_path / "run"
+    proc = start_launcher(config, out, "--policy", "static-1:1")
+    try:
+        pids, lines = read_until_started(proc)
+        wait_for_file(out / "bus.json", 30)
+        asyncio.run(wait_for_event(out / "bus.json", "decode_queued", "e0", 0, timeout_wall_s=60))  # under load
+        os.kill(pids["nats-server"], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "nats-server died with exit code -9" in output and "restarted nats-server pid" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["restarts"]["nats-server"] == 1
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] == len(ASSIGNED)
+    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    events = pl.read_parquet(out / "events.parquet")
+    assert events["event_id"].n_unique() == events.height  # no acked event stored twice ...
+    assert sorted(events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()) == sorted(ASSIGNED)
+    assert incomplete_trajectories(events, ASSIGNED, disaggregated=True) == {}  # ... nor missing
+    assert summary["actors"]["trainer"].get("duplicate_finished", 0) == 0
+
+
+@pytest.mark.e2e
+def test_kill_9_the_allocator_mid_run_its_successor_continues_above_the_fleet_epoch(tmp_path: Path):
+    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2, time_scale=10.0, ack_wait=2.0)
+    config.write_text(config.read_text() + '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    out = tmp_path / "run"
+    proc = start_launcher(config, out)
+    try:
+        pids, lines = read_until_started(proc)
+        wait_for_file(out / "bus.json", 30)
+        asyncio.run(wait_for_event(out / "bus.json", "role_switched", "*", 0, timeout_wall_s=60))  # a switch carried out
+        os.kill(pids["allocator allocator"], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["restarts"] == {"allocator allocator": 1}
+    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    assert summary["trajectories_finished"] == summary["trajectories_expected"]
+    ups = [int(m) for m in re.findall(r"allocator up: policy=\S+, fleet epoch (\d+)", (out / "logs" / "allocator-allocator.log").read_text())]
+    assert len(ups) == 2 and ups[0] == 0 and ups[1] >= 1  # the successor started from the fleet's epoch, not 0
+    events = pl.read_parquet(out / "events.parquet")
+    last_roles = events.filter(pl.col("kind") == "role_switched").group_by("engine_id").agg(pl.col("role").sort_by("at_s").last())
+    assert sorted(last_roles["role"].to_list()) == ["decode", "prefill"]  # no engine left in a conflicting role
