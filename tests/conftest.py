@@ -85,3 +85,13 @@ async def bus(nats_server):
     await publish_origin(nc.jetstream(), "test")
     yield nc
     await close(nc)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The soak (tests/test_faults_soak.py) runs only when asked for: `pytest -m soak`."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    soak = [item for item in items if "soak" in item.keywords]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if "soak" not in item.keywords]

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 from nats.js import api
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from actors.base.clock import ScaledClock
 from actors.base.publish import _ACK_TIMEOUT_WALL_S, _RETRY_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
@@ -127,3 +127,37 @@ async def test_a_dead_lettered_turn_reruns_its_trajectory_from_the_start(bus, ti
     finally:
         env.request_stop("test over")
         await asyncio.wait_for(running, timeout=20)
+
+
+async def test_a_rerun_of_a_trajectory_already_reported_is_not_reported_twice(bus, tiny_config):
+    """The environment's ack of a finished task was lost (a server restart, say): the task is
+    redelivered and rerun, and the stream says its FinishedTrajectory is a duplicate; the
+    rerun must not log a second `finished`."""
+    from actors.engine.actor import EngineActor
+    from actors.environment.actor import EnvironmentActor
+    from bus_schemas.control import Role
+    from bus_schemas.train import TaskAssignment
+    from tests.actor_helpers import build, clock_for
+    from tests.test_switch_protocol import until
+
+    js = bus.jetstream()
+    clock = clock_for(tiny_config)
+    env = build(EnvironmentActor, "env0", tiny_config, bus, clock=clock)
+    engine = build(EngineActor, "e0", tiny_config, bus, Role.COLOCATED, clock=clock)
+    await js.publish(subjects.train_finished(), b"reported before", headers={"Nats-Msg-Id": f"{env.run_tag}/s0-k0-g0"})
+    task = TaskAssignment(
+        trajectory_id="s0-k0-g0", task_id="s0-k0", task_family="math", sample_index=0, step=0, policy_version=0, seed=1, assigned_at_s=0.0
+    )  # fmt: skip
+    await js.publish(subjects.train_tasks(), encode(task))
+    running = [asyncio.create_task(a.run()) for a in (engine, env)]
+    try:
+        await until(lambda: env.counters["finished_again"] == 1, timeout_wall_s=60)
+        await env.lifecycle.flush()
+        assert (await js.stream_info(streams.TRAIN.name)).state.messages == 1  # stored once
+        assert env.counters["finished"] == 1 and not env.live  # the task is done (acked)
+        with pytest.raises(NotFoundError):  # no `finished` event for it in the log
+            await js.get_last_msg(streams.LIFECYCLE.name, subjects.lifecycle("finished"))
+    finally:
+        for a in (env, engine):
+            a.request_stop("test over")
+        await asyncio.wait_for(asyncio.gather(*running), timeout=30)

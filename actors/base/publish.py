@@ -45,15 +45,15 @@ async def publish_durable(
     stopping: asyncio.Event,
     clock: Clock,
     give_up_wall_s: float = GIVE_UP_WALL_S,
-) -> None:
-    """`give_up_wall_s`: no try starts later than this after the first one that could still
+):
+    """The stream's ack (its `duplicate` says the message was already stored under `msg_id`).
+    `give_up_wall_s`: no try starts later than this after the first one that could still
     be unacked when the duplicate window (from the first try) closes."""
     attempt = 0
     first_s = clock.now_s()
     while True:
         try:
-            await js.publish(subject, data, timeout=clock.loop_s(_ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
-            return
+            return await js.publish(subject, data, timeout=clock.loop_s(_ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
         except BUS_ERRORS as err:  # bus trouble: count, log, retry with the same id
             attempt += 1
             counters["publish_retries"] += 1

@@ -268,11 +268,16 @@ class EnvironmentActor(Actor):
             finished_at_s=now_s,
             **self._outcome(t),
         )
-        await publish_durable(
+        stored = await publish_durable(
             self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping, self.clock
         )
-        self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
-        await t.task_msg.ack()
+        if getattr(stored, "duplicate", False):  # a rerun of one already reported (its task's ack was lost)
+            self.counters["finished_again"] += 1
+            self.log.warning("trajectory %s was already reported finished; not reporting it twice", a.trajectory_id)
+        else:
+            self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
+        with self.counting_bus_errors("ack_failures"):  # a lost ack reruns the task: the line above keeps that from counting twice
+            await t.task_msg.ack()
         del self.live[a.trajectory_id]
         self.counters["finished"] += 1
         self._room.set()
