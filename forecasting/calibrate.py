@@ -62,10 +62,13 @@ def _quantiles(sorted_values: np.ndarray, n: np.ndarray, level: np.ndarray) -> n
 
 
 class Conformal:
-    def __init__(self, window_bins: int = 300, min_points: int = 30, gamma: float = 0.01) -> None:
+    def __init__(self, window_bins: int = 300, min_points: int = 30, gamma: float = 0.01, horizons: tuple[int, ...] | None = None) -> None:
+        """horizons: the horizon indices (bin h + 1 after now) to calibrate, the ones that are
+        published and scored; None: all."""
         if window_bins < 1 or min_points < 1 or not 0 <= gamma < 1:
             raise ValueError("window_bins and min_points must be >= 1, gamma in [0, 1)")
         self.window_bins, self.min_points, self.gamma = window_bins, min_points, gamma
+        self.horizons = None if horizons is None else np.array(sorted(set(horizons)), np.int64)
         # bins closed at issue -> per target: (raw quantiles, published lower, published upper)
         self._issued: dict[int, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._targets: dict[str, _Target] = {}
@@ -76,16 +79,34 @@ class Conformal:
         for b in range(self._seen, n_bins):
             for issued_at, per_target in self._issued.items():
                 h = b - issued_at  # bin issued_at is horizon index 0
+                column = self._column(h, max(raw.shape[1] for raw, _, _ in per_target.values()))
+                if column < 0:
+                    continue
                 for target, (raw, lower, upper) in per_target.items():
-                    if 0 <= h < raw.shape[1]:
+                    if h < raw.shape[1]:
                         y = series[target][b]
                         state = self._state(target, raw.shape[1])
-                        state.add(h, y - raw[:, h], raw[LO, h])
+                        state.add(column, y - raw[:, h], raw[LO, h])
                         covered = lower[h] <= y <= upper[h]
-                        state.level[h] = min(max(state.level[h] + self.gamma * (COVERAGE - covered), 0.5), 0.99)
+                        level = state.level[column] + self.gamma * (COVERAGE - covered)
+                        state.level[column] = min(max(level, 0.5), 0.99)
         self._seen = max(self._seen, n_bins)
         for issued_at in [k for k, v in self._issued.items() if k + max(raw.shape[1] for raw, _, _ in v.values()) <= self._seen]:
             del self._issued[issued_at]
+
+    def _columns(self, horizons: int) -> np.ndarray:
+        """The calibrated horizon indices of a forecast of `horizons` bins."""
+        every = np.arange(horizons)
+        return every if self.horizons is None else self.horizons[self.horizons < horizons]
+
+    def _column(self, h: int, horizons: int) -> int:
+        """Where horizon index h is kept (-1: not calibrated)."""
+        if not 0 <= h < horizons:
+            return -1
+        if self.horizons is None:
+            return h
+        at = int(np.searchsorted(self.horizons, h))
+        return at if at < len(self.horizons) and self.horizons[at] == h else -1
 
     def adjust(self, prediction: Prediction, issued_at: int) -> Prediction:
         """The prediction with calibrated quantiles; remembers them to learn from."""
@@ -105,29 +126,32 @@ class Conformal:
     def shift(self, target: str, horizons: int) -> np.ndarray | None:
         """(levels, horizons): the shift of each quantile; 0 where too few residuals yet."""
         state = self._targets.get(target)
-        if state is None or state.residuals.shape[1] < horizons or state.count.max() < self.min_points:
+        columns = self._columns(horizons)
+        if state is None or state.count.max() < self.min_points:
             return None
-        n = np.minimum(state.count[:horizons], self.window_bins)
+        kept = len(columns)
+        n = np.minimum(state.count[:kept], self.window_bins)
         ready = n >= self.min_points
         out = np.zeros((len(QUANTILES), horizons))
         if not ready.any():
             return out
-        n, level = n[ready], state.level[:horizons][ready]
-        residuals = state.residuals[:, :horizons][:, ready]  # NaN (none yet) sorts last
+        n, level, lower = n[ready], state.level[:kept][ready], state.lower[:kept][ready]
+        residuals = state.residuals[:, :kept][:, ready]  # NaN (none yet) sorts last
         ordered = np.sort(residuals, axis=2)
         s_lo = _quantiles(ordered[LO], n, (1.0 - level) / 2.0)
-        y = residuals[LO] + state.lower[:horizons][ready]
-        below = np.nansum(y < np.maximum(state.lower[:horizons][ready] + s_lo[:, None], 0.0), axis=1) / n
-        out[LO, ready] = s_lo
-        out[MED, ready] = _quantiles(ordered[MED], n, np.full(len(n), 0.5))
-        out[HI, ready] = _quantiles(ordered[HI], n, level + below)
+        below = np.nansum(residuals[LO] + lower < np.maximum(lower + s_lo[:, None], 0.0), axis=1) / n
+        at = columns[ready]
+        out[LO, at] = s_lo
+        out[MED, at] = _quantiles(ordered[MED], n, np.full(len(n), 0.5))
+        out[HI, at] = _quantiles(ordered[HI], n, level + below)
         return out
 
     def _state(self, target: str, horizons: int) -> _Target:
+        kept = len(self._columns(horizons))
         state = self._targets.get(target)
-        if state is None or state.residuals.shape[1] < horizons:
+        if state is None or state.residuals.shape[1] < kept:
             w = self.window_bins
             state = self._targets[target] = _Target(
-                np.full((len(QUANTILES), horizons, w), np.nan), np.full((horizons, w), np.nan), np.zeros(horizons, np.int64)
+                np.full((len(QUANTILES), kept, w), np.nan), np.full((kept, w), np.nan), np.zeros(kept, np.int64)
             )
         return state

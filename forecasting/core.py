@@ -97,7 +97,8 @@ class ForecastCore:
         self.models = {name: make(name) for name in self.config.models}
         self._naive = {name: Naive() for name in self.config.models}
         self.fallbacks = {name: 0 for name in self.config.models}
-        self.calibrators = {name: Conformal(self.config.calibration_window_bins) for name in self.config.models} if self.config.calibrate else {}
+        calibrated = tuple(self.config.horizon_index())  # the horizons published and scored
+        self.calibrators = {name: Conformal(self.config.calibration_window_bins, horizons=calibrated) for name in self.config.models} if self.config.calibrate else {}
         self.series = {t: _Growing() for t in TARGETS}
         self.frames: list[pl.DataFrame] = []
         self.end_s = 0.0

@@ -68,6 +68,17 @@ def test_shifts_make_a_too_narrow_interval_cover_its_level(outcome):
         assert 0.45 <= np.mean(below_median) <= 0.55
 
 
+def test_only_the_published_horizons_are_calibrated():
+    conformal = Conformal(window_bins=50, min_points=10, horizons=(2,))
+    series = {t: np.full(100, 100.0) for t in TARGETS}
+    for b in range(40):
+        conformal.observe(series, b)
+        out = conformal.adjust(_prediction(10.0, 1.0), b)
+    q = out.quantiles["decode_tokens"]
+    assert np.array_equal(q[:, 0], [9.0, 10.0, 11.0]) and np.array_equal(q[:, 1], [9.0, 10.0, 11.0])
+    assert q[0, 2] > 50.0  # moved up to the outcomes
+
+
 def test_nothing_is_shifted_before_min_points_residuals():
     conformal = Conformal(window_bins=50, min_points=30)
     series = {t: np.full(100, 100.0) for t in TARGETS}
