@@ -23,32 +23,12 @@ The mean and the point forecast are never changed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from forecasting.models.base import QUANTILES, TARGETS, Prediction
 
 LO, MED, HI = QUANTILES.index(0.1), QUANTILES.index(0.5), QUANTILES.index(0.9)
 COVERAGE = QUANTILES[HI] - QUANTILES[LO]  # what the 10-90% interval should hold
-
-
-@dataclass(slots=True)
-class _Target:
-    """One target's recent residuals per horizon (NaN where none yet) and its level c."""
-
-    residuals: np.ndarray  # (levels, horizons, window): y - raw quantile
-    lower: np.ndarray  # (horizons, window): the raw lower quantile of each residual
-    count: np.ndarray  # (horizons,): residuals seen so far
-    level: np.ndarray = field(init=False)  # (horizons,): the interval's nominal coverage c
-
-    def __post_init__(self) -> None:
-        self.level = np.full(self.residuals.shape[1], COVERAGE)
-
-    def add(self, h: int, residuals: np.ndarray, lower: float) -> None:
-        at = self.count[h] % self.residuals.shape[2]
-        self.residuals[:, h, at], self.lower[h, at] = residuals, lower
-        self.count[h] += 1
 
 
 def _quantiles(sorted_values: np.ndarray, n: np.ndarray, level: np.ndarray) -> np.ndarray:
@@ -62,6 +42,9 @@ def _quantiles(sorted_values: np.ndarray, n: np.ndarray, level: np.ndarray) -> n
 
 
 class Conformal:
+    """All targets at once: residuals (targets, levels, horizons kept, window), the raw lower
+    quantile of each, and each (target, horizon)'s level c."""
+
     def __init__(self, window_bins: int = 300, min_points: int = 30, gamma: float = 0.01, horizons: tuple[int, ...] | None = None) -> None:
         """horizons: the horizon indices (bin h + 1 after now) to calibrate, the ones that are
         published and scored; None: all."""
@@ -69,89 +52,77 @@ class Conformal:
             raise ValueError("window_bins and min_points must be >= 1, gamma in [0, 1)")
         self.window_bins, self.min_points, self.gamma = window_bins, min_points, gamma
         self.horizons = None if horizons is None else np.array(sorted(set(horizons)), np.int64)
-        # bins closed at issue -> per target: (raw quantiles, published lower, published upper)
-        self._issued: dict[int, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        self._targets: dict[str, _Target] = {}
+        # bins closed at issue -> (raw quantiles (T, L, H), published lower (T, H), published upper (T, H))
+        self._issued: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._columns: np.ndarray | None = None  # the horizon indices kept
         self._seen = 0  # bins whose residuals have been taken
 
     def observe(self, series: dict[str, np.ndarray], n_bins: int) -> None:
         """Take the residuals of every issued forecast for the bins closed since the last call."""
         for b in range(self._seen, n_bins):
-            for issued_at, per_target in self._issued.items():
-                h = b - issued_at  # bin issued_at is horizon index 0
-                column = self._column(h, max(raw.shape[1] for raw, _, _ in per_target.values()))
+            y = np.array([series[t][b] for t in TARGETS])
+            for issued_at, (raw, lower, upper) in self._issued.items():
+                column = self._column(b - issued_at)  # bin issued_at is horizon index 0
                 if column < 0:
                     continue
-                for target, (raw, lower, upper) in per_target.items():
-                    if h < raw.shape[1]:
-                        y = series[target][b]
-                        state = self._state(target, raw.shape[1])
-                        state.add(column, y - raw[:, h], raw[LO, h])
-                        covered = lower[h] <= y <= upper[h]
-                        level = state.level[column] + self.gamma * (COVERAGE - covered)
-                        state.level[column] = min(max(level, 0.5), 0.99)
+                h = self._columns[column]
+                at = self.count[column] % self.window_bins
+                self.residuals[:, :, column, at] = y[:, None] - raw[:, :, h]
+                self.lower[:, column, at] = raw[:, LO, h]
+                self.count[column] += 1
+                covered = (lower[:, h] <= y) & (y <= upper[:, h])
+                self.level[:, column] = np.clip(self.level[:, column] + self.gamma * (COVERAGE - covered), 0.5, 0.99)
         self._seen = max(self._seen, n_bins)
-        for issued_at in [k for k, v in self._issued.items() if k + max(raw.shape[1] for raw, _, _ in v.values()) <= self._seen]:
+        for issued_at in [k for k, v in self._issued.items() if k + v[0].shape[2] <= self._seen]:
             del self._issued[issued_at]
-
-    def _columns(self, horizons: int) -> np.ndarray:
-        """The calibrated horizon indices of a forecast of `horizons` bins."""
-        every = np.arange(horizons)
-        return every if self.horizons is None else self.horizons[self.horizons < horizons]
-
-    def _column(self, h: int, horizons: int) -> int:
-        """Where horizon index h is kept (-1: not calibrated)."""
-        if not 0 <= h < horizons:
-            return -1
-        if self.horizons is None:
-            return h
-        at = int(np.searchsorted(self.horizons, h))
-        return at if at < len(self.horizons) and self.horizons[at] == h else -1
 
     def adjust(self, prediction: Prediction, issued_at: int) -> Prediction:
         """The prediction with calibrated quantiles; remembers them to learn from."""
-        quantiles = dict(prediction.quantiles)
-        issued = {}
-        for target in TARGETS:
-            raw = prediction.quantiles.get(target)
-            if raw is None:
-                continue
-            shift = self.shift(target, raw.shape[1])
-            if shift is not None:
-                quantiles[target] = np.sort(np.maximum(raw + shift, 0.0), axis=0)
-            issued[target] = (raw.copy(), quantiles[target][LO].copy(), quantiles[target][HI].copy())
-        self._issued[issued_at] = issued
+        raw = np.stack([prediction.quantiles[t] for t in TARGETS])  # (T, L, H)
+        if self._columns is None:
+            self._start(raw.shape[2])
+        calibrated = raw
+        shift = self.shift()
+        if shift is not None:
+            calibrated = raw.copy()
+            calibrated[:, :, self._columns] = np.sort(np.maximum(raw[:, :, self._columns] + shift, 0.0), axis=1)
+        self._issued[issued_at] = (raw, calibrated[:, LO].copy(), calibrated[:, HI].copy())
+        quantiles = dict(prediction.quantiles) | {t: calibrated[i] for i, t in enumerate(TARGETS)}
         return Prediction(prediction.mean, quantiles, prediction.point)
 
-    def shift(self, target: str, horizons: int) -> np.ndarray | None:
-        """(levels, horizons): the shift of each quantile; 0 where too few residuals yet."""
-        state = self._targets.get(target)
-        columns = self._columns(horizons)
-        if state is None or state.count.max() < self.min_points:
+    def shift(self) -> np.ndarray | None:
+        """(targets, levels, horizons kept): the shift of each quantile; None: too few residuals
+        yet anywhere (0 where a horizon has too few)."""
+        if self._columns is None or self.count.max() < self.min_points:
             return None
-        kept = len(columns)
-        n = np.minimum(state.count[:kept], self.window_bins)
+        n_targets, _, kept, _ = self.residuals.shape
+        out = np.zeros((n_targets, len(QUANTILES), kept))
+        n = np.minimum(self.count, self.window_bins)
         ready = n >= self.min_points
-        out = np.zeros((len(QUANTILES), horizons))
-        if not ready.any():
-            return out
-        n, level, lower = n[ready], state.level[:kept][ready], state.lower[:kept][ready]
-        residuals = state.residuals[:, :kept][:, ready]  # NaN (none yet) sorts last
-        ordered = np.sort(residuals, axis=2)
-        s_lo = _quantiles(ordered[LO], n, (1.0 - level) / 2.0)
-        below = np.nansum(residuals[LO] + lower < np.maximum(lower + s_lo[:, None], 0.0), axis=1) / n
-        at = columns[ready]
-        out[LO, at] = s_lo
-        out[MED, at] = _quantiles(ordered[MED], n, np.full(len(n), 0.5))
-        out[HI, at] = _quantiles(ordered[HI], n, level + below)
+        rows = n_targets * int(ready.sum())
+        n_rows = np.tile(n[ready], n_targets)
+        residuals = self.residuals[:, :, ready]  # (T, L, R, W); NaN (none yet) sorts last
+        ordered = np.sort(residuals, axis=3)
+        level = self.level[:, ready].reshape(rows)
+        lower = self.lower[:, ready].reshape(rows, -1)
+        s_lo = _quantiles(ordered[:, LO].reshape(rows, -1), n_rows, (1.0 - level) / 2.0)
+        below = np.nansum(residuals[:, LO].reshape(rows, -1) + lower < np.maximum(lower + s_lo[:, None], 0.0), axis=1) / n_rows
+        out[:, LO, ready] = s_lo.reshape(n_targets, -1)
+        out[:, MED, ready] = _quantiles(ordered[:, MED].reshape(rows, -1), n_rows, np.full(rows, 0.5)).reshape(n_targets, -1)
+        out[:, HI, ready] = _quantiles(ordered[:, HI].reshape(rows, -1), n_rows, level + below).reshape(n_targets, -1)
         return out
 
-    def _state(self, target: str, horizons: int) -> _Target:
-        kept = len(self._columns(horizons))
-        state = self._targets.get(target)
-        if state is None or state.residuals.shape[1] < kept:
-            w = self.window_bins
-            state = self._targets[target] = _Target(
-                np.full((len(QUANTILES), kept, w), np.nan), np.full((kept, w), np.nan), np.zeros(kept, np.int64)
-            )
-        return state
+    def _start(self, horizons: int) -> None:
+        every = np.arange(horizons)
+        self._columns = every if self.horizons is None else self.horizons[self.horizons < horizons]
+        kept, w = len(self._columns), self.window_bins
+        self._lookup = np.full(horizons, -1)
+        self._lookup[self._columns] = np.arange(kept)
+        self.residuals = np.full((len(TARGETS), len(QUANTILES), kept, w), np.nan)
+        self.lower = np.full((len(TARGETS), kept, w), np.nan)
+        self.count = np.zeros(kept, np.int64)
+        self.level = np.full((len(TARGETS), kept), COVERAGE)
+
+    def _column(self, h: int) -> int:
+        """Where horizon index h is kept (-1: not calibrated)."""
+        return int(self._lookup[h]) if 0 <= h < len(self._lookup) else -1

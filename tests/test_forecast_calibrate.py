@@ -45,10 +45,10 @@ OUTCOMES = {
 @pytest.mark.parametrize("outcome", sorted(OUTCOMES))
 def test_shifts_make_a_too_narrow_interval_cover_its_level(outcome):
     rng = np.random.default_rng(0)
-    n = 3000
+    n = 2000
     y = OUTCOMES[outcome](rng, n)  # outcomes around a forecast of 10 ± 1
     series = {t: y for t in TARGETS}
-    conformal = Conformal(window_bins=300, min_points=30)
+    conformal = Conformal(window_bins=300, min_points=30, horizons=(2,))
     inside_raw, inside, below_median = [], [], []
     for b in range(n - H):
         conformal.observe(series, b)  # bins < b are closed
