@@ -127,9 +127,14 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if req_id in self._to_load and req_id in cached.resumed_req_ids and new_blocks:  # preempted, loads again
+                load, external = self._to_load.pop(req_id)
+                computed = cached.num_computed_tokens[i]
+                first, last = _blocks_for(computed - external, computed, self._block_size)
+                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), computed - external, computed, list(new_blocks[0])[first:last]))
             if req_id not in self._hold_blocks:
                 continue
-            new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted and back: its blocks are all new
                 self._hold_blocks[req_id] = list(new_blocks[0]) if new_blocks else []
             elif new_blocks is not None:

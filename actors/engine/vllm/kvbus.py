@@ -22,7 +22,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats
@@ -51,6 +51,7 @@ class Held:
     layers: int
     block_size_tokens: int
     expires_at_s: float  # on the bus thread's loop clock
+    sent: dict[int, tuple[bytes | memoryview, str]] = field(default_factory=dict)  # first block -> (data, checksum)
 
 
 class KvBus:
@@ -122,12 +123,7 @@ class KvBus:
             self.counters["kv_unknown_handle"] += 1
             return KvChunk(handle_id=req.handle_id, ok=False, error=f"unknown or expired KV handle {req.handle_id!r} on {self.engine_id}")
         first_block = min(req.have_tokens, held.tokens) // held.block_size_tokens
-        n_blocks = len(held.payload) // (held.block_bytes * held.layers)
-        layer_bytes = n_blocks * held.block_bytes
-        skip = first_block * held.block_bytes
-        view = memoryview(held.payload)
-        parts = [view[layer * layer_bytes + skip : (layer + 1) * layer_bytes] for layer in range(held.layers)]
-        data = b"".join(parts) if skip else held.payload
+        data, digest = self._slice(held, first_block)
         chunks = split_chunks(data, self.chunk_bytes)
         if req.chunk >= len(chunks):
             self.counters["invalid_messages"] += 1
@@ -136,9 +132,21 @@ class KvBus:
         self.counters["kv_bytes_served"] += len(chunks[req.chunk])
         return KvChunk(
             handle_id=req.handle_id, ok=True, chunk=req.chunk, n_chunks=len(chunks), tokens=held.tokens,
-            kv_bytes=len(data), checksum=kv_checksum(data) if req.chunk == 0 else "", data=bytes(chunks[req.chunk]),
+            kv_bytes=len(data), checksum=digest if req.chunk == 0 else "", data=bytes(chunks[req.chunk]),
             start_tokens=first_block * held.block_size_tokens,
         )  # fmt: skip
+
+    @staticmethod
+    def _slice(held: Held, first_block: int) -> tuple[bytes | memoryview, str]:
+        """Every layer's blocks from `first_block` on, and their checksum (once per start)."""
+        if first_block not in held.sent:
+            n_blocks = len(held.payload) // (held.block_bytes * held.layers)
+            layer_bytes = n_blocks * held.block_bytes
+            skip = first_block * held.block_bytes
+            view = memoryview(held.payload)
+            data = b"".join(view[layer * layer_bytes + skip : (layer + 1) * layer_bytes] for layer in range(held.layers)) if skip else view
+            held.sent[first_block] = (data, kv_checksum(data))
+        return held.sent[first_block]
 
     async def _on_stats(self, msg: Msg) -> None:
         await msg.respond(msgspec.json.encode({**self.counters, "held_handles": self.held_handles()}))
