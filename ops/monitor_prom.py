@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from ops.monitor_state import PHASES, ROLES
+from ops.monitor_engines import ROLES
+from ops.monitor_phases import PHASES
 
 
 

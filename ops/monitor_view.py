@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ops.monitor_state import DEMAND_TARGETS as MEASURED_HERE
+from ops.monitor_demand import DEMAND_TARGETS as MEASURED_HERE
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 ROLE_STYLE = {"prefill": "orange1", "decode": "dodger_blue1", "colocated": "grey70"}
