@@ -27,11 +27,11 @@ def compound_poisson_quantiles(rates: np.ndarray, samples: list[np.ndarray], lev
     if reach <= 0.0:
         return np.zeros((len(levels), rates.shape[1]))
     unit, n_fft = reach / GRID_POINTS, 2 * GRID_POINTS
-    log_cf = np.zeros((rates.shape[1], n_fft // 2 + 1), complex)
-    for rate, sizes in zip(rates, samples):
-        if len(sizes) and rate.any():
-            on_grid = np.bincount(np.minimum(np.rint(sizes / unit).astype(np.int64), n_fft - 1), minlength=n_fft) / len(sizes)
-            log_cf += rate[:, None] * (np.fft.rfft(on_grid) - 1.0)[None, :]
+    used = [k for k, sizes in enumerate(samples) if len(sizes) and rates[k].any()]
+    on_grid = np.zeros((len(used), n_fft))
+    for row, k in enumerate(used):
+        on_grid[row] = np.bincount(np.minimum(np.rint(samples[k] / unit).astype(np.int64), n_fft - 1), minlength=n_fft) / len(samples[k])
+    log_cf = rates[used].T @ (np.fft.rfft(on_grid, axis=1) - 1.0)  # bins × frequencies: Σ_k rate_kb (φ_k − 1)
     pmf = np.fft.irfft(np.exp(log_cf), n_fft)[:, :GRID_POINTS]
     cdf = np.maximum.accumulate(np.cumsum(pmf, axis=1), axis=1)
     below = cdf[None, :, :] < np.asarray(levels)[:, None, None] - 1e-9  # levels × bins × grid
