@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         initial_roles(config)
         out = args.out or Path("runs") / f"sim-{config.run.name}-{config.run.policy}"
         summary = run(config, out)
+        console.print(f"run folder: {out}  (report: python -m ops.report {shlex.quote(str(out))})", highlight=False, markup=False, soft_wrap=True)
     except ConfigError as err:
         console.print(f"error: {err}", highlight=False, markup=False)
         return 2
