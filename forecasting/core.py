@@ -95,6 +95,10 @@ class ForecastCore:
         if self.live is None:
             self.live = LiveState(cost=self.config.prefill_cost)
         self.models = {name: make(name) for name in self.config.models}
+        for model in self.models.values():  # only the published horizons need exact flow distributions
+            for inner in (model, getattr(model, "base", None)):
+                if hasattr(inner, "exact_bins"):
+                    inner.exact_bins = tuple(self.config.horizon_index())
         self._naive = {name: Naive() for name in self.config.models}
         self.fallbacks = {name: 0 for name in self.config.models}
         calibrated = tuple(self.config.horizon_index())  # the horizons published and scored

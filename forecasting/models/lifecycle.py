@@ -190,13 +190,16 @@ def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, memb
 class Lifecycle(Forecaster):
     """substeps: slots per bin; cycles: turns followed ahead; censoring: running stages count
     at risk; median_flows: the point forecast (`Prediction.point`) of each flow (tokens,
-    engine-seconds) is its median; `mean` stays its expected value, which is what the
-    allocator sizes on."""
+    engine-seconds) is its median (in `exact_bins`); `mean` stays its expected value, which
+    is what the allocator sizes on."""
 
     name = "lifecycle"
 
     def __init__(self, substeps: int = 4, cycles: int = 8, censoring: bool = True, median_flows: bool = True) -> None:
         self.median_flows = median_flows
+        # bin indices whose flow distributions are computed exactly (the core sets the ones it
+        # publishes and scores; None: every bin); elsewhere the quantiles are normal
+        self.exact_bins: tuple[int, ...] | None = None
         self.substeps = substeps
         self.censoring = censoring
         self.cycles = cycles
@@ -349,19 +352,22 @@ class Lifecycle(Forecaster):
         }
         var = {t: (level if t == "decode_active_seqs" else flow)(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
+        bins = np.arange(horizon_bins) if self.exact_bins is None else np.array([b for b in self.exact_bins if b < horizon_bins], np.int64)
         for target, sources in d.compound.items():  # the compound Poisson distribution of items × sizes
-            if not sources:
+            if not sources or not len(bins):
                 continue
-            rates = np.array([flow(r) for r, _ in sources])
+            rates = np.array([flow(r)[bins] for r, _ in sources])
             quantiles = compound_poisson_quantiles(rates, [sizes.values() for _, sizes in sources], QUANTILES)
             # sized by the family means; the mean also has each trajectory's own next prefill
             # (its context) and the prefills waiting now: scale to it
             family_mean = sum(r * sizes.mean() for r, sizes in zip(rates, (z for _, z in sources)))
-            scale = np.divide(mean[target], family_mean, out=np.ones_like(family_mean), where=family_mean > 1e-12)
-            quantiles = np.where(family_mean > 1e-12, quantiles * scale, mean[target])
-            prediction.quantiles[target] = quantiles
-            if self.median_flows:
-                prediction.point[target] = quantiles[QUANTILES.index(0.5)]
+            want = mean[target][bins]
+            scale = np.divide(want, family_mean, out=np.ones_like(family_mean), where=family_mean > 1e-12)
+            prediction.quantiles[target][:, bins] = np.where(family_mean > 1e-12, quantiles * scale, want)
+            if self.median_flows:  # the median where it was computed, the mean elsewhere
+                point = mean[target].copy()
+                point[bins] = prediction.quantiles[target][QUANTILES.index(0.5), bins]
+                prediction.point[target] = point
         return prediction
 
 
