@@ -180,11 +180,12 @@ async def test_handoff_figures(engines):
     fetched = after["kv_bytes_fetched"] - before.get("kv_bytes_fetched", 0)
     assert fetched == rounds * -(-n_tokens // block_size) * block_bytes
     per_turn_mb = fetched / rounds / 1e6
+    fetch_ms = (after["kv_fetch_us"] - before.get("kv_fetch_us", 0)) / rounds / 1e3
     alone, split, pre = (statistics.median(x) * 1e3 for x in (alone_s, split_s, prefill_s))
     print(f"\nhand-off figures: {n_tokens} prompt tokens, block {block_size}, {per_turn_mb:.2f} MB of KV per turn; "
           f"medians of {rounds}: one engine prefill + 1 decode token {alone:.0f} ms; "
           f"prefill on A {pre:.0f} ms, then KV over NATS + 1 decode token on B {split - pre:.0f} ms "
-          f"(split total {split:.0f} ms)")
+          f"(split total {split:.0f} ms); the fetch itself (request to checked payload) {fetch_ms:.1f} ms per turn")
 
 
 # --- the engine actor on the same engines: work over JetStream, a role switch by command ---------

