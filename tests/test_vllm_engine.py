@@ -310,17 +310,28 @@ async def test_weight_update_changes_outputs_and_never_reuses_old_kv(engines, na
         )))  # fmt: skip
 
     sub = await nc.subscribe(subjects.train_weights(), cb=serve)
+    results = Results()
+    result_sub = await nc.subscribe(subjects.result("env0"), cb=results.on_msg)
     actor = VllmEngineActor("va", config, nc, clock(), Role.COLOCATED, engine=a)
     running = asyncio.create_task(actor.run())
+    turn = prompt(100, seed=41)
     try:
         await asyncio.wait_for(actor.ready.wait(), timeout=60)
+        await nc.jetstream().publish(subjects.work_prefill(), encode(real_work("colocated", turn, out=5)))
+        await results.wait_for("colocated")  # a colocated engine runs the whole turn itself
+        colocated_ref = (await a.generate("ref-colocated", turn, 5)).token_ids  # under policy 0 too
         reply = await nc.request(subjects.ctl_engine("va"), encode(LoadPolicy(version=1)), timeout=120)
         ack = decode(CommandAck, reply.data)
     finally:
         actor.request_stop("test over")
         await asyncio.wait_for(running, timeout=60)
         await sub.unsubscribe()
+        await result_sub.unsubscribe()
         await close(nc)
+
+    colocated = results.got["colocated"]
+    assert (colocated.prefill_engine_id, colocated.decode_engine_id, len(colocated.logprobs)) == ("va", "va", 5)
+    assert colocated.token_ids == colocated_ref
 
     assert ack.ok and ack.policy_version == 1, ack.error
     assert actor.counters["weights_bytes_loaded"] == len(payload) and len(chunks) > 1
