@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import from_forecast, from_queues
-from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Split, stage_loads
+from actors.allocator.loads import stage_loads
+from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Split
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from actors.environment.router import Router
 from bus_schemas.control import Role
@@ -182,34 +185,53 @@ def cost_model_split(engines: EngineSection = ENGINES, weigh_cost: bool = True) 
     return Split("prorsa", engines, AllocatorSection(), weigh_cost=weigh_cost)
 
 
-def test_cost_model_colocated_load_charges_eager_decode_steps_on_dp_groups_only():
-    from actors.allocator.policy import colocated_load
+def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():
+    from actors.allocator.loads import colocated_load
 
-    cap = CapacityModel(ENGINES, 2.0).at(4096)
-    ideal = CapacityModel(EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync="ideal"), 2.0).at(4096)
-    assert cap.colocated_mixed_penalty == 0.5 and ideal.colocated_mixed_penalty == 0.0
-    demand = demand_for((4.0, 4.0))
+    def cap_for(dp_sync: str):
+        return CapacityModel(EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync=dp_sync), 2.0).at(4096)
+
+    sglang, vllm, ideal = cap_for("sglang"), cap_for("vllm"), cap_for("ideal")
+    assert (sglang.colocated_lockstep_ranks, vllm.colocated_lockstep_ranks, ideal.colocated_lockstep_ranks) == (4, 1, 1)
+    assert vllm.colocated_mixed_penalty > 0.0 and ideal.colocated_mixed_penalty == 0.0
     util = AllocatorSection().prefill_target_util
-    prefill, decode = 4.0, 4.0  # same layout everywhere: the colocated loads equal the stage loads
-    assert abs(colocated_load(demand, cap, util, 8) - (prefill + decode * (1 + 0.5 * prefill / 8))) < 1e-6
+    demand = demand_for((4.0, 4.0))  # 4 engines of prefill, 4 of decode, on 8 engines
+    prefill, decode = 4.0, 4.0  # the default fleet has one layout: colocated loads equal the stage loads
+    # SGLang prefill-first: a rank prefills half the time; the group decodes only while none does
+    assert abs(colocated_load(demand, sglang, util, 8) - (8 * (1 - 0.5**4) + decode)) < 1e-6
+    # vLLM: decode steps run eager while a peer prefills, nothing stalls
+    prefill_vllm = demand.prefill_tokens_per_s * vllm.colocated_prefill_s_per_token / util
+    expected = prefill_vllm + decode * (1 + vllm.colocated_mixed_penalty * prefill_vllm / 8)
+    assert abs(colocated_load(demand, vllm, util, 8) - expected) < 1e-6
     prefill_ideal = demand.prefill_tokens_per_s * ideal.colocated_prefill_s_per_token / util
     assert prefill_ideal < prefill  # no normal-mode all-to-all in an ideal group's prefill steps
     assert abs(colocated_load(demand, ideal, util, 8) - (prefill_ideal + decode)) < 1e-6
+    # the lockstep stall grows with the ranks that can each stall the group: more than in step
+    assert colocated_load(demand, sglang, util, 8) > prefill + decode
+
+
+def test_working_set_counts_live_trajectories_the_fleet_no_longer_holds():
+    from actors.allocator.loads import working_set_tokens
+
+    held = Demand(prefill_tokens_per_s=0.0, decode_seqs=10, decode_context_tokens=8000, kv_working_set_tokens=2e6)
+    assert working_set_tokens(held) == 2e6  # nothing known of live trajectories: what the fleet holds
+    evicting = replace(held, live_trajectories=1000)
+    assert working_set_tokens(evicting) == 8e6  # 1,000 live trajectories at 8k each, though the pools kept 2M
 
 
 def test_cost_model_splits_only_when_the_saving_pays_for_every_switch():
     colocated = [C] * 8
-    light = cost_model_split().decide(demand_for((2.0, 2.0)), fleet(colocated))
-    assert light == []  # 1 engine-s saved over the horizon against 20 s of drains: stay colocated
-    heavy = cost_model_split().decide(demand_for((6.0, 6.0)), fleet(colocated))
+    light = cost_model_split().decide(demand_for((0.3, 0.3)), fleet(colocated))
+    assert light == []  # 8 engine-s saved over the horizon against 20 s of drains: stay colocated
+    heavy = cost_model_split().decide(demand_for((3.0, 3.0)), fleet(colocated))
     assert {c.role for c in heavy} == {P, D} and sum(c.role is P for c in heavy) == 4
     ideal = EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync="ideal")
-    assert cost_model_split(ideal).decide(demand_for((6.0, 6.0)), fleet(colocated)) == []  # nothing removed by a split
+    assert cost_model_split(ideal).decide(demand_for((3.0, 3.0)), fleet(colocated)) == []  # nothing removed by a split
 
 
 def test_cost_model_goes_back_to_colocated_when_that_saves_more_than_the_switches():
     pd = [P, P, P, P, D, D, D, D]
-    back = cost_model_split().decide(demand_for((0.2, 6.0)), fleet(pd))  # 4 prefill engines idle, decode overloaded
+    back = cost_model_split().decide(demand_for((0.05, 7.0)), fleet(pd))  # 4 prefill engines idle, decode overloaded
     assert len(back) == 8 and {c.role for c in back} == {C}
     policy = cost_model_split()
     assert policy.decide(demand_for((6.0, 6.0)), fleet(pd)) == [] and policy.last_reason.startswith("hold 4:4")
@@ -219,14 +241,39 @@ def test_a_working_set_the_decode_side_cannot_hold_keeps_the_fleet_colocated():
     from dataclasses import replace
 
     colocated = [C] * 8
-    heavy = demand_for((6.0, 6.0))
+    heavy = demand_for((3.0, 3.0))
     assert cost_model_split().decide(heavy, fleet(colocated)) != []  # splits when the KV fits
     kv_per_engine = CapacityModel(ENGINES, 2.0).at(4096).decode_kv_tokens
     full = replace(heavy, kv_working_set_tokens=0.8 * 8 * kv_per_engine)  # the fleet's KV 80% full, between turns
     policy = cost_model_split()
-    assert policy.decide(full, fleet(colocated)) == [] and policy.last_reason.startswith("colocated")
+    assert policy.decide(full, fleet(colocated)) == [] and "would not fit" in policy.last_reason
+    live = replace(heavy, live_trajectories=0.8 * 8 * kv_per_engine / 4096)  # the same working set, counted by trajectory
+    assert cost_model_split().decide(live, fleet(colocated)) == []
     fleet_now = fleet(colocated, kv_held_tokens=[100] * 8)
     assert fleet_now.kv_working_set_tokens == 800
+
+
+def test_a_split_pays_for_recomputing_the_kv_its_decode_engines_hold():
+    from actors.allocator.loads import relocation_s
+
+    colocated = [C] * 8
+    heavy = demand_for((3.0, 3.0))
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    held = replace(heavy, kv_working_set_tokens=0.2 * 8 * cap.decode_kv_tokens)  # fits 4 decode engines easily
+    assert relocation_s(held, cap, 4, 8) == held.kv_working_set_tokens * 0.5 * cap.prefill_s_per_token
+    policy = cost_model_split()
+    assert policy.decide(held, fleet(colocated)) == []  # the KV on the 4 engines going decode costs more than the gain
+    assert f"costs {4 * AllocatorSection().drain_deadline_s + relocation_s(held, cap, 4, 8):.1f}" in policy.last_reason
+
+
+def test_the_prefill_work_of_an_arrangement_is_learned_only_once_it_has_settled():
+    policy = split()
+    demand = replace(demand_for((3.0, 5.0)), prefill_new_tokens_per_s=1.0)
+    roles = [P] * 3 + [D] * 5
+    policy.decide(demand, fleet(roles, now_s=20.0, role_since_s=[0.0] * 8))  # 20 s after a change: turns still recompute
+    assert policy.miss_ratio == {}
+    policy.decide(demand, fleet(roles, now_s=100.0, role_since_s=[0.0] * 8))
+    assert "pd" in policy.miss_ratio
 
 
 def test_a_split_hovering_at_a_rounding_edge_keeps_its_size():
@@ -245,3 +292,37 @@ def test_a_change_that_undoes_the_last_one_is_held_off_longer_each_time():
     assert hold_s >= AllocatorSection().horizon_s
     assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s / 2)) == []  # a reversal inside the hold
     assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s + 1.0)) != []  # after it
+
+
+def test_colocation_buys_a_costly_split_once_its_losses_cover_the_cost():
+    """Ski rental: a split whose KV recompute costs more than a horizon saves is made once the
+    engine-seconds colocation lost since the split started paying cover that cost."""
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    held = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=0.2 * 8 * cap.decode_kv_tokens)
+    policy = cost_model_split()
+    split_at_s = None
+    for tick in range(400):
+        now_s = 100.0 + 2.0 * tick
+        if policy.decide(held, fleet([C] * 8, now_s=now_s)):
+            split_at_s = now_s
+            break
+        assert "colocation lost" in policy.last_reason
+    assert split_at_s is not None and split_at_s > 100.0  # not at once: one horizon does not pay for it
+    # a tick where the split stops paying starts the count again
+    policy = cost_model_split()
+    policy.decide(held, fleet([C] * 8, now_s=100.0))
+    assert policy.decide(held, fleet([C] * 8, now_s=102.0)) == []
+    assert policy.regret_s > 0.0
+    policy.decide(demand_for((0.01, 0.01)), fleet([C] * 8, now_s=104.0))
+    assert policy.regret_s == 0.0
+
+
+def test_a_split_whose_working_set_outgrows_its_decode_side_goes_back():
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    pd = [P] * 4 + [D] * 4
+    fits = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=0.5 * 4 * cap.decode_kv_tokens)
+    assert cost_model_split().decide(fits, fleet(pd)) == []
+    outgrown = replace(fits, kv_working_set_tokens=1.2 * 4 * cap.decode_kv_tokens)
+    policy = cost_model_split()
+    back = policy.decide(outgrown, fleet(pd))
+    assert {c.role for c in back} == {C} and "outgrew 4 decode engines" in policy.last_reason

@@ -30,6 +30,9 @@ class Capacity:
     # prefills: a DP-attention group runs every mixed step eagerly (eager factor - 1); 0
     # where the colocated layout has one rank (no lockstep)
     colocated_mixed_penalty: float = 0.0
+    # DP-attention ranks of a colocated engine that run SGLang's prefill-first lockstep: one
+    # rank's chunk holds every rank's decodes for the chunk's whole step (1: no lockstep)
+    colocated_lockstep_ranks: int = 1
     colocated_switch_s: float = 0.0  # reconfiguration of a colocated <-> prefill or decode switch
 
 
@@ -96,6 +99,7 @@ class CapacityModel:
             ),
             colocated_kv_tokens=colocated.kv_capacity_tokens,
             colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
+            colocated_lockstep_ranks=colocated.dp_ranks if lockstep and colocated.dp_sync == "sglang" else 1,
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
             ),

@@ -61,6 +61,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         source=f"forecast@{forecast.as_of_s:.0f}s" + (f"/q{quantile:g}" if quantile else ""),
         prefill_new_tokens_per_s=mean("prefill_new_tokens") / forecast.bin_s,
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
+        live_trajectories=float(forecast.live_trajectories),
     )
 
 
@@ -72,6 +73,8 @@ class RecordedDemand:
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
         self.new_tokens = np.asarray(totals(series, "prefill_new_tokens"), dtype=float)
         self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
+        arrivals, finishes = (np.asarray(totals(series, c), dtype=float) for c in ("arrivals", "finishes"))
+        self.live = np.cumsum(arrivals - finishes)  # trajectories live at the end of each bin
 
     def at(self, fleet: Fleet, horizon_s: float) -> Demand:
         lo = int(fleet.now_s // ORACLE_BIN_S)
@@ -85,4 +88,5 @@ class RecordedDemand:
             source="oracle",
             prefill_new_tokens_per_s=(float(window_n.mean()) if len(window_n) else 0.0) / ORACLE_BIN_S,
             kv_working_set_tokens=float(fleet.kv_working_set_tokens),
+            live_trajectories=float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0,
         )

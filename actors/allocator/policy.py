@@ -18,14 +18,22 @@ engines that switch are those with the least in-flight work.
 Colocation is one of the choices (`allocator.colocation`):
 
 * "cost-model" (default): the fleet's load colocated — every prefill token at the colocated
-  layout's cost, the decode load at its capacity, plus the eager decode steps that a
-  DP-attention group runs while any rank prefills — against the PD split's bottleneck load
-  times the fleet, both from the cost model at the demand's context. A colocated fleet
-  splits only when the engine-seconds saved over the horizon pay for every engine's switch
-  (drain of the engines going to prefill + reconfiguration, a layout reload included); a
-  split fleet goes back when colocation saves more than its switches cost. `prorsa` and
+  layout's cost, the decode load at its capacity, plus what DP-attention lockstep costs the
+  decodes while a rank prefills (`loads.colocated_load`) — against the PD split's bottleneck
+  load times the fleet, both from the cost model at the demand's context. `prorsa` and
   `oracle` weigh it so; `reactive` takes the lower load. No threshold is tuned per workload:
   where splitting does not pay, the fleet stays colocated.
+  - A split must pay for every engine's switch (drain of the engines going to prefill +
+    reconfiguration, a layout reload included) and for recomputing the working set that
+    sits on the engines becoming decode engines (`loads.relocation_s`). What a horizon does
+    not save may be saved over several: ski rental, the split is bought once the
+    engine-seconds colocation has lost since a split started paying cover its cost.
+  - Never into a split whose decode side cannot hold the working set (it would preempt and
+    recompute without end); a split whose working set outgrows its decode side goes back.
+  - While a split recomputes the KV it relocated (a transient already charged), and for
+    `SETTLE_HORIZONS` after any change, the arrangement is judged at its settled prefill
+    work per new token, and that ratio is not learned.
+  - A split goes back when colocation saves more than its switches cost.
 * "thresholds": the earlier rule — colocated while the long prefills would not keep
   `disaggregate_above_engines` of an engine busy or too little is decoding for them to stall
   (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
@@ -39,16 +47,18 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
+from actors.allocator.loads import bottleneck, colocated_load, kv_tokens, relocation_s, stage_loads, target_prefill_engines, working_set_tokens
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
 DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
-DECODE_LOAD_FOR_PD = 2.0
-MISS_RATIO_WEIGHT = 0.2
-# Resize deadband: rounding alone flips between neighbours at x.5; a quarter engine beyond it [A]
-RESIZE_DEADBAND_ENGINES = 0.75
+DECODE_LOAD_FOR_PD = 2.0  # "thresholds": splitting also needs this many times the prefill threshold of decode load
+MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens per new token
 FLAP_HALF_LIFE_HORIZONS = 6.0  # flap penalty half-life, in decision horizons [A]
-REVERSES = {"split": "colocate", "colocate": "split", "grow": "shrink", "shrink": "grow"}  # EWMA weight of a new observation of prefill tokens per new token  # splitting also needs this many times the prefill threshold of decode load
+# the miss ratio is learned once every engine has held its role this many horizons: right
+# after a change, the next turns recompute what the old arrangement held (a transient) [A]
+SETTLE_HORIZONS = 3.0
+REVERSES = {"split": "colocate", "colocate": "split", "grow": "shrink", "shrink": "grow"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +122,7 @@ class Demand:
     remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
     kv_working_set_tokens: float = 0.0  # KV of every live trajectory, between turns included (fleet now)
     prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
+    live_trajectories: float = 0.0  # trajectories live now (decoding, queued or in a tool call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,59 +155,7 @@ class Fixed:
         ]
 
 
-# --- sizing the split -------------------------------------------------------------------------
-def stage_loads(demand: Demand, cap: Capacity, util: float) -> tuple[float, float]:
-    """(prefill, decode) load in engines. Short appends prefilled where their KV lives (the
-    non-remote share) load the decode side."""
-    remote = demand.prefill_tokens_per_s * demand.remote_share
-    local = demand.prefill_tokens_per_s - remote
-    prefill = remote * cap.prefill_s_per_token / util
-    decode = max(demand.decode_seqs / cap.decode_full_seqs, kv_tokens(demand) / (0.9 * cap.decode_kv_tokens))
-    return prefill, decode + local * cap.prefill_s_per_token
-
-
-def kv_tokens(demand: Demand) -> float:
-    """KV the decode side must hold: the decoding sequences' contexts, or the whole working set
-    where that is larger — per-turn placement keeps each trajectory's history where it last
-    decoded, so between turns it stays on the decode engines (or is recomputed)."""
-    return max(demand.decode_seqs * demand.decode_context_tokens, demand.kv_working_set_tokens)
-
-
-def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:
-    """Prefill engines for equal stage utilisation; a split keeps its size while the ideal
-    (fractional) count stays within RESIZE_DEADBAND_ENGINES of it, so an ideal hovering at a
-    rounding edge does not move an engine back and forth."""
-    prefill, decode = loads
-    if n < 2:
-        return current
-    if prefill + decode <= 0:
-        return current  # nothing to go by: stay
-    ideal = n * prefill / (prefill + decode)
-    if 1 <= current <= n - 1 and abs(ideal - current) < RESIZE_DEADBAND_ENGINES:
-        return current
-    return min(n - 1, max(1, round(ideal)))
-
-
-def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
-    """The fleet's load in engines with every engine colocated: all prefill tokens at the
-    colocated layout's cost (with the target utilisation's headroom, as the prefill side
-    gets), the decode load at its capacity, and the eager decode steps that DP-attention
-    ranks run while a peer prefills (the share of time an engine prefills, times the decode
-    load, times the eager factor - 1). Chunks are costed as if the ranks prefilled in step:
-    charging a chunk alone for its whole group's step made the fleet split where the split
-    then lost (DeepSeek SWE: 0.74x colocated-sticky), so the out-of-step cost is left out."""
-    prefill = demand.prefill_tokens_per_s * cap.colocated_prefill_s_per_token / util
-    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
-    mixed_share = min(1.0, prefill / max(n, 1))
-    return prefill + decode * (1.0 + cap.colocated_mixed_penalty * mixed_share)
-
-
-def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:
-    """Utilisation of the busier stage with `n_prefill` prefill engines."""
-    prefill, decode = loads
-    return max(prefill / max(n_prefill, 1e-9), decode / max(n - n_prefill, 1e-9))
-
-
+# --- resizing the split -----------------------------------------------------------------------
 @dataclass(slots=True)
 class Split:
     """`reactive`, `prorsa` and `oracle`: a P:D split resized from a demand estimate."""
@@ -217,6 +176,13 @@ class Split:
     flap_penalty_s: float = 0.0
     last_change: tuple[str, float] = ("", 0.0)
     now_s: float = 0.0
+    # ski rental: engine-seconds colocation has lost, by the cost model, since a split last
+    # stopped paying; a split that must recompute KV waits until this covers its cost
+    regret_s: float = 0.0
+    regret_at_s: float | None = None
+    # the relocation transient of the last split: excess prefill engine-seconds seen since it
+    relocated_s: float = 0.0
+    relocated_at_s: float | None = None
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
@@ -239,7 +205,14 @@ class Split:
         colocated_now = all(e.role is Role.COLOCATED for e in usable)
         current = sum(e.role is Role.PREFILL for e in usable)
         pd_now = all(e.role is not Role.COLOCATED for e in usable)
-        self._learn_miss_ratio(demand, "colocated" if colocated_now else "pd" if pd_now else "")
+        settled = all(fleet.now_s - e.role_since_s >= SETTLE_HORIZONS * self.config.horizon_s for e in usable)
+        if pd_now and self._recomputing(demand, cap, n, current):
+            settled = False  # the split still recomputes the KV it relocated: a cost already charged
+        if settled:  # right after a change the turns recompute what the old arrangement held
+            self._learn_miss_ratio(demand, "colocated" if colocated_now else "pd" if pd_now else "")
+        else:  # ... a transient already paid for: judge the arrangement by its steady state
+            demand = self._steady(demand, "colocated" if colocated_now else "pd")
+            loads = stage_loads(demand, cap, self.config.prefill_target_util)
         colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
         if colocate:
             self.last_reason = colocate
@@ -257,6 +230,8 @@ class Split:
             gain_s = (bottleneck(loads, current, n) - bottleneck(loads, target, n)) * n * self.config.horizon_s
             to_prefill = max(0, target - current)  # only a switch to prefill drains decodes
             cost_s = to_prefill * self.config.drain_deadline_s + moves * cap.switch_s
+            if target < current:  # the prefixes a prefill engine held for the next turns are recomputed
+                cost_s += working_set_tokens(demand) * (current - target) / n * cap.prefill_s_per_token
             if gain_s - cost_s < self._required_gain_s("grow" if target > current else "shrink"):
                 self.last_reason = f"keep {current}:{n - current}: {target}:{n - target} gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
                 return []
@@ -295,6 +270,30 @@ class Split:
         old = self.miss_ratio.get(arrangement)
         self.miss_ratio[arrangement] = ratio if old is None else old + MISS_RATIO_WEIGHT * (ratio - old)
 
+    def _recomputing(self, demand: Demand, cap: Capacity, n: int, current: int) -> bool:
+        """Whether a split is still in its relocation transient: the prefill work beyond the
+        steady state (new tokens at colocation's settled ratio) since the split, in
+        engine-seconds, has not yet reached what relocating today's working set costs."""
+        if self.relocated_at_s is None:
+            return False
+        ratio = self.miss_ratio.get("colocated")
+        if ratio and demand.prefill_new_tokens_per_s > 0:
+            excess = max(0.0, demand.prefill_tokens_per_s - ratio * demand.prefill_new_tokens_per_s)
+            self.relocated_s += excess * cap.prefill_s_per_token * max(0.0, self.now_s - self.relocated_at_s)
+        self.relocated_at_s = self.now_s
+        if self.relocated_s >= relocation_s(demand, cap, current, n) or not ratio:
+            self.relocated_at_s = None  # the transient is over (or cannot be told from the steady state)
+            return False
+        return True
+
+    def _steady(self, demand: Demand, arrangement: str) -> Demand:
+        """The demand at the prefill work per new token `arrangement` settled at (or the other
+        arrangement's, if it never settled): unchanged if neither is known."""
+        ratio = self.miss_ratio.get(arrangement) or self.miss_ratio.get("colocated" if arrangement == "pd" else "pd")
+        if not ratio or demand.prefill_new_tokens_per_s <= 0:
+            return demand
+        return replace(demand, prefill_tokens_per_s=min(demand.prefill_tokens_per_s, demand.prefill_new_tokens_per_s * ratio))
+
     def _as_in(self, demand: Demand, arrangement: str, now: str) -> Demand:
         """The demand scaled to the prefill work `arrangement` was seen to compute per new token,
         against the arrangement `now` it was measured in (unscaled where either is unknown)."""
@@ -328,16 +327,39 @@ class Split:
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
         horizon_s = self.config.horizon_s
+        if colocated_now and kv_tokens(demand) > 0.9 * (n - target) * cap.decode_kv_tokens:
+            # a decode side that cannot hold the working set preempts and recomputes without end
+            return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) would not fit {n - target} decode engines {where}"
         if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
-            cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s
+            cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s + relocation_s(demand, cap, target, n)
             gain_s = (coloc_load - pd_load) * horizon_s
             need_s = self._required_gain_s("split")
-            return "" if gain_s - cost_s >= need_s else f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s, costs {cost_s:.1f} (+{need_s:.1f})"
+            regret_s = self._regret(coloc_load - pd_load if gain_s > need_s else 0.0)  # counts while a split pays
+            if gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s):
+                self.regret_s, self.regret_at_s = 0.0, None
+                self.relocated_s, self.relocated_at_s = 0.0, self.now_s
+                return ""
+            return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
+        if current and kv_tokens(demand) > 0.9 * (n - current) * cap.decode_kv_tokens:
+            return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
         gain_s = (pd_load - coloc_load) * horizon_s
         if gain_s - cost_s >= self._required_gain_s("colocate"):
             return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
         return ""
+
+    def _regret(self, gain_engines: float) -> float:
+        """Engine-seconds colocation has lost since the split last stopped paying, with this
+        tick's `gain_engines` (colocated minus PD load) held since the last tick. The split's
+        KV recompute is bought once this covers it (ski rental: at most twice the cost of the
+        best choice in hindsight, whatever the demand does next)."""
+        if gain_engines <= 0.0:
+            self.regret_s, self.regret_at_s = 0.0, None
+            return 0.0
+        if self.regret_at_s is not None:
+            self.regret_s += gain_engines * (self.now_s - self.regret_at_s)
+        self.regret_at_s = self.now_s
+        return self.regret_s
 
     def _pick(self, usable: list[EngineState], target: int, now_s: float) -> list[RoleChange]:
         """Role changes reaching `target` prefill engines, moving the least busy engines that

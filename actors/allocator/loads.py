@@ -1,0 +1,99 @@
+"""The allocator's load model (pure): demand in engines, for a PD split and for colocation.
+
+    prefill load (engines) = prefill tokens/s x engine-s per token / target utilisation
+    decode load (engines)  = max(decode seqs / seqs a decode engine serves at `slack` x its
+                                 fastest step,  decode KV / a decode engine's KV pool)
+    colocated load         = the same work on colocated engines, plus what DP-attention
+                             lockstep costs their decodes while a rank prefills
+    a split's relocation   = the working set on the engines that become decode engines,
+                             recomputed by the prefill side
+
+Units: loads in engines (engine-seconds per second), costs in engine-seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from actors.allocator.capacity import Capacity
+
+if TYPE_CHECKING:
+    from actors.allocator.policy import Demand
+
+# Resize deadband: rounding alone flips between neighbours at x.5; a quarter engine beyond it [A]
+RESIZE_DEADBAND_ENGINES = 0.75
+
+
+def stage_loads(demand: Demand, cap: Capacity, util: float) -> tuple[float, float]:
+    """(prefill, decode) load in engines. Short appends prefilled where their KV lives (the
+    non-remote share) load the decode side."""
+    remote = demand.prefill_tokens_per_s * demand.remote_share
+    local = demand.prefill_tokens_per_s - remote
+    prefill = remote * cap.prefill_s_per_token / util
+    decode = max(demand.decode_seqs / cap.decode_full_seqs, kv_tokens(demand) / (0.9 * cap.decode_kv_tokens))
+    return prefill, decode + local * cap.prefill_s_per_token
+
+
+def kv_tokens(demand: Demand) -> float:
+    """KV the decode side must hold: the decoding sequences' contexts, or the whole working set
+    where that is larger — per-turn placement keeps each trajectory's history where it last
+    decoded, so between turns it stays on the decode engines (or is recomputed)."""
+    return max(demand.decode_seqs * demand.decode_context_tokens, working_set_tokens(demand))
+
+
+def working_set_tokens(demand: Demand) -> float:
+    """KV of every live trajectory: what the fleet holds (eviction caps it at the pools it
+    has), or the live trajectories times the mean context where that is larger — a fleet
+    that already evicts reports only what it kept, and a smaller KV pool would keep less."""
+    return max(demand.kv_working_set_tokens, demand.live_trajectories * demand.decode_context_tokens)
+
+
+def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:
+    """Prefill engines for equal stage utilisation; a split keeps its size while the ideal
+    (fractional) count stays within RESIZE_DEADBAND_ENGINES of it, so an ideal hovering at a
+    rounding edge does not move an engine back and forth."""
+    prefill, decode = loads
+    if n < 2:
+        return current
+    if prefill + decode <= 0:
+        return current  # nothing to go by: stay
+    ideal = n * prefill / (prefill + decode)
+    if 1 <= current <= n - 1 and abs(ideal - current) < RESIZE_DEADBAND_ENGINES:
+        return current
+    return min(n - 1, max(1, round(ideal)))
+
+
+def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
+    """The fleet's load in engines with every engine colocated: all prefill tokens at the
+    colocated layout's cost (with the target utilisation's headroom, as the prefill side
+    gets) and the decode load at its capacity. Under DP attention the prefill chunks also
+    cost decode time:
+
+    * SGLang's prefill-first lockstep (`colocated_lockstep_ranks` R > 1): a step in which
+      any rank prefills lasts the chunk's step, and the group's decodes make no real progress
+      in it (one eager token). A rank prefills a share p of the time (its in-step prefill
+      load); ranks whose turns arrive independently leave the group decoding only while none
+      prefills, (1 - p)^R of the time; so the prefill takes 1 - (1 - p)^R of every engine
+      (between p, ranks in step, and R p, never together);
+    * otherwise (vLLM's piecewise steps): decode steps run eager while a peer prefills (the
+      prefill share times the decode load, times the eager factor - 1)."""
+    prefill = demand.prefill_tokens_per_s * cap.colocated_prefill_s_per_token / util
+    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
+    share = min(1.0, prefill / max(n, 1))
+    if cap.colocated_lockstep_ranks > 1:
+        return n * (1.0 - (1.0 - share) ** cap.colocated_lockstep_ranks) + decode
+    return prefill + decode * (1.0 + cap.colocated_mixed_penalty * share)
+
+
+def relocation_s(demand: Demand, cap: Capacity, target: int, n: int) -> float:
+    """Engine-seconds a split from colocation spends recomputing the KV in the wrong place: the
+    live trajectories whose history sits on the engines that become decode engines prefill
+    their next turn on a prefill engine that holds none of it (the working set's share on those
+    engines, at the prefill side's cost per token)."""
+    return working_set_tokens(demand) * (n - target) / n * cap.prefill_s_per_token
+
+
+def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:
+    """Utilisation of the busier stage with `n_prefill` prefill engines."""
+    prefill, decode = loads
+    return max(prefill / max(n_prefill, 1e-9), decode / max(n - n_prefill, 1e-9))
