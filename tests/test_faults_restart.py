@@ -74,6 +74,7 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
         # the only prefill engine, right after it handed KV off (it holds the KV), in step 1: the
         # new one must load policy 1 before it can take the step's work
         ("engine", "e0", "decode_queued", 1),
+        ("engine", "e0", "prefill_started", 0),  # the prefill engine mid-prefill
         ("engine", "e1", "decode_started", 0),  # the only decode engine, mid-decode
         ("environment", "env0", "tool_started", 0),  # the only environment, its trajectories mid-flight
     ],
