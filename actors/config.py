@@ -350,10 +350,15 @@ class BusSection(_Section):
     sync_interval: str = "always"
     lifecycle_max_bytes: int = -1  # -1: no limit; when full, new events are refused (discard new) and the launcher alerts
     lifecycle_max_msgs: int = -1
+    # servers holding each stream and KV bucket: 1 on a lone server, 3 on a 3-server cluster
+    # (every stream survives the loss of one server; docs/deploy.md); JetStream allows 1 to 5
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.sync_interval != "always" and not re.fullmatch(r"\d+(ms|s|m|h)", self.sync_interval):
             raise ValueError(f"bus.sync_interval must be 'always' or a period like '2m', not {self.sync_interval!r}")
+        if not 1 <= self.replicas <= 5:
+            raise ValueError(f"bus.replicas must be 1 to 5 (JetStream's limit), not {self.replicas}")
 
 
 class Config(_Section):

@@ -8,6 +8,10 @@ this, `ops/deadletter.py`). The lifecycle log, the training record, the final re
 the dead letters use limits retention: they are the run's history. The LIFECYCLE stream's
 storage and size are `LifecycleLimits`; a full one refuses new events (`discard: new`), and
 the launcher alerts, so nothing already logged is ever dropped.
+
+On a JetStream cluster every stream (and so every durable consumer, which inherits it) is
+stored on `replicas` servers (`[bus] replicas`: 3 on a 3-server cluster keeps every stream,
+its acks and its redeliveries through the loss of one server); 1 on a lone server.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from bus_schemas import subjects
 
 DUPLICATE_WINDOW_S = 120.0  # Nats-Msg-Id deduplication window
 DEFAULT_MAX_DELIVER = 10  # deliveries of one work item before it is dead-lettered (run.max_deliver)
+DEFAULT_REPLICAS = 1  # servers holding each stream ([bus] replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +44,11 @@ class StreamDef:
     subjects: tuple[str, ...]
     work_queue: bool
 
-    def config(self, limits: LifecycleLimits | None = None) -> api.StreamConfig:
+    def config(self, limits: LifecycleLimits | None = None, replicas: int = DEFAULT_REPLICAS) -> api.StreamConfig:
         """`limits` apply to the LIFECYCLE stream (with `discard: new`: a full log refuses, never drops)."""
         config = api.StreamConfig(
             name=self.name,
+            num_replicas=replicas,
             subjects=list(self.subjects),
             retention=api.RetentionPolicy.WORK_QUEUE if self.work_queue else api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
@@ -119,16 +125,17 @@ def finished_consumer() -> ConsumerDef:
     return ConsumerDef(TRAIN, "trainer-finished", subjects.train_finished())
 
 
-async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = None) -> None:
+async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = None, replicas: int | None = None) -> None:
     """Create every stream, or bring an existing one to this definition. Idempotent. Without
     `limits`, an existing LIFECYCLE stream keeps the storage and size its creator (the
-    launcher) gave it."""
+    launcher) gave it; without `replicas`, an existing stream keeps its replica count (a new
+    one gets DEFAULT_REPLICAS)."""
     for stream in ALL_STREAMS:
         try:
             info = await js.stream_info(stream.name)
         except NotFoundError:
             try:
-                await js.add_stream(stream.config(limits))
+                await js.add_stream(stream.config(limits, replicas or DEFAULT_REPLICAS))
             except BadRequestError as err:  # another actor created it between the two calls
                 if "already in use" not in str(err):
                     raise
@@ -137,7 +144,8 @@ async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = 
             if keep is None and stream is LIFECYCLE:
                 have = info.config
                 keep = LifecycleLimits(api.StorageType(have.storage or "file").value, have.max_bytes or -1, have.max_msgs or -1)
-            await js.update_stream(stream.config(keep if stream is LIFECYCLE else None))
+            keep_replicas = replicas or info.config.num_replicas or DEFAULT_REPLICAS
+            await js.update_stream(stream.config(keep if stream is LIFECYCLE else None, keep_replicas))
 
 
 async def pull_subscription(js: JetStreamContext, consumer: ConsumerDef, ack_wait_s: float, max_deliver: int = DEFAULT_MAX_DELIVER):

@@ -5,7 +5,8 @@ Bound to 127.0.0.1 on a free port, JetStream on file storage under the run folde
 sync_interval` trades that for speed), and `max_payload` raised for KV chunks. With an
 `authorization` block (the launcher's: one user per actor, `ops/access.py`) every client
 must authenticate; without one (the tests' session server) anyone on this host may connect.
-Settings go in a generated config file (mode 0600: it holds passwords), not flags.
+With a `cluster` block (`ops/cluster.py`) it is one server of a JetStream cluster. Settings go
+in a generated config file (mode 0600: it holds passwords), not flags.
 """
 
 from __future__ import annotations
@@ -41,11 +42,16 @@ def free_port() -> int:
 
 
 class EmbeddedNats:
-    def __init__(self, root: Path, port: int | None = None, sync_interval: str = "always", authorization: str = "") -> None:
+    def __init__(
+        self, root: Path, port: int | None = None, sync_interval: str = "always", authorization: str = "",
+        server_name: str = "", cluster: str = "",
+    ) -> None:  # fmt: skip
         self.root = Path(root)
         self.port = port or free_port()
         self.sync_interval = sync_interval  # JetStream fsync: "always", or a period such as "2m"
         self.authorization = authorization  # the config's `authorization` block ("" : none)
+        self.server_name = server_name  # required in a JetStream cluster ("" : the server picks one)
+        self.cluster = cluster  # the config's `cluster` block ("" : a lone server)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -62,12 +68,13 @@ class EmbeddedNats:
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(
-                f'listen: "127.0.0.1:{self.port}"\n'
+                (f'server_name: "{self.server_name}"\n' if self.server_name else "")
+                + f'listen: "127.0.0.1:{self.port}"\n'
                 f"max_payload: {MAX_PAYLOAD_BYTES}\n"
                 "jetstream {\n"
                 f'  store_dir: "{self.root / "jetstream"}"\n'
                 f"  sync_interval: {self.sync_interval}\n"
-                "}\n" + self.authorization
+                "}\n" + self.cluster + self.authorization
             )
         os.chmod(conf, 0o600)
         return conf
@@ -75,6 +82,7 @@ class EmbeddedNats:
     def start(self) -> str:
         conf = self.write_config()
         log = open(self.log_path, "ab")
+        log_offset = log.tell()  # a restart appends: readiness is read after this offset
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
             stdout=log,
@@ -84,15 +92,15 @@ class EmbeddedNats:
             start_new_session=True,  # a terminal's Ctrl-C must not kill the bus before the export
         )
         log.close()
-        self._wait_ready()
+        self._wait_ready(log_offset)
         return self.url
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, log_offset: int = 0) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_WALL_S
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_path}")
-            if self.log_path.exists() and b"Server is ready" in self.log_path.read_bytes():
+            if self.log_path.exists() and b"Server is ready" in self.log_path.read_bytes()[log_offset:]:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"nats-server not ready after {READY_TIMEOUT_WALL_S} s; see {self.log_path}")

@@ -1,5 +1,7 @@
 """Connecting to the bus: reconnect forever, pings, every disconnect logged; credentials from
-the caller or the environment (PRORSA_NATS_USER, PRORSA_NATS_PASSWORD)."""
+the caller or the environment (PRORSA_NATS_USER, PRORSA_NATS_PASSWORD). A URL may list several
+seed servers of one cluster, comma-separated: the client connects to one of them, learns the
+rest of the cluster from it, and fails over to another when its server goes away."""
 
 from __future__ import annotations
 
@@ -44,6 +46,14 @@ def inbox_prefix(user: str | None) -> str:
     return f"_INBOX_{user}" if user else "_INBOX"
 
 
+def seed_urls(url: str) -> list[str]:
+    """'nats://a:4222,nats://b:4222' -> each URL; an empty entry is an error, not a skip."""
+    urls = [part.strip() for part in url.split(",")]
+    if not all(urls):
+        raise ValueError(f"NATS URL list {url!r} has an empty entry")
+    return urls
+
+
 async def connect(url: str, name: str, log: logging.Logger, user: str | None = None, password: str | None = None) -> NATS:
     widen_nats_reads()
     user = user or os.environ.get(USER_ENV) or None
@@ -61,7 +71,7 @@ async def connect(url: str, name: str, log: logging.Logger, user: str | None = N
 
     nc = NATS()
     await nc.connect(
-        url,
+        seed_urls(url),
         name=name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,  # forever
@@ -90,17 +100,18 @@ async def close(nc: NATS) -> None:
     await nc.close()
 
 
-async def run_bucket(js: JetStreamContext):
+async def run_bucket(js: JetStreamContext, replicas: int = 1):
+    """The run's KV bucket; `replicas` ([bus] replicas) applies when this call creates it."""
     try:
         return await js.key_value(RUN_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(bucket=RUN_BUCKET, history=1)
+        return await js.create_key_value(bucket=RUN_BUCKET, history=1, replicas=replicas)
 
 
-async def publish_origin(js: JetStreamContext, run_name: str, origin_wall_s: float | None = None) -> RunOrigin:
+async def publish_origin(js: JetStreamContext, run_name: str, origin_wall_s: float | None = None, replicas: int = 1) -> RunOrigin:
     """Set model time 0 for a new run (the launcher does this before starting actors)."""
     origin = RunOrigin(origin_wall_s=wall_now_s() if origin_wall_s is None else origin_wall_s, run_name=run_name)
-    kv = await run_bucket(js)
+    kv = await run_bucket(js, replicas)
     await kv.put(ORIGIN_KEY, encode(origin))
     return origin
 

@@ -1,0 +1,153 @@
+"""A local JetStream cluster: N nats-servers on loopback, for tests and trials.
+
+    python -m ops.cluster [--servers 3] --out DIR [--sync-interval always|2m]
+
+Each server is the project's own `nats-server` binary (`ops/natsserver.py`), configured by a
+generated file: its client port and route port on 127.0.0.1, a store folder DIR/n<i>/jetstream,
+the same `max_payload` as the embedded server, and routes to every other server (a full
+mesh, one cluster name). No authorization: anyone on this host may connect (a real cluster
+uses accounts and TLS: docs/deploy.md). The command prints the client URLs (and writes them
+to DIR/cluster.json), then serves until Ctrl-C or SIGTERM, and stops every server.
+
+`LocalCluster` is the same thing for tests: start, stop, `kill(i)` (SIGKILL, the loss of a
+server) and `restart(i)` (same port, same store: it rejoins and catches up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ops.natsserver import EmbeddedNats, free_port
+
+CLUSTER_NAME = "prorsa"
+MIN_SERVERS = 3  # JetStream keeps a quorum (and its R3 streams) through the loss of one server
+META_LEADER_TIMEOUT_WALL_S = 30.0
+META_LEADER_LINES = (b"Self is new JetStream cluster metadata leader", b"JetStream cluster new metadata leader")
+
+
+class LocalCluster:
+    def __init__(self, root: Path, servers: int = 3, sync_interval: str = "always", name: str = CLUSTER_NAME) -> None:
+        if servers < MIN_SERVERS:
+            raise ValueError(f"a JetStream cluster needs at least {MIN_SERVERS} servers to survive the loss of one, not {servers}")
+        self.root = Path(root)
+        route_ports = [free_port() for _ in range(servers)]
+        self.servers: list[EmbeddedNats] = []
+        for i, route_port in enumerate(route_ports):
+            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(route_ports) if j != i)
+            block = f'cluster {{\n  name: "{name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
+            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=sync_interval, server_name=f"n{i}", cluster=block))
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def seed_url(self) -> str:
+        """Every server's URL, comma-separated: what `--nats-url` takes."""
+        return ",".join(self.urls)
+
+    def pid(self, i: int) -> int | None:
+        proc = self.servers[i].proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self) -> list[str]:
+        offsets = [self._log_size(s) for s in self.servers]
+        try:
+            for server in self.servers:
+                server.start()
+            self._wait_meta_leader(offsets)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def kill(self, i: int) -> int:
+        """SIGKILL server i (no shutdown, no flush): the loss of a machine. Returns its pid."""
+        proc = self.servers[i].proc
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"server n{i} is not running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return proc.pid
+
+    def restart(self, i: int) -> str:
+        """Start server i again on its port and store; it rejoins the cluster."""
+        offset = self._log_size(self.servers[i])
+        url = self.servers[i].start()
+        self._wait_meta_leader([offset if j == i else None for j in range(len(self.servers))])
+        return url
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @staticmethod
+    def _log_size(server: EmbeddedNats) -> int:
+        return server.log_path.stat().st_size if server.log_path.exists() else 0
+
+    def _wait_meta_leader(self, offsets: list[int | None]) -> None:
+        """Until every server given an offset has logged, after it, that it knows the JetStream
+        metadata leader (before that, stream requests fail with 'JetStream not ready')."""
+        deadline = time.monotonic() + META_LEADER_TIMEOUT_WALL_S
+        waiting = {i for i, offset in enumerate(offsets) if offset is not None}
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                tail = self.servers[i].log_path.read_bytes()[offsets[i]:]
+                if any(line in tail for line in META_LEADER_LINES):
+                    waiting.discard(i)
+            time.sleep(0.05)
+        if waiting:
+            names = ", ".join(f"n{i}" for i in sorted(waiting))
+            raise RuntimeError(f"no JetStream metadata leader seen by {names} after {META_LEADER_TIMEOUT_WALL_S} s; see {self.root}/n*/nats-server.log")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.cluster", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", type=int, default=3, help=f"how many servers (at least {MIN_SERVERS})")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the servers' configs, logs and stores")
+    parser.add_argument("--sync-interval", default="always", help="JetStream fsync: 'always' (default) or a period such as '2m'")
+    args = parser.parse_args(argv)
+    try:
+        cluster = LocalCluster(args.out, args.servers, args.sync_interval)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    (args.out / "cluster.json").write_text(json.dumps({"urls": cluster.urls, "seed_url": cluster.seed_url}) + "\n")
+    for i, url in enumerate(cluster.urls):
+        print(f"n{i} {url} pid {cluster.pid(i)}", flush=True)
+    print(f"seed url: {cluster.seed_url}  (Ctrl-C stops the cluster)", flush=True)
+    rc = 0
+    while not stop.wait(0.5):
+        dead = [f"n{i}" for i in range(len(cluster.servers)) if cluster.pid(i) is None]
+        if dead:
+            print(f"error: {', '.join(dead)} exited; see {args.out}", file=sys.stderr)
+            rc = 1
+            break
+    cluster.stop()
+    print("cluster stopped", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

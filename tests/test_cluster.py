@@ -1,0 +1,146 @@
+"""A local 3-server JetStream cluster (ops/cluster.py) and replicated streams on it: every
+stream and the run's KV bucket on 3 servers; work published and consumed exactly once while
+the stream's leader is `kill -9`ed and restarted; `python -m ops.cluster` serves and stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats.errors
+import pytest
+from nats.js import api
+
+from actors.base.connection import BUS_ERRORS, close, connect, publish_origin, seed_urls
+from actors.config import BusSection
+from bus_schemas import streams, subjects
+from bus_schemas.run import RUN_BUCKET
+from ops.cluster import LocalCluster
+
+pytestmark = pytest.mark.bus
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_WALL_S = 30.0
+LOG = logging.getLogger("test.cluster")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+async def retry(call, what: str):
+    """A JetStream call, retried while the cluster elects a new leader (it answers nothing,
+    or 'not ready', for a few seconds after the loss of one)."""
+    deadline = time.monotonic() + DEADLINE_WALL_S
+    while True:
+        try:
+            return await call()
+        except BUS_ERRORS as err:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} still failing after {DEADLINE_WALL_S} s: {err!r}") from err
+            await asyncio.sleep(0.1)
+
+
+def test_seed_urls_and_bad_settings():
+    assert seed_urls("nats://a:1, nats://b:2") == ["nats://a:1", "nats://b:2"]
+    with pytest.raises(ValueError, match="empty entry"):
+        seed_urls("nats://a:1,,nats://b:2")
+    with pytest.raises(ValueError, match="at least 3 servers"):
+        LocalCluster(Path("/nonexistent"), servers=2)
+    with pytest.raises(msgspec.ValidationError, match="bus.replicas must be 1 to 5"):
+        msgspec.convert({"replicas": 7}, BusSection)
+
+
+async def test_streams_and_the_run_bucket_have_three_replicas(cluster):
+    nc = await connect(cluster.seed_url, "test-replicas", LOG)
+    try:
+        js = nc.jetstream(timeout=10)
+        await retry(lambda: streams.ensure_streams(js, replicas=3), "ensure_streams")
+        await retry(lambda: publish_origin(js, "replicated", replicas=3), "publish_origin")
+        await streams.ensure_streams(js)  # an actor's call (no replicas given) keeps the 3
+        for stream in streams.ALL_STREAMS:
+            info = await js.stream_info(stream.name)
+            assert info.config.num_replicas == 3, stream.name
+            assert len(info.cluster.replicas) == 2, stream.name  # a leader and two followers
+        kv_info = await js.stream_info(f"KV_{RUN_BUCKET}")
+        assert kv_info.config.num_replicas == 3
+    finally:
+        await close(nc)
+
+
+async def test_work_is_consumed_exactly_once_through_the_loss_of_the_stream_leader(cluster):
+    """20 work items; 10 consumed and acked; the WORK_PREFILL leader is killed (SIGKILL); the
+    other 10 consumed through the failover; the server restarted: nothing redelivered, the
+    queue empty on the restarted server too."""
+    nc = await connect(cluster.seed_url, "test-failover", LOG)
+    try:
+        js = nc.jetstream(timeout=5)
+        await retry(lambda: streams.ensure_streams(js, replicas=3), "ensure_streams")
+        await js.purge_stream(streams.WORK_PREFILL.name)
+        items = [f"turn-{i}".encode() for i in range(20)]
+        for i, item in enumerate(items):
+            await js.publish(subjects.work_prefill(), item, headers={"Nats-Msg-Id": f"failover-{i}"})
+        sub = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=60.0)
+        seen: list[bytes] = []
+
+        async def take(n: int) -> None:
+            deadline = time.monotonic() + DEADLINE_WALL_S
+            while len(seen) < n:
+                assert time.monotonic() < deadline, f"only {len(seen)} of {n} work items consumed"
+                try:
+                    msgs = await sub.fetch(n - len(seen), timeout=1.0)
+                except BUS_ERRORS:
+                    continue  # a timeout, or no leader yet: ask again
+                for msg in msgs:
+                    seen.append(msg.data)
+                    await retry(msg.ack_sync, "ack")  # acked means the replicated consumer recorded it
+
+        await take(10)
+        leader = (await js.stream_info(streams.WORK_PREFILL.name)).cluster.leader
+        killed = int(leader.removeprefix("n"))
+        cluster.kill(killed)
+        await take(20)
+        await asyncio.to_thread(cluster.restart, killed)
+        assert sorted(seen) == sorted(items)  # each once: no loss, no duplicate
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.fetch(1, timeout=1.0)
+        direct = await connect(cluster.urls[killed], "test-restarted", LOG)
+        try:  # the restarted server caught up: its copy holds no acked work
+            info = await retry(lambda: direct.jetstream(timeout=5).stream_info(streams.WORK_PREFILL.name), "stream_info")
+            assert info.state.messages == 0
+            assert info.config.retention == api.RetentionPolicy.WORK_QUEUE
+        finally:
+            await close(direct)
+    finally:
+        await close(nc)
+
+
+def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.cluster", "--servers", "3", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = [proc.stdout.readline() for _ in range(4)]
+        assert lines[3].startswith("seed url: "), lines
+        urls = json.loads((tmp_path / "cluster.json").read_text())["urls"]
+        assert len(urls) == 3 and all(u.startswith("nats://127.0.0.1:") and u in lines[3] for u in urls)
+        pids = [int(line.split(" pid ")[1]) for line in lines[:3]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=DEADLINE_WALL_S) == 0
+        for pid in pids:  # every server gone (reaped by the command, so kill(0) fails)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
