@@ -11,11 +11,19 @@ to DIR/cluster.json), then serves until Ctrl-C or SIGTERM, and stops every serve
 
 `LocalCluster` is the same thing for tests: start, stop, `kill(i)` (SIGKILL, the loss of a
 server) and `restart(i)` (same port, same store: it rejoins and catches up).
+
+Below it, how launchers on several hosts share one run (`ops.launch --only`): the host that
+starts `control` creates the streams and the run's origin; the others wait for that origin
+(`wait_for_run`). When the trainer is done, the control host writes the run's end to the run
+bucket (`announce_end`); the others see it (`watch_end`), stop their actors (each publishes
+its final report) and exit; the control host waits for every actor's report
+(`wait_for_reports`), then exports the log.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import sys
@@ -23,6 +31,13 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
+from nats.js.client import JetStreamContext
+
+from actors.base.connection import BUS_ERRORS
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode
+from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 from ops.natsserver import EmbeddedNats, free_port
 
 CLUSTER_NAME = "prorsa"
@@ -112,6 +127,85 @@ class LocalCluster:
         if waiting:
             names = ", ".join(f"n{i}" for i in sorted(waiting))
             raise RuntimeError(f"no JetStream metadata leader seen by {names} after {META_LEADER_TIMEOUT_WALL_S} s; see {self.root}/n*/nats-server.log")
+
+
+# --- one run, launchers on several hosts ---------------------------------------------------
+END_KEY = "end"  # in the run bucket: the control host's RunEnd
+POLL_WALL_S = 0.25
+
+
+class RunEnd(msgspec.Struct, frozen=True, kw_only=True):
+    """The end of a run, as the control host saw it."""
+
+    origin_wall_s: float  # which run (its RunOrigin): a stale end of an earlier run is ignored
+    status: str  # completed | failed | interrupted
+
+
+async def _wait(stop: asyncio.Event, timeout_wall_s: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout_wall_s)
+    except TimeoutError:
+        pass
+
+
+async def wait_for_run(js: JetStreamContext, run_name: str, stop: asyncio.Event) -> RunOrigin | None:
+    """The origin of the run named `run_name`, once its control host has created the streams
+    and published it; None if `stop` is set first. (Give each run its own name: an earlier
+    run of the same name on the same cluster is indistinguishable.)"""
+    while not stop.is_set():
+        try:
+            origin = decode(RunOrigin, (await (await js.key_value(RUN_BUCKET)).get(ORIGIN_KEY)).value)
+            if origin.run_name == run_name:
+                await js.stream_info(streams.ALL_STREAMS[-1].name)  # the last one ensure_streams creates
+                return origin
+        except BUS_ERRORS:  # no bucket, no key, no stream yet, or the cluster electing a leader
+            pass
+        await _wait(stop, POLL_WALL_S)
+    return None
+
+
+async def announce_end(js: JetStreamContext, origin: RunOrigin, status: str, timeout_wall_s: float = 30.0) -> None:
+    """Write the run's end, retried while the cluster elects a new leader (after the loss of a server)."""
+    end = msgspec.json.encode(RunEnd(origin_wall_s=origin.origin_wall_s, status=status))
+    deadline = asyncio.get_running_loop().time() + timeout_wall_s
+    while True:
+        try:
+            await (await js.key_value(RUN_BUCKET)).put(END_KEY, end)
+            return
+        except BUS_ERRORS:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(POLL_WALL_S)
+
+
+async def watch_end(js: JetStreamContext, origin: RunOrigin, stop: asyncio.Event) -> str | None:
+    """The status the control host gave this run's end; None if `stop` is set first."""
+    while not stop.is_set():
+        try:
+            end = msgspec.json.decode((await (await js.key_value(RUN_BUCKET)).get(END_KEY)).value, type=RunEnd)
+            if end.origin_wall_s == origin.origin_wall_s:
+                return end.status
+        except BUS_ERRORS:  # no end yet, or the cluster electing a leader
+            pass
+        await _wait(stop, POLL_WALL_S)
+    return None
+
+
+async def wait_for_reports(js: JetStreamContext, actor_ids: list[str], timeout_wall_s: float) -> list[str]:
+    """Wait until every actor has published its final report; return those still missing."""
+    missing = list(actor_ids)
+    deadline = asyncio.get_running_loop().time() + timeout_wall_s
+    while missing:
+        for actor_id in list(missing):
+            try:
+                await js.get_last_msg(streams.REPORTS.name, subjects.report(actor_id))
+                missing.remove(actor_id)
+            except BUS_ERRORS:  # not there yet
+                pass
+        if not missing or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(POLL_WALL_S)
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,13 @@
 """Launch a Prorsa run: one process per actor, over an embedded (or given) NATS server.
 
     python -m ops.launch CONFIG.toml [--policy colocated|colocated-sticky|static|static-P:D|reactive|prorsa|oracle] [--out DIR] [--nats-url URL]
-        [--on-actor-death abort|restart]
+        [--on-actor-death abort|restart] [--only GROUP ...]
+
+One run over several hosts: each host runs `--only GROUP` (engines, engines:e0-e3, environments,
+environments:env0-env1, control = trainer + forecaster + allocator; repeatable) with
+`--nats-url` the cluster's seed URLs, comma-separated. The host that starts `control` does
+steps 2 and 5 (streams, origin, export); the others wait for the run to exist, serve, and stop
+when the control host announces its end (`ops/cluster.py`; docs/deploy.md).
 
 1. Validate the config (a typo fails here, before anything starts).
 2. Start an embedded nats-server under DIR (unless --nats-url), bound to 127.0.0.1 and
@@ -41,6 +47,7 @@ from actors.base.connection import close, connect, publish_origin
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from bus_schemas import streams
 from ops import access
+from ops.cluster import announce_end, wait_for_reports, wait_for_run, watch_end
 from ops.export import read_run, write_run
 from ops.bus_guard import read_dead_letters
 from ops.natsserver import EmbeddedNats
@@ -91,6 +98,32 @@ def actor_specs(config: Config) -> list[ActorSpec]:
     return specs
 
 
+CONTROL_KINDS = ("trainer", "forecaster", "allocator")
+GROUP_KINDS = {"engines": "engine", "environments": "environment"}
+
+
+def select_actors(specs: list[ActorSpec], groups: list[str]) -> list[ActorSpec]:
+    """The actors `--only` names: `control`, `engines`, `environments`, or one id or an
+    inclusive range of ids of a group (`engines:e2`, `engines:e0-e3`)."""
+    chosen: list[ActorSpec] = []
+    for group in groups:
+        name, _, ids = group.partition(":")
+        if name == "control" and not ids:
+            picked = [s for s in specs if s.kind in CONTROL_KINDS]
+        elif name in GROUP_KINDS:
+            picked = [s for s in specs if s.kind == GROUP_KINDS[name]]
+            if ids:
+                names = [s.actor_id for s in picked]
+                first, _, last = ids.partition("-")
+                if first not in names or (last or first) not in names or names.index(last or first) < names.index(first):
+                    raise ConfigError(f"--only {group}: not an id or a range of ids among {name} {names[0]}..{names[-1]}")
+                picked = picked[names.index(first) : names.index(last or first) + 1]
+        else:
+            raise ConfigError(f"--only {group}: not a group (control, engines[:ID[-ID]], environments[:ID[-ID]])")
+        chosen += [s for s in picked if s not in chosen]
+    return chosen
+
+
 def check_real_tasks(config: Config) -> None:
     """The torch backend runs real tasks only (actors/environment/tasks.py)."""
     if config.engines.backend != "torch":
@@ -123,15 +156,16 @@ def lifecycle_limits(config: Config) -> streams.LifecycleLimits:
     return streams.LifecycleLimits(storage=bus.storage, max_bytes=bus.lifecycle_max_bytes, max_msgs=bus.lifecycle_max_msgs)
 
 
-async def prepare_bus(bus: Bus, config: Config, shared_server: bool) -> None:
+async def prepare_bus(bus: Bus, config: Config, shared_server: bool):
+    """Create the streams (`[bus] replicas` each), empty them on a shared server, set the origin."""
     nc = await bus.connect("launcher")
     try:
         js = nc.jetstream()
-        await streams.ensure_streams(js, lifecycle_limits(config))
+        await streams.ensure_streams(js, lifecycle_limits(config), config.bus.replicas)
         if shared_server:  # a server we did not start may hold an earlier run
             for stream in streams.ALL_STREAMS:
                 await js.purge_stream(stream.name)
-        await publish_origin(js, config.run.name)
+        return await publish_origin(js, config.run.name, replicas=config.bus.replicas)
     finally:
         await close(nc)
 
@@ -207,7 +241,11 @@ def write_bus_file(out: Path, bus: Bus) -> None:
     os.chmod(path, 0o600)
 
 
-async def launch(config: Config, out: Path, nats_url: str | None) -> int:
+async def launch(config: Config, out: Path, nats_url: str | None, only: list[str] | None = None) -> int:
+    """Run every actor (or, with `only`, this host's share of a run on the cluster at `nats_url`)."""
+    specs = actor_specs(config)
+    mine = select_actors(specs, only) if only else specs
+    control = any(spec.kind == "trainer" for spec in mine)  # this host creates, ends and exports the run
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -217,47 +255,88 @@ async def launch(config: Config, out: Path, nats_url: str | None) -> int:
     if not nats_url and (out / "nats").exists():  # the folder held an earlier run: start clean
         console.print(f"replacing the earlier run in {out}", highlight=False)
         shutil.rmtree(out / "nats")
-    users = None if nats_url else access.make_users([(spec.kind, spec.actor_id) for spec in actor_specs(config)])
+    users = None if nats_url else access.make_users([(spec.kind, spec.actor_id) for spec in specs])
     server = None if nats_url else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval, authorization=access.authorization_block(users))
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
     interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
+    stop = asyncio.Event()  # interrupted, or (a host without control) the run ended elsewhere
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted.set)
+        loop.add_signal_handler(sig, lambda: (interrupted.set(), stop.set()))
     status = "interrupted"
+    join = ender = None  # a host of a run over several hosts: its connection, the watch for the end
     try:
         bus = Bus(nats_url or server.start(), users)
         if server is not None:
             console.print(f"started nats-server pid {server.proc.pid} at {bus.url}", highlight=False)
-        await prepare_bus(bus, config, shared_server=nats_url is not None)
+        join = await bus.connect("launcher-join") if only else None
+        if control:
+            origin = await prepare_bus(bus, config, shared_server=nats_url is not None)
+        else:
+            console.print(f"waiting for run {config.run.name!r} on {bus.url}", highlight=False)
+            origin = await wait_for_run(join.jetstream(), config.run.name, stop)
+            if origin is None:  # interrupted while waiting
+                return 130
+            ender = asyncio.create_task(watch_end(join.jetstream(), origin, stop))
+            ender.add_done_callback(lambda _: stop.set())
         write_bus_file(out, bus)
         console.print(f"bus: {bus.url} (watch: python -m ops.monitor --run {out})", highlight=False)
-        for spec in actor_specs(config):
-            if interrupted.is_set():
+        for spec in mine:
+            if stop.is_set():
                 break
             procs[spec] = await spawn(spec, config_path, bus, logs)
             console.print(f"started {spec.name} pid {procs[spec].pid}", highlight=False)
         rc = config.run
         supervision = Supervision(rc.on_actor_death, rc.max_restarts, rc.restart_backoff_wall_s)
         notes: dict = {}
-        if not interrupted.is_set():
+        if not stop.is_set():
             respawn = lambda spec: spawn(spec, config_path, bus, logs)  # noqa: E731
-            status = await supervise(procs, logs, bus, config.trajectories_expected(), interrupted, supervision, respawn, notes, server)
+            status = await supervise(procs, logs, bus, config.trajectories_expected(), stop, supervision, respawn, notes, server)
+        if ender is not None and ender.done() and ender.result() is not None:
+            status = ender.result()  # the control host's word on the run
+            console.print(f"the control host ended the run: {status}", highlight=False)
+        if control and only:  # the other hosts stop their actors now, in parallel with ours
+            await announce_end(join.jetstream(), origin, status)
         killed = await stop_all(procs)
         for name in killed:
             console.print(f"[red]error: {name} did not stop within {STOP_GRACE_WALL_S} s and was killed")
-        if server is not None and server.proc.poll() is not None:  # died and not restarted: its store still holds the log
-            await asyncio.to_thread(server.start)
-        summary = await export(bus, out, config, status, time.monotonic() - started, killed, supervision, notes)
-        print_summary(summary, out)
+        if not control:
+            write_host_summary(out, status, mine, killed, supervision)
+        else:
+            if server is not None and server.proc.poll() is not None:  # died and not restarted: its store still holds the log
+                await asyncio.to_thread(server.start)
+            others = [spec.actor_id for spec in specs if spec not in mine]
+            missing = await wait_for_reports(join.jetstream(), others, STOP_GRACE_WALL_S + 30.0) if others else []
+            if missing:
+                console.print(f"[red]error: no final report from {', '.join(missing)}", highlight=False)
+            summary = await export(bus, out, config, status, time.monotonic() - started, killed, supervision, notes)
+            print_summary(summary, out)
     finally:
+        if ender is not None:
+            stop.set()
+            await asyncio.gather(ender, return_exceptions=True)
+        if join is not None:
+            await close(join)
         await stop_all(procs)
         if server is not None:
             server.stop()
     if status == "interrupted":
         return 130
     return 0 if status == "completed" and not killed else 1
+
+
+def write_host_summary(out: Path, status: str, mine: list[ActorSpec], killed: list[str], supervision: Supervision) -> None:
+    """A host without control: what ran here (the run's summary is the control host's)."""
+    summary = {
+        "status": status,
+        "actors": [spec.name for spec in mine],
+        "killed_at_stop": killed,
+        "restarts": dict(supervision.restarts),
+        "actor_deaths": supervision.deaths,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(f"[bold]{status}[/bold]: {len(mine)} actors on this host; wrote {out / 'summary.json'}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,17 +346,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="run folder (default runs/<name>-<policy>-<time>)")
     parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     parser.add_argument("--on-actor-death", choices=["abort", "restart"], help="overrides run.on_actor_death")
+    parser.add_argument(
+        "--only", action="append", metavar="GROUP",
+        help="run only these actors of a run on --nats-url: control, engines[:ID[-ID]], environments[:ID[-ID]] (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.only and not args.nats_url:
+        console.print("error: --only joins a run on an external NATS cluster: give --nats-url", highlight=False)
+        return 2
     try:
         config = with_policy(load_config(args.config), args.policy)
         if args.on_actor_death:
             config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, on_actor_death=args.on_actor_death))
-        actor_specs(config)  # policy-level checks (e.g. a static split with no decode engine)
+        specs = actor_specs(config)  # policy-level checks (e.g. a static split with no decode engine)
+        if args.only and not select_actors(specs, args.only):
+            raise ConfigError(f"--only {' '.join(args.only)}: no actor of this run")
     except ConfigError as err:
         console.print(f"error: {err}", highlight=False, markup=False)
         return 2
     out = args.out or Path("runs") / f"{config.run.name}-{config.run.policy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return asyncio.run(launch(config, out, args.nats_url))
+    return asyncio.run(launch(config, out, args.nats_url, args.only))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ async def connect(url: str, name: str, log: logging.Logger, user: str | None = N
             log.warning("disconnected from %s; reconnecting", url)
 
     async def on_reconnect() -> None:
-        log.info("reconnected to %s", url)
+        log.info("reconnected to %s", nc.connected_url.geturl() if nc.connected_url else url)
 
     nc = NATS()
     await nc.connect(

@@ -1,0 +1,180 @@
+"""The loss of a server: a small emulated run over two launchers on a local 3-server cluster.
+
+    python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--no-kill]
+
+1. Start a local 3-server JetStream cluster (`ops/cluster.py`) under DIR/cluster.
+2. Start two launchers, as two hosts would: `--only engines` connected to server n1 (its
+   seed URL) into DIR/engines, and `--only control --only environments` connected to n0 into
+   DIR/control. Every stream and the run bucket have 3 replicas (`[bus] replicas = 3`).
+3. Once the first trajectory has finished, `kill -9` server n1: the engines' host loses its
+   server and its clients fail over to n0 or n2 (learnt from the cluster); the streams keep
+   a quorum of 2. The server stays dead to the end.
+4. Wait for both launchers; write DIR/summary.json: the control host's summary (the usual
+   fields) with `servers_killed`, each host's exit code, and `lifecycle_events_missing`
+   (events the actors had acked but the exported log lacks). Exit 0 if the run completed with
+   nothing lost, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from actors.base.connection import close, connect
+from bus_schemas import subjects
+from ops.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+LOG = logging.getLogger("prorsa.cluster_check")
+FIRST_FINISH_TIMEOUT_WALL_S = 120.0
+RUN_TIMEOUT_WALL_S = 300.0
+KILLED = 1  # the engines' server
+
+CONFIG = """
+[run]
+name = "cluster-check-{stamp}"
+seed = 5
+time_scale = {time_scale}
+policy = "colocated"
+heartbeat_wall_s = 0.2
+ack_wait_wall_s = 5.0
+
+[bus]
+replicas = 3
+
+[engines]
+count = 2
+
+[environments]
+count = 1
+
+[trainer]
+steps = {steps}
+tasks_per_step = 2
+samples_per_task = 2
+train_s = 2.0
+
+[workload]
+mix = {{ swe = 0.5, math = 0.5 }}
+
+[workload.overrides.swe]
+turns_max = 3
+tool_latency_scale = 0.2
+
+[workload.overrides.math]
+turns_max = 3
+gen_scale = 0.3
+"""
+
+
+def start_launcher(config: Path, out: Path, url: str, groups: list[str]) -> subprocess.Popen:
+    only = [arg for group in groups for arg in ("--only", group)]
+    log = open(out.with_suffix(".log"), "wb")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ops.launch", str(config), "--out", str(out), "--nats-url", url, *only],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "COLUMNS": "200"}, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        log.close()
+
+
+async def first_finish(url: str, timeout_wall_s: float) -> None:
+    """Return when a trajectory has finished (a lifecycle 'finished' event on the bus)."""
+    nc = await connect(url, "cluster-check", LOG)
+    try:
+        finished = asyncio.Event()
+
+        async def on_finished(_msg) -> None:
+            finished.set()
+
+        await nc.subscribe(subjects.lifecycle("finished"), cb=on_finished)
+        await nc.flush()
+        await asyncio.wait_for(finished.wait(), timeout_wall_s)
+    finally:
+        await close(nc)
+
+
+def wait(proc: subprocess.Popen, deadline: float) -> int:
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        return proc.wait(timeout=30)
+
+
+def run_check(out: Path, steps: int, time_scale: float, kill: bool) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "cluster-check.toml"
+    config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps))
+    started = time.monotonic()
+    with LocalCluster(out / "cluster") as cluster:
+        print(f"cluster: {cluster.seed_url}", flush=True)
+        engines = start_launcher(config, out / "engines", cluster.urls[KILLED], ["engines"])
+        control = start_launcher(config, out / "control", cluster.urls[0], ["control", "environments"])
+        killed: list[str] = []
+        try:
+            asyncio.run(first_finish(cluster.urls[2], FIRST_FINISH_TIMEOUT_WALL_S))
+            if kill:
+                pid = cluster.kill(KILLED)
+                killed.append(f"n{KILLED}")
+                print(f"killed server n{KILLED} (pid {pid}) at {time.monotonic() - started:.1f} s", flush=True)
+        finally:
+            deadline = time.monotonic() + RUN_TIMEOUT_WALL_S
+            codes = {"control": wait(control, deadline), "engines": wait(engines, deadline)}
+    summary_path = out / "control" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
+    engines_path = out / "engines" / "summary.json"
+    engines_host = json.loads(engines_path.read_text()) if engines_path.exists() else {}
+    emitted = sum(c.get("lifecycle_events", 0) for c in summary.get("actors", {}).values())
+    summary |= {
+        "servers_killed": killed,
+        "launcher_exit_codes": codes,
+        "engines_host_restarts": engines_host.get("restarts", {}),  # the control host's are in "restarts"
+        "lifecycle_events_emitted": emitted,
+        "lifecycle_events_missing": max(0, emitted - summary.get("events", 0)),
+        "check_wall_s": round(time.monotonic() - started, 2),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def passed(summary: dict) -> bool:
+    return (
+        summary["status"] == "completed"
+        and summary["trajectories_lost"] == 0
+        and summary["lifecycle_events_missing"] == 0
+        and summary["incomplete_trajectories"] == 0
+        and all(code == 0 for code in summary["launcher_exit_codes"].values())
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runners.cluster_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--time-scale", type=float, default=50.0)
+    parser.add_argument("--no-kill", action="store_true", help="the same run without killing a server")
+    args = parser.parse_args(argv)
+    summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill)
+    ok = summary.get("status") == "completed" and passed(summary)
+    print(
+        f"{'passed' if ok else 'FAILED'}: {summary.get('status')}, servers killed {summary['servers_killed']}, "
+        f"finished {summary.get('trajectories_finished')}/{summary.get('trajectories_expected')}, "
+        f"lost {summary.get('trajectories_lost')}, lifecycle events missing {summary['lifecycle_events_missing']}, "
+        f"exit codes {summary['launcher_exit_codes']}, {summary['check_wall_s']} s; wrote {args.out / 'summary.json'}",
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
