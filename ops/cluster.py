@@ -1,13 +1,17 @@
 """A local JetStream cluster: N nats-servers on loopback, for tests and trials.
 
-    python -m ops.cluster [--servers 3] --out DIR [--sync-interval always|2m]
+    python -m ops.cluster [--servers 3] --out DIR [--sync-interval always|2m] [--accounts run-a,run-b]
 
 Each server is the project's own `nats-server` binary (`ops/natsserver.py`), configured by a
 generated file: its client port and route port on 127.0.0.1, a store folder DIR/n<i>/jetstream,
 the same `max_payload` as the embedded server, and routes to every other server (a full
-mesh, one cluster name). No authorization: anyone on this host may connect (a real cluster
-uses accounts and TLS: docs/deploy.md). The command prints the client URLs (and writes them
-to DIR/cluster.json), then serves until Ctrl-C or SIGTERM, and stops every server.
+mesh, one cluster name). Without `--accounts` anyone on this host may connect. With them,
+each name is a NATS account with JetStream and one user (the account's name, a fresh random
+password in DIR/accounts/<name>.json, mode 0600): one account per run, so runs sharing the
+cluster see neither each other's messages nor streams (same subjects, same stream names).
+Run each run's launchers with PRORSA_NATS_USER / PRORSA_NATS_PASSWORD set to its account's.
+The command prints the client URLs (and writes them to DIR/cluster.json), then serves until
+Ctrl-C or SIGTERM, and stops every server.
 
 `LocalCluster` is the same thing for tests: start, stop, `kill(i)` (SIGKILL, the loss of a
 server) and `restart(i)` (same port, same store: it rejoins and catches up).
@@ -25,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
+import secrets
 import signal
 import sys
 import threading
@@ -38,6 +44,7 @@ from actors.base.connection import BUS_ERRORS
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
+from ops.access import User, write_credentials
 from ops.natsserver import EmbeddedNats, free_port
 
 CLUSTER_NAME = "prorsa"
@@ -46,17 +53,31 @@ META_LEADER_TIMEOUT_WALL_S = 30.0
 META_LEADER_LINES = (b"Self is new JetStream cluster metadata leader", b"JetStream cluster new metadata leader")
 
 
+def accounts_block(users: dict[str, User]) -> str:
+    """The config's `accounts` block: one account per user, named after it, with JetStream."""
+    accounts = {name: {"jetstream": "enabled", "users": [{"user": u.name, "password": u.password}]} for name, u in users.items()}
+    return "accounts: " + json.dumps(accounts, indent=1) + "\n"
+
+
 class LocalCluster:
-    def __init__(self, root: Path, servers: int = 3, sync_interval: str = "always", name: str = CLUSTER_NAME) -> None:
+    def __init__(
+        self, root: Path, servers: int = 3, sync_interval: str = "always", name: str = CLUSTER_NAME, accounts: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         if servers < MIN_SERVERS:
             raise ValueError(f"a JetStream cluster needs at least {MIN_SERVERS} servers to survive the loss of one, not {servers}")
+        for account in accounts:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", account):
+                raise ValueError(f"account name {account!r}: use letters, digits, '-' and '_'")
         self.root = Path(root)
+        # account name -> its one user (same name, fresh password); empty: no authorization
+        self.accounts = {a: User(a, secrets.token_urlsafe(24), (">",), (">",)) for a in accounts}
+        auth = accounts_block(self.accounts) if accounts else ""
         route_ports = [free_port() for _ in range(servers)]
         self.servers: list[EmbeddedNats] = []
         for i, route_port in enumerate(route_ports):
             routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(route_ports) if j != i)
             block = f'cluster {{\n  name: "{name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
-            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=sync_interval, server_name=f"n{i}", cluster=block))
+            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=sync_interval, authorization=auth, server_name=f"n{i}", cluster=block))
 
     @property
     def urls(self) -> list[str]:
@@ -72,6 +93,8 @@ class LocalCluster:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> list[str]:
+        if self.accounts:
+            write_credentials(self.root / "accounts", self.accounts)
         offsets = [self._log_size(s) for s in self.servers]
         try:
             for server in self.servers:
@@ -213,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=3, help=f"how many servers (at least {MIN_SERVERS})")
     parser.add_argument("--out", type=Path, required=True, help="folder for the servers' configs, logs and stores")
     parser.add_argument("--sync-interval", default="always", help="JetStream fsync: 'always' (default) or a period such as '2m'")
+    parser.add_argument("--accounts", default="", help="comma-separated account names, one per run (default: no authorization)")
     args = parser.parse_args(argv)
     try:
-        cluster = LocalCluster(args.out, args.servers, args.sync_interval)
+        cluster = LocalCluster(args.out, args.servers, args.sync_interval, accounts=tuple(filter(None, args.accounts.split(","))))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -230,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "cluster.json").write_text(json.dumps({"urls": cluster.urls, "seed_url": cluster.seed_url}) + "\n")
     for i, url in enumerate(cluster.urls):
         print(f"n{i} {url} pid {cluster.pid(i)}", flush=True)
+    for account in cluster.accounts:
+        print(f"account {account}: credentials in {args.out / 'accounts' / (account + '.json')}", flush=True)
     print(f"seed url: {cluster.seed_url}  (Ctrl-C stops the cluster)", flush=True)
     rc = 0
     while not stop.wait(0.5):

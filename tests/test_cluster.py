@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 from nats.js import api
@@ -144,3 +145,40 @@ def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_two_runs_in_two_accounts_share_the_cluster_without_crosstalk(tmp_path):
+    """Same stream names, same subjects: each run's account sees only its own messages."""
+    with LocalCluster(tmp_path, accounts=("run-a", "run-b")) as c:
+        creds = json.loads((tmp_path / "accounts" / "run-a.json").read_text())
+        assert creds["user"] == "run-a" and oct((tmp_path / "accounts" / "run-a.json").stat().st_mode)[-3:] == "600"
+        runs = {}
+        for i, account in enumerate(c.accounts.values()):  # each run on its own server
+            runs[account.name] = await connect(c.urls[i], f"test-{account.name}", LOG, user=account.name, password=account.password)
+        try:
+            for name, nc in runs.items():
+                js = nc.jetstream(timeout=10)
+                await retry(lambda js=js: streams.ensure_streams(js, replicas=3), "ensure_streams")
+                heard: list[bytes] = []
+
+                async def on_event(msg, heard=heard) -> None:
+                    heard.append(msg.data)
+
+                await nc.subscribe(subjects.lifecycle_all(), cb=on_event)
+                runs[name] = (nc, js, heard)
+            for name, (nc, js, _) in runs.items():
+                await nc.flush()
+                for i in range(3):
+                    await js.publish(subjects.work_prefill(), f"{name}-turn-{i}".encode())
+                await js.publish(subjects.lifecycle("finished"), name.encode())
+            for name, (nc, js, heard) in runs.items():
+                sub = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=30.0)
+                got = [m.data for m in await sub.fetch(10, timeout=2.0)]
+                assert sorted(got) == [f"{name}-turn-{i}".encode() for i in range(3)]
+                await nc.flush()
+                assert heard == [name.encode()]
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # no credentials: refused
+                await nats.connect(c.urls[0], allow_reconnect=False, connect_timeout=2)
+        finally:
+            for nc, _, _ in runs.values():
+                await close(nc)
