@@ -36,18 +36,32 @@ TEST_VLLM = VllmSection(dtype="float32", max_model_len_tokens=1024, kv_pool_gib=
 def build_test_model(out_dir) -> str:
     """A tiny random Qwen2 (byte vocabulary). Head size 32, the smallest vLLM's CPU attention
     takes; weights drawn wider than the default 0.02 so greedy decoding does not repeat one
-    token (an exactness check on a constant output would prove little)."""
+    token (an exactness check on a constant output would prove little); embeddings untied
+    (vLLM updates tied ones inexactly, so VllmEngine refuses them)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(3)
     config = Qwen2Config(
         vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.2,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.2,
         bos_token_id=257, eos_token_id=256, pad_token_id=258,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out_dir))
     return str(out_dir)
+
+
+def reference_logprobs(model_dir: str, scale: float, ids: list[int], generated: list[int]) -> list[float]:
+    """Logprobs of `generated` after `ids` under the checkpoint's weights times `scale`, by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in lm.parameters():
+            param.mul_(scale)
+        logprobs = torch.log_softmax(lm(torch.tensor([ids + generated])).logits[0].float(), -1)
+    return [logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(generated)]
 
 
 def prompt(n_tokens: int, seed: int) -> list[int]:
@@ -338,5 +352,6 @@ async def test_weight_update_changes_outputs_and_never_reuses_old_kv(engines, na
     after = await a.generate("w-after-1", ids, 8)
     assert after.cached_tokens == 0  # the prompt's blocks cached under policy 0 are not reused
     assert after.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the new weights are in use
+    assert after.logprobs == pytest.approx(reference_logprobs(a.model_dir, 1.5, ids, after.token_ids), abs=1e-4)  # exactly them
     repeat = await a.generate("w-after-2", ids, 8)
     assert repeat.cached_tokens > 0 and repeat.token_ids == after.token_ids  # and cached again under policy 1

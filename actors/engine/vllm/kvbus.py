@@ -28,6 +28,7 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
+from actors.base.connection import connect
 from actors.engine.torch.model import kv_checksum, kv_checksum_matches, split_chunks
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -75,7 +76,9 @@ class KvBus:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_wall_s)
 
     async def _connect(self, url: str):
-        nc = await nats.connect(url, name=f"vllm-kv-{self.engine_id}", max_reconnect_attempts=-1)
+        # the actors' connection: reconnects, and the engine's bus credentials from the
+        # environment vLLM's processes inherit (ops/access.py: engines may serve their KV subjects)
+        nc = await connect(url, f"vllm-kv-{self.engine_id}", log)
         await nc.subscribe(subjects.kv(self.engine_id), cb=self._on_fetch)
         await nc.subscribe(subjects.kv_connector_stats(self.engine_id), cb=self._on_stats)
         await nc.flush()
