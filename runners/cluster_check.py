@@ -1,6 +1,7 @@
 """The loss of a server: a small emulated run over two launchers on a local 3-server cluster.
 
     python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--no-kill]
+    python -m runners.cluster_check --capacity --out DIR [--sim-config configs/sim-swe-64.toml]
 
 1. Start a local 3-server JetStream cluster (`ops/cluster.py`) under DIR/cluster.
 2. Start two launchers, as two hosts would: `--only engines` connected to server n1 (its
@@ -13,6 +14,13 @@
    fields) with `servers_killed`, each host's exit code, and `lifecycle_events_missing`
    (events the actors had acked but the exported log lacks). Exit 0 if the run completed with
    nothing lost, 1 otherwise.
+
+`--capacity` measures instead (DIR/capacity.json; docs/deploy.md): what a local 3-server
+cluster holds on an R3 file stream (300-byte events/s and 1 MiB chunks' bytes/s, every
+publish acked), and what a fleet puts on the bus, per subject: one step of `--sim-config`
+simulated (`runners.simulate`, in-process bus) with every publish counted, per model second
+and per engine. (Heartbeats are not in the simulator's counts: with nobody listening in a
+simulation none is sent; live, each actor sends one per `run.heartbeat_wall_s`.)
 """
 
 from __future__ import annotations
@@ -157,13 +165,103 @@ def passed(summary: dict) -> bool:
     )
 
 
+CAPACITY_EVENTS = 4000
+CAPACITY_EVENT_BYTES = 300  # about one lifecycle event
+CAPACITY_CHUNKS = 24
+CAPACITY_CHUNK_BYTES = 1 << 20  # a KV hand-off chunk
+
+
+async def cluster_capacity(url: str) -> dict:
+    """Acked publishes per second on an R3 file stream of this cluster."""
+    from nats.js import api
+
+    nc = await connect(url, "capacity", LOG)
+    js = nc.jetstream(timeout=30)
+    await js.add_stream(api.StreamConfig(name="CAPACITY", subjects=["capacity.>"], num_replicas=3, storage=api.StorageType.FILE))
+    try:
+        figures = {}
+        for name, count, size in (("events", CAPACITY_EVENTS, CAPACITY_EVENT_BYTES), ("chunks", CAPACITY_CHUNKS, CAPACITY_CHUNK_BYTES)):
+            payload = os.urandom(size)
+            t0 = time.perf_counter()
+            futures = [await js.publish_async(f"capacity.{name}", payload) for _ in range(count)]
+            await asyncio.gather(*futures)
+            wall_s = time.perf_counter() - t0
+            figures[name] = {"count": count, "bytes_each": size, "msgs_per_s": round(count / wall_s), "mb_per_s": round(count * size / wall_s / 1e6, 1)}
+        return figures
+    finally:
+        await js.delete_stream("CAPACITY")
+        await close(nc)
+
+
+def subject_class(subject: str) -> str:
+    """prorsa.work.prefill.e3 -> prorsa.work.prefill; per-actor and per-kind families -> .*"""
+    tokens = subject.split(".")
+    if subject.startswith(("_INBOX", "$JS")):
+        return "replies and JetStream API"
+    if tokens[1] in ("result", "report", "status", "lc", "dead", "kv"):
+        return ".".join(tokens[:2]) + ".*"
+    return ".".join(tokens[:3])
+
+
+def fleet_traffic(sim_config: Path, out: Path) -> dict:
+    """One simulated step of `sim_config`, every publish on the in-process bus counted."""
+    import msgspec
+
+    from actors.base import inproc
+    from actors.config import load_config
+    from runners import simulate
+
+    counts: dict[str, list[int]] = {}
+
+    def counted(publish):
+        async def wrapper(self, subject: str, payload: bytes = b"", *args, **kwargs):
+            entry = counts.setdefault(subject_class(subject), [0, 0])
+            entry[0] += 1
+            entry[1] += len(payload)
+            return await publish(self, subject, payload, *args, **kwargs)
+
+        return wrapper
+
+    config = load_config(sim_config)
+    config = msgspec.structs.replace(config, trainer=msgspec.structs.replace(config.trainer, steps=1))
+    originals = inproc.InProcClient.publish, inproc.InProcJetStream.publish
+    inproc.InProcClient.publish, inproc.InProcJetStream.publish = counted(originals[0]), counted(originals[1])
+    try:
+        summary = simulate.run(config, out / "sim", show_progress=False)
+    finally:
+        inproc.InProcClient.publish, inproc.InProcJetStream.publish = originals
+    model_s = sum(step["rollout_s"] + step["train_s"] for step in summary["steps"])
+    engines = config.engines.count
+    per_subject = {
+        subject: {"msgs_per_model_s_per_engine": n / model_s / engines, "bytes_per_model_s_per_engine": b / model_s / engines}
+        for subject, (n, b) in sorted(counts.items(), key=lambda kv: -kv[1][1])
+    }
+    return {"config": str(sim_config), "engines": engines, "model_s": round(model_s, 1), "per_subject": per_subject}
+
+
+def capacity(out: Path, sim_config: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(out / "cluster", sync_interval="always") as cluster:
+        result = {"cluster_r3": asyncio.run(cluster_capacity(cluster.seed_url))}
+    result["fleet"] = fleet_traffic(sim_config, out)
+    (out / "capacity.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runners.cluster_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=50.0)
     parser.add_argument("--no-kill", action="store_true", help="the same run without killing a server")
+    parser.add_argument("--capacity", action="store_true", help="measure the cluster's capacity and a fleet's traffic instead")
+    parser.add_argument("--sim-config", type=Path, default=REPO / "configs" / "sim-swe-64.toml")
     args = parser.parse_args(argv)
+    if args.capacity:
+        result = capacity(args.out, args.sim_config)
+        print(json.dumps(result["cluster_r3"]), flush=True)
+        print(f"wrote {args.out / 'capacity.json'}", flush=True)
+        return 0
     summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill)
     ok = summary.get("status") == "completed" and passed(summary)
     print(

@@ -25,6 +25,7 @@ from actors.config import BusSection
 from bus_schemas import streams, subjects
 from bus_schemas.run import RUN_BUCKET
 from ops.cluster import LocalCluster
+from ops.natsserver import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.bus
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +65,7 @@ def test_seed_urls_and_bad_settings():
 async def test_streams_and_the_run_bucket_have_three_replicas(cluster):
     nc = await connect(cluster.seed_url, "test-replicas", LOG)
     try:
+        assert nc.max_payload == MAX_PAYLOAD_BYTES  # KV and weight chunks (<= 7 MiB) pass every server
         js = nc.jetstream(timeout=10)
         await retry(lambda: streams.ensure_streams(js, replicas=3), "ensure_streams")
         await retry(lambda: publish_origin(js, "replicated", replicas=3), "publish_origin")
