@@ -4,12 +4,17 @@ the engines' host waits for it and stops at its end (runners/cluster_check.py)."
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from actors.config import ConfigError, load_config
 from ops.launch import actor_specs, main, select_actors
 from runners.cluster_check import passed, run_check
-from tests.conftest import write_tiny_config
+from tests.conftest import REPO, write_tiny_config
 
 
 def test_only_picks_groups_ids_and_ranges(tmp_path):
@@ -42,3 +47,25 @@ def test_two_launchers_on_two_servers_serve_one_run(tmp_path):
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == 4
     assert set(summary["actors"]) == {"trainer", "env0", "e0", "e1"}  # final reports from both hosts
     assert summary["lifecycle_events_emitted"] == summary["events"] > 0
+
+
+@pytest.mark.e2e
+def test_a_host_waiting_for_its_run_stops_on_sigterm_without_starting_actors(tmp_path, nats_server):
+    config = write_tiny_config(tmp_path / "tiny.toml")
+    config.write_text(config.read_text().replace('name = "tiny"', 'name = "never-started"'))  # the session server may hold a "tiny"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(tmp_path / "run"), "--nats-url", nats_server.url,
+         "--only", "engines", "--only", "environments"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("waiting for run 'never-started'"), line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+        assert "started" not in proc.stdout.read()
+        assert not list((tmp_path / "run" / "logs").iterdir())  # no actor ever spawned
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
