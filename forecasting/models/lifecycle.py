@@ -1,4 +1,4 @@
-"""The lifecycle model, and a hybrid that corrects its residuals with a time-series model.
+"""The lifecycle model (the hybrid that corrects its residuals: forecasting.models.hybrid).
 
 For every live trajectory (forecasting.live): from its phase and the time already spent in
 it, the probability that the phase ends in each future slot (a fine grid of bin_s/substeps),
