@@ -163,7 +163,7 @@ class AllocatorActor(Actor):
             case "reactive":
                 return from_queues(fleet, horizon_s)
             case "prorsa":
-                return None if self.forecast is None else from_forecast(self.forecast, fleet, horizon_s)
+                return None if self.forecast is None else from_forecast(self.forecast, fleet, horizon_s, self.config.allocator.provision_quantile)
             case "oracle":
                 return self.recorded.at(fleet, horizon_s) if self.recorded is not None else None
         return None
