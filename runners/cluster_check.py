@@ -1,6 +1,6 @@
 """The loss of a server: a small emulated run over two launchers on a local 3-server cluster.
 
-    python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--no-kill]
+    python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--policy colocated] [--no-kill]
     python -m runners.cluster_check --capacity --out DIR [--sim-config configs/sim-swe-64.toml]
 
 1. Start a local 3-server JetStream cluster (`ops/cluster.py`) under DIR/cluster.
@@ -50,7 +50,7 @@ CONFIG = """
 name = "cluster-check-{stamp}"
 seed = 5
 time_scale = {time_scale}
-policy = "colocated"
+policy = "{policy}"
 heartbeat_wall_s = 0.2
 ack_wait_wall_s = 5.0
 
@@ -59,6 +59,7 @@ replicas = 3
 
 [engines]
 count = 2
+prefill_engines = 1
 
 [environments]
 count = 1
@@ -119,10 +120,10 @@ def wait(proc: subprocess.Popen, deadline: float) -> int:
         return proc.wait(timeout=30)
 
 
-def run_check(out: Path, steps: int, time_scale: float, kill: bool) -> dict:
+def run_check(out: Path, steps: int, time_scale: float, kill: bool, policy: str = "colocated") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "cluster-check.toml"
-    config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps))
+    config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps, policy=policy))
     started = time.monotonic()
     with LocalCluster(out / "cluster") as cluster:
         print(f"cluster: {cluster.seed_url}", flush=True)
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=50.0)
     parser.add_argument("--no-kill", action="store_true", help="the same run without killing a server")
+    parser.add_argument("--policy", default="colocated", help="run.policy (prorsa: the allocator on the control host switches the other host's engines)")
     parser.add_argument("--capacity", action="store_true", help="measure the cluster's capacity and a fleet's traffic instead")
     parser.add_argument("--sim-config", type=Path, default=REPO / "configs" / "sim-swe-64.toml")
     args = parser.parse_args(argv)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["cluster_r3"]), flush=True)
         print(f"wrote {args.out / 'capacity.json'}", flush=True)
         return 0
-    summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill)
+    summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill, policy=args.policy)
     ok = summary.get("status") == "completed" and passed(summary)
     print(
         f"{'passed' if ok else 'FAILED'}: {summary.get('status')}, servers killed {summary['servers_killed']}, "
