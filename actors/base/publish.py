@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 
 from nats.js.client import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 from actors.base.clock import Clock
 from actors.base.connection import BUS_ERRORS
@@ -79,5 +80,8 @@ async def pull_one(sub, timeout_wall_s: float):
     """
     try:
         return (await sub.fetch(1, timeout=timeout_wall_s))[0]
-    except TimeoutError:
+    except (TimeoutError, ServiceUnavailableError):  # nothing yet, or a stream electing its leader
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # nats-py turns a cancelled fetch into a timeout
+            raise asyncio.CancelledError from None
         return None
