@@ -16,17 +16,20 @@ its acks and its redeliveries through the loss of one server); 1 on a lone serve
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from nats.js import api
 from nats.js.client import JetStreamContext
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from bus_schemas import subjects
 
 DUPLICATE_WINDOW_S = 120.0  # Nats-Msg-Id deduplication window
 DEFAULT_MAX_DELIVER = 10  # deliveries of one work item before it is dead-lettered (run.max_deliver)
 DEFAULT_REPLICAS = 1  # servers holding each stream ([bus] replicas)
+JETSTREAM_READY_TRIES = 12  # a starting cluster's JetStream API answers within about a minute (5 s request timeout each)
+JETSTREAM_RETRY_WALL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,18 @@ async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = 
     """Create every stream, or bring an existing one to this definition. Idempotent. Without
     `limits`, an existing LIFECYCLE stream keeps the storage and size its creator (the
     launcher) gave it; without `replicas`, an existing stream keeps its replica count (a new
-    one gets DEFAULT_REPLICAS)."""
+    one gets DEFAULT_REPLICAS). A JetStream API that does not answer yet (a cluster still
+    electing its meta leader: a timeout or a 503) is asked again, JETSTREAM_READY_TRIES times."""
+    for attempt in range(1, JETSTREAM_READY_TRIES + 1):
+        try:
+            return await _ensure_streams(js, limits, replicas)
+        except (TimeoutError, ServiceUnavailableError):
+            if attempt == JETSTREAM_READY_TRIES:
+                raise
+            await asyncio.sleep(JETSTREAM_RETRY_WALL_S)
+
+
+async def _ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None, replicas: int | None) -> None:
     for stream in ALL_STREAMS:
         try:
             info = await js.stream_info(stream.name)
