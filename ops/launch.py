@@ -125,28 +125,36 @@ def select_actors(specs: list[ActorSpec], groups: list[str]) -> list[ActorSpec]:
 
 
 def check_real_tasks(config: Config) -> None:
-    """The torch backend runs real tasks only (actors/environment/tasks.py)."""
-    if config.engines.backend != "torch":
+    """The real-compute backends (torch, vllm) run real tasks only (actors/environment/tasks.py);
+    vllm's tiny model (built when no checkpoint is given) needs a head size vLLM's CPU attention takes."""
+    if config.engines.backend not in ("torch", "vllm"):
         return
+    mc = config.model
+    if config.engines.backend == "vllm" and not (mc.checkpoint or config.vllm.model) and mc.hidden_size // mc.heads < 32:
+        raise ConfigError(f"engines.backend = 'vllm' needs a head size >= 32 (model.hidden_size / model.heads = {mc.hidden_size // mc.heads})")
     from actors.environment.tasks import TASKS
 
     wl = config.workload
     families = {f for mix in [wl.mix, *(p.mix for p in wl.phases)] for f, share in mix.items() if share > 0}
     if families - set(TASKS):
         raise ConfigError(
-            f"engines.backend = 'torch' runs real tasks only: {', '.join(sorted(families - set(TASKS)))} "
+            f"engines.backend = '{config.engines.backend}' runs real tasks only: {', '.join(sorted(families - set(TASKS)))} "
             f"in workload.mix is modelled (real tasks: {', '.join(sorted(TASKS))})"
         )
 
 
 def prepare_model(config: Config, out: Path) -> Config:
-    """torch backend without a checkpoint: build the tiny model once into DIR/model, so every
-    process loads identical weights, and point the run's config at it."""
-    if config.engines.backend != "torch" or config.model.checkpoint:
+    """torch or vllm backend without a checkpoint: build the tiny model once into DIR/model, so
+    every process loads identical weights, and point the run's config at it. For vllm it is
+    untied (vLLM's in-place weight reload needs that)."""
+    backend, mc = config.engines.backend, config.model
+    if backend not in ("torch", "vllm") or mc.checkpoint:
         return config
+    if backend == "vllm" and config.vllm.model:  # the trainer and environments load the engines' checkpoint
+        return msgspec.structs.replace(config, model=msgspec.structs.replace(mc, checkpoint=config.vllm.model))
     from actors.engine.torch.model import build_tiny  # late: emulated runs never import torch
 
-    path = build_tiny(config.model, out / "model")
+    path = build_tiny(mc, out / "model", tie_embeddings=backend == "torch")
     console.print(f"built the tiny {config.model.architecture} model into {path}", highlight=False)
     return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, checkpoint=str(path.resolve())))
 

@@ -7,7 +7,7 @@ from actors.environment.actor import EnvironmentActor
 
 
 def _build(args, config, nc, clock) -> EnvironmentActor:
-    if config.engines.backend == "torch":
+    if config.engines.backend in ("torch", "vllm"):  # real compute (torch or vLLM engines): real tasks
         from actors.environment.real import RealEnvironmentActor  # real tokens, tool and reward
 
         return RealEnvironmentActor(args.id, config, nc, clock)

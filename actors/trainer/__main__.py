@@ -7,7 +7,7 @@ from actors.trainer.actor import TrainerActor
 
 
 def _build(args, config, nc, clock) -> TrainerActor:
-    if config.engines.backend == "torch":
+    if config.engines.backend in ("torch", "vllm"):  # real compute (torch or vLLM engines): real GRPO
         from actors.trainer.torch_trainer import TorchTrainerActor  # real GRPO; imports torch only when used
 
         return TorchTrainerActor(args.id, config, nc, clock)

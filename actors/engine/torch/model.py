@@ -85,8 +85,9 @@ class HfTokenizer:
 Tokenizer = ByteTokenizer | HfTokenizer
 
 
-def tiny_config(model):  # model: actors.config.ModelSection
-    """The HF config of the tiny model that `[model]` describes."""
+def tiny_config(model, tie_embeddings: bool = True):  # model: actors.config.ModelSection
+    """The HF config of the tiny model that `[model]` describes; `tie_embeddings = False` gives
+    it its own output projection (the vllm backend needs that for in-place weight updates)."""
     from transformers import LlamaConfig, Qwen2Config
 
     tok = ByteTokenizer()
@@ -99,21 +100,21 @@ def tiny_config(model):  # model: actors.config.ModelSection
         num_attention_heads=model.heads,
         num_key_value_heads=model.kv_heads,
         max_position_embeddings=model.max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id,
     )
 
 
-def build_tiny(model, out_dir: str | Path) -> Path:
+def build_tiny(model, out_dir: str | Path, tie_embeddings: bool = True) -> Path:
     """Initialise the tiny model from `[model]` with its seed and save it (weights + tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(model.seed)
-    lm = AutoModelForCausalLM.from_config(tiny_config(model))
+    lm = AutoModelForCausalLM.from_config(tiny_config(model, tie_embeddings))
     lm.save_pretrained(str(out_dir))
     (out_dir / BYTE_TOKENIZER_FILE).write_text(json.dumps(ByteTokenizer().spec(), indent=1) + "\n")
     return out_dir
