@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -229,6 +230,7 @@ def print_summary(summary: dict, out: Path) -> None:
             f"prefill {s['prefill_tokens']} tok, decode {s['decode_tokens']} tok, reward {s['mean_reward']:.2f}"
         )
     console.print(f"  wrote {out / 'summary.json'} and {out / 'events.parquet'}")
+    console.print(f"  run folder: {out}  (report: python -m ops.report {shlex.quote(str(out))})", highlight=False)
 
 
 BUS_FILE = "bus.json"  # the run folder's bus address: {"url": ...}, with the monitor's "user" and "password"
