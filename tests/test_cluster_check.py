@@ -1,0 +1,22 @@
+"""The loss of a server (issue 18's done-when): `runners.cluster_check` runs one emulated run
+over two launcher processes, each on a different server of a local 3-server cluster, and
+`kill -9`s one server mid-run. The run must complete with nothing lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runners import cluster_check
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_server_killed_mid_run_loses_nothing(tmp_path) -> None:
+    assert cluster_check.main(["--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["servers_killed"]
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] > 0
+    assert summary["trajectories_lost"] == 0 and summary["lifecycle_events_missing"] == 0
+    assert all(code == 0 for code in summary["launcher_exit_codes"].values())
