@@ -17,7 +17,9 @@ its acks and its redeliveries through the loss of one server); 1 on a lone serve
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nats.js import api
 from nats.js.client import JetStreamContext
@@ -30,6 +32,7 @@ DEFAULT_MAX_DELIVER = 10  # deliveries of one work item before it is dead-letter
 DEFAULT_REPLICAS = 1  # servers holding each stream ([bus] replicas)
 JETSTREAM_READY_TRIES = 12  # a starting cluster's JetStream API answers within about a minute (5 s request timeout each)
 JETSTREAM_RETRY_WALL_S = 0.5
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +137,21 @@ async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = 
     launcher) gave it; without `replicas`, an existing stream keeps its replica count (a new
     one gets DEFAULT_REPLICAS). A JetStream API that does not answer yet (a cluster still
     electing its meta leader: a timeout or a 503) is asked again, JETSTREAM_READY_TRIES times."""
+    await answered(lambda: _ensure_streams(js, limits, replicas))
+
+
+async def answered(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`'s result, asking again while the JetStream API does not answer (a cluster
+    electing a leader after a server died or started: a timeout or a 503), up to
+    JETSTREAM_READY_TRIES times."""
     for attempt in range(1, JETSTREAM_READY_TRIES + 1):
         try:
-            return await _ensure_streams(js, limits, replicas)
+            return await call()
         except (TimeoutError, ServiceUnavailableError):
             if attempt == JETSTREAM_READY_TRIES:
                 raise
             await asyncio.sleep(JETSTREAM_RETRY_WALL_S)
+    raise AssertionError("unreachable")
 
 
 async def _ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None, replicas: int | None) -> None:

@@ -79,11 +79,11 @@ class DeadLetters:
 
 async def read_dead_letters(js) -> list[dict]:
     """Every dead letter of the run: {subject, stream, reason, bytes}."""
-    info = await js.stream_info(streams.DEAD.name)
+    info = await streams.answered(lambda: js.stream_info(streams.DEAD.name))
     letters = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
         try:
-            msg = await js.get_msg(streams.DEAD.name, seq)
+            msg = await streams.answered(lambda: js.get_msg(streams.DEAD.name, seq))  # noqa: B023 (awaited at once)
         except NotFoundError:
             continue
         headers = msg.headers or {}

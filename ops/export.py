@@ -36,10 +36,8 @@ _FETCH_BATCH = 2000
 async def read_stream(js: JetStreamContext, stream: streams.StreamDef, subject: str, message_type: type[T]) -> list[T]:
     """Every message of `subject` in `stream`, in stream order, decoded; malformed ones skipped
     (the actors that received them counted them). Reading changes nothing in the stream."""
-    if stream.work_queue:
-        raw = await _read_by_sequence(js, stream, subject)
-    else:
-        raw = await _read_by_consumer(js, stream, subject)
+    read = _read_by_sequence if stream.work_queue else _read_by_consumer
+    raw = await streams.answered(lambda: read(js, stream, subject))  # a cluster may still be electing leaders
     out: list[T] = []
     for data in raw:
         try:
