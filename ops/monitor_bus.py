@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,14 @@ class BusMonitor:
         self._lifecycle_target_seq = 0  # the stream's last sequence when the replay began
         self.lifecycle_ready = asyncio.Event()  # the replay reached the stream's end as it was at the start
         self.lifecycle_mode = ""  # "stream", "live", or "" (no LIFECYCLE stream yet)
+        self.optional_failures: Counter[str] = Counter()  # optional reads that failed (origin, stream info, ...)
+
+    def _optional_failed(self, what: str, err: BaseException) -> None:
+        """An optional read failed (no bucket yet, no permission, disconnected): counted, and
+        logged the first time for each kind, so the dashboard goes on without it."""
+        self.optional_failures[what] += 1
+        if self.optional_failures[what] == 1:
+            LOG.info("%s unavailable (%s); counted, not retried until the next round", what, _why(err))
 
     async def start(self) -> None:
         await probe(self.target)
@@ -229,8 +238,8 @@ class BusMonitor:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.close()
-            except Exception:  # noqa: BLE001: closing a broken connection: nothing left to do
-                pass
+            except Exception as err:  # noqa: BLE001: closing a broken connection: nothing left to do
+                self._optional_failed("close", err)
 
     # --- callbacks -------------------------------------------------------------------------
     async def _on_msg(self, msg: Msg) -> None:
@@ -289,8 +298,8 @@ class BusMonitor:
             kv = await self.nc.jetstream(timeout=1.0).key_value(RUN_BUCKET)
             entry = await kv.get(ORIGIN_KEY)
             self.state.on_bus(run_name=decode(RunOrigin, entry.value).run_name)
-        except Exception:  # noqa: BLE001: optional (no bucket yet, no permission): the header goes without
-            pass
+        except Exception as err:  # noqa: BLE001: optional (no bucket yet, no permission): the header goes without
+            self._optional_failed("run origin", err)
 
     async def _lifecycle(self) -> None:
         """Replay LIFECYCLE from its start, then follow it; wait for the stream to exist; fall
@@ -337,7 +346,8 @@ class BusMonitor:
                 info = await js.stream_info(stream.name)
             except NotFoundError:
                 continue
-            except Exception:  # noqa: BLE001: no permission / disconnected: try again next round
+            except Exception as err:  # noqa: BLE001: no permission / disconnected: try again next round
+                self._optional_failed("stream info", err)
                 return
             c, s = info.config, info.state
             self.state.on_stream_info(
@@ -347,8 +357,8 @@ class BusMonitor:
         try:
             account = await js.account_info()
             self.state.on_account_info(storage_bytes=account.storage, max_storage_bytes=account.limits.max_storage or -1, wall_s=self.wall())
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as err:  # noqa: BLE001: no permission / disconnected: try again next round
+            self._optional_failed("account info", err)
 
     async def _poll_streams(self) -> None:
         while True:

@@ -49,7 +49,7 @@ async def retry(call, what: str):
         except BUS_ERRORS as err:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what} still failing after {DEADLINE_WALL_S} s: {err!r}") from err
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # barrier-ok: the pause between retries of a call the cluster cannot answer yet (deadline above)
 
 
 def test_seed_urls_and_bad_settings():

@@ -37,7 +37,7 @@ def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp
         wait_for_file(out / "bus.json", 30)
         asyncio.run(wait_for_event(out / "bus.json", "decode_started", "e1", 0, timeout_wall_s=60))
         os.kill(pids["engine e1"], signal.SIGSTOP)
-        time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # the fault's length (past lease and ack wait), not a barrier
+        time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # barrier-ok: the fault's length (past lease and ack wait), not a barrier
         os.kill(pids["engine e1"], signal.SIGCONT)
         rest, _ = proc.communicate(timeout=240)
     finally:

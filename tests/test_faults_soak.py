@@ -84,7 +84,7 @@ def test_soak_one_fault_at_a_random_moment_loses_and_duplicates_nothing(tmp_path
         asyncio.run(after_events(out / "bus.json", k))
         if fault.startswith("stop"):
             os.kill(pids[victim], signal.SIGSTOP)
-            time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + rng.random())  # the fault's length, not a barrier
+            time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + rng.random())  # barrier-ok: the fault's length, not a barrier
             os.kill(pids[victim], signal.SIGCONT)
         else:
             os.kill(pids[victim], signal.SIGKILL)

@@ -26,7 +26,7 @@ class _Swallowing:
     async def fetch(self, batch: int, timeout: float):
         self.waiting.set()
         try:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # barrier-ok: a fetch that never answers, until cancelled
         except asyncio.CancelledError:
             raise TimeoutError from None  # what nats-py's fetch does with a cancellation
 
