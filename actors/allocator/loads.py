@@ -41,6 +41,12 @@ def kv_tokens(demand: Demand) -> float:
     return max(demand.decode_seqs * demand.decode_context_tokens, working_set_tokens(demand))
 
 
+def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int) -> bool:
+    """Whether `decode_engines` decode engines hold the KV the decode side must (at the 90%
+    pool occupancy the decode load is sized to)."""
+    return kv_tokens(demand) <= 0.9 * decode_engines * cap.decode_kv_tokens
+
+
 def working_set_tokens(demand: Demand) -> float:
     """KV of every live trajectory: what the fleet holds (eviction caps it at the pools it
     has), or the live trajectories times the mean context where that is larger — a fleet

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
-from actors.allocator.loads import bottleneck, colocated_load, kv_tokens, relocation_s, stage_loads, target_prefill_engines, working_set_tokens
+from actors.allocator.loads import bottleneck, colocated_load, decode_side_holds, relocation_s, stage_loads, target_prefill_engines, working_set_tokens
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -327,7 +327,7 @@ class Split:
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
         horizon_s = self.config.horizon_s
-        if colocated_now and kv_tokens(demand) > 0.9 * (n - target) * cap.decode_kv_tokens:
+        if colocated_now and not decode_side_holds(demand, cap, n - target):
             # a decode side that cannot hold the working set preempts and recomputes without end
             return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) would not fit {n - target} decode engines {where}"
         if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
@@ -340,7 +340,7 @@ class Split:
                 self.relocated_s, self.relocated_at_s = 0.0, self.now_s
                 return ""
             return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
-        if current and kv_tokens(demand) > 0.9 * (n - current) * cap.decode_kv_tokens:
+        if current and not decode_side_holds(demand, cap, n - current):
             return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
         gain_s = (pd_load - coloc_load) * horizon_s
