@@ -4,7 +4,6 @@ the run completes with every assigned trajectory finished exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -16,8 +15,8 @@ import pytest
 
 from ops.checks import incomplete_trajectories
 from tests.conftest import write_tiny_config
-from tests.test_faults_restart import wait_for_event, wait_for_file
-from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_event
+from tests.test_launch import assert_all_gone
 
 pytestmark = pytest.mark.e2e
 STEPS = 2
@@ -29,23 +28,19 @@ ACK_WAIT_WALL_S = 2.0
 def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=STEPS, time_scale=10.0, ack_wait=ACK_WAIT_WALL_S)
     text = config.read_text().replace("ack_wait_wall_s", f"lease_wall_s = {LEASE_WALL_S}\nack_wait_wall_s", 1)
-    config.write_text(text + '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    config.write_text(text + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
-    proc = start_launcher(config, out)
-    try:
-        pids, lines = read_until_started(proc)
-        wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", "decode_started", "e1", 0, timeout_wall_s=60))
+
+    def freeze(pids: dict[str, int]) -> None:
         os.kill(pids["engine e1"], signal.SIGSTOP)
         time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # barrier-ok: the fault's length (past lease and ack wait), not a barrier
         os.kill(pids["engine e1"], signal.SIGCONT)
-        rest, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.kill(pids["engine e1"], signal.SIGCONT)
-            proc.kill()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+
+    pids, output, returncode = launch_with_fault(
+        config, out, lambda bus: wait_for_event(bus, "decode_started", "e1", 0, timeout_wall_s=60), freeze,
+        undo=lambda pids: os.kill(pids["engine e1"], signal.SIGCONT),
+    )  # fmt: skip
+    assert returncode == 0, output
     assert_all_gone(pids)
 
     summary = json.loads((out / "summary.json").read_text())

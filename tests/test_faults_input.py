@@ -27,8 +27,8 @@ from bus_schemas.train import FinishedTrajectory, TaskAssignment
 from bus_schemas.work import DecodeWork, KvChunk, KvFetch, PrefillWork, TurnResult
 from ops.natsserver import MAX_PAYLOAD_BYTES
 from tests.conftest import write_tiny_config
-from tests.test_faults_restart import wait_for_event, wait_for_file
-from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_event
+from tests.test_launch import assert_all_gone
 
 pytestmark = pytest.mark.e2e
 
@@ -134,19 +134,13 @@ async def vandalize(out: Path, rng: random.Random) -> set[str]:
 
 def test_bad_input_on_every_subject_is_rejected_counted_and_nothing_stops(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2, time_scale=10.0)
-    config.write_text(config.read_text() + '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    config.write_text(config.read_text() + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
-    proc = start_launcher(config, out)
-    try:
-        pids, lines = read_until_started(proc)
-        wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", "decode_started", "e0", 0, timeout_wall_s=60))  # every actor is serving
-        asyncio.run(vandalize(out, random.Random(16)))
-        rest, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, "".join(lines) + rest
+    pids, output, returncode = launch_with_fault(
+        config, out, lambda bus: wait_for_event(bus, "decode_started", "e0", 0, timeout_wall_s=60),  # every actor is serving
+        lambda pids: asyncio.run(vandalize(out, random.Random(16))),
+    )  # fmt: skip
+    assert returncode == 0, output
     assert_all_gone(pids)
     summary = json.loads((out / "summary.json").read_text())
     expected = 4 * (sum(n for _, n in STORED.values()) + sum(n for _, n in CORE.values()) + len(REQUESTS))

@@ -67,6 +67,30 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
         time.sleep(0.05)  # barrier-ok: polling for the launcher's file
 
 
+# the allocator of the fault tests: decides every second, no dwell, always a PD split
+FAST_PD_ALLOCATOR = '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n'
+
+
+def launch_with_fault(config: Path, out: Path, moment, fault, *extra: str, timeout_wall_s: float = 240, undo=None) -> tuple[dict[str, int], str, int]:
+    """Launch a run, wait for `moment(bus_file)` (a coroutine), inject `fault(pids)`, and let
+    the run finish: (pids, the launcher's output, its exit code). The launcher is killed if
+    it is still running when this returns; `undo(pids)` runs first then (a SIGSTOP's SIGCONT)."""
+    proc = start_launcher(config, out, *extra)
+    pids: dict[str, int] = {}
+    try:
+        pids, lines = read_until_started(proc)
+        wait_for_file(out / "bus.json", 30)
+        asyncio.run(moment(out / "bus.json"))
+        fault(pids)
+        rest, _ = proc.communicate(timeout=timeout_wall_s)
+    finally:
+        if proc.poll() is None:
+            if undo is not None:
+                undo(pids)
+            proc.kill()
+    return pids, "".join(lines) + rest, proc.returncode
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "kind, victim, moment, step",
@@ -82,18 +106,11 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
 def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, kind: str, victim: str, moment: str, step: int):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
-    proc = start_launcher(config, out, "--policy", "static-1:1")
-    try:
-        pids, lines = read_until_started(proc)
-        wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", moment, victim, step, timeout_wall_s=60))
-        os.kill(pids[f"{kind} {victim}"], signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+    pids, output, returncode = launch_with_fault(
+        config, out, lambda bus: wait_for_event(bus, moment, victim, step, timeout_wall_s=60),
+        lambda pids: os.kill(pids[f"{kind} {victim}"], signal.SIGKILL), "--policy", "static-1:1",
+    )  # fmt: skip
+    assert returncode == 0, output
     assert f"{kind} {victim} died with exit code -9" in output and f"restarted {kind} {victim} pid" in output
     assert_all_gone(pids)
 
@@ -126,18 +143,11 @@ def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, ki
 def test_kill_9_the_nats_server_mid_run_restarts_it_on_its_store_and_loses_nothing(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
-    proc = start_launcher(config, out, "--policy", "static-1:1")
-    try:
-        pids, lines = read_until_started(proc)
-        wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", "decode_queued", "e0", 0, timeout_wall_s=60))  # under load
-        os.kill(pids["nats-server"], signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+    _, output, returncode = launch_with_fault(
+        config, out, lambda bus: wait_for_event(bus, "decode_queued", "e0", 0, timeout_wall_s=60),  # under load
+        lambda pids: os.kill(pids["nats-server"], signal.SIGKILL), "--policy", "static-1:1",
+    )  # fmt: skip
+    assert returncode == 0, output
     assert "nats-server died with exit code -9" in output and "restarted nats-server pid" in output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["restarts"]["nats-server"] == 1
@@ -153,20 +163,13 @@ def test_kill_9_the_nats_server_mid_run_restarts_it_on_its_store_and_loses_nothi
 @pytest.mark.e2e
 def test_kill_9_the_allocator_mid_run_its_successor_continues_above_the_fleet_epoch(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2, time_scale=10.0, ack_wait=2.0)
-    config.write_text(config.read_text() + '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    config.write_text(config.read_text() + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
-    proc = start_launcher(config, out)
-    try:
-        pids, lines = read_until_started(proc)
-        wait_for_file(out / "bus.json", 30)
-        asyncio.run(wait_for_event(out / "bus.json", "role_switched", "*", 0, timeout_wall_s=60))  # a switch carried out
-        os.kill(pids["allocator allocator"], signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+    _, output, returncode = launch_with_fault(
+        config, out, lambda bus: wait_for_event(bus, "role_switched", "*", 0, timeout_wall_s=60),  # a switch carried out
+        lambda pids: os.kill(pids["allocator allocator"], signal.SIGKILL),
+    )  # fmt: skip
+    assert returncode == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["restarts"] == {"allocator allocator": 1}
     assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
