@@ -15,7 +15,7 @@ import pytest
 
 from ops.checks import incomplete_trajectories
 from tests.conftest import write_tiny_config
-from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_event
+from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_allocator_deciding, wait_for_event
 from tests.test_launch import assert_all_gone
 
 pytestmark = pytest.mark.e2e
@@ -36,8 +36,12 @@ def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp
         time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # barrier-ok: the fault's length (past lease and ack wait), not a barrier
         os.kill(pids["engine e1"], signal.SIGCONT)
 
+    async def moment(bus: Path) -> None:  # e1 decoding, and the allocator watching its lease
+        await wait_for_event(bus, "decode_started", "e1", 0, timeout_wall_s=60)
+        await wait_for_allocator_deciding(bus, timeout_wall_s=120)
+
     pids, output, returncode = launch_with_fault(
-        config, out, lambda bus: wait_for_event(bus, "decode_started", "e1", 0, timeout_wall_s=60), freeze,
+        config, out, moment, freeze,
         undo=lambda pids: os.kill(pids["engine e1"], signal.SIGCONT),
     )  # fmt: skip
     assert returncode == 0, output

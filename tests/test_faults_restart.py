@@ -19,6 +19,7 @@ from actors.base.connection import close, connect
 from bus_schemas import subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.status import ActorStatus
 from ops.checks import incomplete_trajectories
 from ops.procs import Supervision
 from tests.conftest import write_tiny_config
@@ -56,6 +57,24 @@ async def wait_for_event(bus_file: Path, kind: str, actor_id: str, step: int, ti
     try:
         await nc.jetstream().subscribe(subjects.lifecycle(kind), cb=on_event, ordered_consumer=True)  # the log from its start
         return await asyncio.wait_for(seen, timeout=timeout_wall_s)
+    finally:
+        await close(nc)
+
+
+async def wait_for_allocator_deciding(bus_file: Path, timeout_wall_s: float) -> None:
+    """Return once the allocator's heartbeat shows a decision made: it is past its startup
+    wait and watches every engine's lease. (A loaded machine starts it after the engines.)"""
+    bus = json.loads(bus_file.read_text())
+    nc = await connect(bus["url"], "fault-injector", logging.getLogger("test"), user=bus.get("user"), password=bus.get("password"))
+    deciding = asyncio.Event()
+
+    async def on_status(msg) -> None:
+        if decode(ActorStatus, msg.data).counters.get("decisions", 0) >= 1:
+            deciding.set()
+
+    try:
+        await nc.subscribe(subjects.status("allocator", "allocator"), cb=on_status)
+        await asyncio.wait_for(deciding.wait(), timeout=timeout_wall_s)
     finally:
         await close(nc)
 
