@@ -60,11 +60,8 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == 16
     assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0 and summary["incomplete_trajectories"] == 0
     assert summary["dead_letters"] == 0
-    # Known gap: the allocator waits a fixed 120 s (actors/allocator/actor.py STARTUP_WAIT_WALL_S)
-    # for the engines' first heartbeats, and a vLLM engine can take longer to start on a loaded
-    # machine; it then exits and is restarted. No other actor may die, and nothing restarts twice.
-    deaths = summary["actor_deaths"]
-    assert all(d["actor"] == "allocator allocator" and d["restarted"] for d in deaths) and len(deaths) <= 1, deaths
+    # nothing died: the allocator goes on without an engine that starts slowly, and takes it when it reports
+    assert summary["actor_deaths"] == [], summary["actor_deaths"]
     assert [s["step"] for s in summary["steps"]] == [0, 1]
     assert summary["actors"]["trainer"]["train_updates"] == 2
 

@@ -35,7 +35,7 @@ from bus_schemas.eventlog import load_events
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.status import ActorStatus, EngineStatus
 
-STARTUP_WAIT_WALL_S = 120.0  # every engine must have sent a heartbeat within this
+STARTUP_WAIT_WALL_S = 120.0  # wait this long for every engine's first heartbeat, then go on without the late ones
 
 
 def make_policy(config: Config) -> Policy:
@@ -113,7 +113,11 @@ class AllocatorActor(Actor):
             self.forecast = forecast
 
     async def serve(self, burst: bool) -> None:
-        await self.wait_for_heartbeats("engine", self.config.engine_ids(), STARTUP_WAIT_WALL_S)
+        try:
+            await self.wait_for_heartbeats("engine", self.config.engine_ids(), STARTUP_WAIT_WALL_S)
+        except RuntimeError as err:  # slow starters (a vLLM engine on a busy host) join when they report
+            self.counters["late_engines_at_start"] += 1
+            self.log.warning("%s; allocating over the engines that did report", err)
         self.epoch = max((s.epoch for s in self.statuses.values()), default=0)
         self.log.info("allocator up: policy=%s, fleet epoch %d", self.policy.name, self.epoch)
         while not self.stopping.is_set():
