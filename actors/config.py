@@ -32,7 +32,8 @@ class RunSection(_Section):
     name: str = "prorsa"
     seed: int = 0  # seeds every sampled length and latency
     time_scale: float = 1.0  # model seconds per wall second (20: a 60 s rollout takes 3 s)
-    mode: Literal["sync"] = "sync"
+    # "sync": rollout pauses while the trainer trains; "async": it never pauses (docs/async.md)
+    mode: Literal["sync", "async"] = "sync"
     policy: Policy = "colocated"  # overridden by `--policy` (which also takes `static-P:D`)
     # status heartbeat period in wall seconds; default one per model second (1 / time_scale),
     # so the allocator and the routers see the same freshness at any time compression
@@ -93,6 +94,11 @@ class EngineSection(_Section):
     prefill_layout: LayoutSection | None = None  # stage-specific parallelism for prefill engines
     decode_layout: LayoutSection | None = None  # ... and for decode engines
     switch_regime: Literal["instant", "sleep-wake", "restart"] = "instant"  # reconfiguration cost of a role switch
+    # run.mode = "async": a new policy version reaches an engine mid-rollout. "finish": the engine
+    # stops pulling, lets its in-flight turns finish on the old weights, then loads; "interrupt":
+    # it loads at the next iteration boundary and recomputes its in-flight turns' KV (tokens so
+    # far kept) on the new weights (docs/async.md)
+    inflight_on_update: Literal["finish", "interrupt"] = "finish"
     # Per-turn placement (policies reactive, prorsa, oracle): a turn appending at most this many
     # uncached tokens is prefilled where its KV already lives, a decode engine included; a
     # longer one goes to a prefill engine. 0: every prefill on a prefill (or colocated) engine.
@@ -171,10 +177,23 @@ class TrainerSection(_Section):
     samples_per_task: int = 4  # G
     train_s: float = 30.0  # modelled training time per step, model seconds
     policy_ack_timeout_wall_s: float = 60.0  # engines must ack a new policy within this
+    # run.mode = "async" only (docs/async.md): how many policy versions a trained trajectory may
+    # lag the version it is trained from, and what happens to one that would lag more
+    max_staleness: int = 1
+    stale_policy: Literal["hold", "drop", "partial"] = "hold"
+    # the torch trainer's correction for samples of an older policy: "none" clips the ratio
+    # against the behaviour logprobs (PPO); "clipped_is" clips against the policy before the
+    # update and weights each token by min(pi_before / pi_behaviour, is_cap) (decoupled PPO)
+    off_policy_correction: Literal["none", "clipped_is"] = "none"
+    is_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if min(self.steps, self.tasks_per_step, self.samples_per_task) < 1:
             raise ValueError("trainer.steps, tasks_per_step and samples_per_task must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness must be >= 0 (policy versions), not {self.max_staleness}")
+        if self.is_cap < 1.0:
+            raise ValueError("trainer.is_cap must be >= 1")
 
 
 class FamilyOverride(_Section):
@@ -376,6 +395,10 @@ class Config(_Section):
     def __post_init__(self) -> None:
         if self.run.policy == "oracle" and not self.allocator.oracle_log:
             raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
+        if self.run.mode == "async" and self.engines.backend == "vllm":
+            raise ValueError('run.mode = "async" runs the emulated and torch backends (vllm: not yet)')
+        if self.engines.inflight_on_update == "interrupt" and self.engines.backend != "emulated":
+            raise ValueError('engines.inflight_on_update = "interrupt" is modelled by the emulated backend only; torch has "finish"')
 
     @property
     def affinity_routing(self) -> bool:

@@ -40,6 +40,11 @@ class EventKind(str, enum.Enum):
     STEP_STARTED = "step_started"
     ROLLOUT_DONE = "rollout_done"
     POLICY_PUBLISHED = "policy_published"
+    # async RL (run.mode = "async", docs/async.md)
+    POLICY_UPDATE_STARTED = "policy_update_started"  # an engine began taking a new version mid-rollout (policy_loaded ends it)
+    TURN_INTERRUPTED = "turn_interrupted"  # a weight update cut a turn; it resumes on the new version (detail: old version)
+    BATCH_READY = "batch_ready"  # the trainer took a batch (step: batch index; detail: staleness histogram)
+    TRAJECTORY_DROPPED = "trajectory_dropped"  # finished, but too stale to train on (detail: the reason)
 
 
 # What a complete disaggregated / colocated turn looks like in the log.

@@ -26,7 +26,7 @@ class FinishedTrajectory(msgspec.Struct, frozen=True, kw_only=True):
     task_family: str
     env_id: str
     step: int
-    policy_versions: list[int]  # every version the turns ran on, in turn order
+    policy_versions: list[int]  # per turn, in turn order: the (oldest) version that generated its tokens
     turns: int
     reward: float
     truncated: bool = False  # ended by the context cap, not by the agent
@@ -50,7 +50,8 @@ class PolicyVersion(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepReport(msgspec.Struct, frozen=True, kw_only=True):
-    """Published on subjects.train_step() when a sync step ends."""
+    """Published on subjects.train_step() when a sync step ends, or (async) when a batch is trained:
+    `step` is then the batch index and `policy_version` the version it was trained from."""
 
     step: int
     policy_version: int  # version the rollout ran on
@@ -60,6 +61,12 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     train_s: float
     trajectories: int
     mean_reward: float
+    # run.mode = "async" (docs/async.md); empty / zero in sync mode
+    mode: str = "sync"
+    staleness: list[int] = []  # trained trajectories per staleness 0, 1, ... (policy versions behind policy_version)
+    dropped: int = 0  # trajectories finished but kept out of this batch as too stale (stale_policy "drop")
+    masked_turns: int = 0  # turns older than the bound, masked out of the loss (stale_policy "partial")
+    trajectory_ids: list[str] = []  # the trajectories trained on, in batch order
 
 
 class ModelSpecRequest(msgspec.Struct, frozen=True, kw_only=True):

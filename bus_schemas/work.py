@@ -27,7 +27,8 @@ class PrefillWork(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0  # 0 for the first submission; +1 for each re-prefill of the same turn
     env_id: str  # environment that owns the trajectory; results go to result.<env_id>
     task_family: str  # workload profile name, e.g. "swe" or "math"
-    policy_version: int  # policy the turn must run on
+    policy_version: int  # sync: the policy the turn runs on; async: the oldest it may run on (an engine
+    # at a newer version restamps the turn with its own version when it admits it)
     context_tokens: int  # tokens of history before this turn (what a prefix cache may hold)
     new_tokens: int  # tokens appended by this turn (the prompt, or the tool observation)
     max_output_tokens: int  # generation cap for this turn
@@ -129,7 +130,7 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     work_id: str  # the PrefillWork.work_id this answers
     trajectory_id: str
     turn: int
-    policy_version: int  # policy the tokens were generated with
+    policy_version: int  # policy the tokens were generated with (the newest, if a weight update interrupted the turn)
     prefill_engine_id: str
     decode_engine_id: str
     output_tokens: int  # tokens generated in this turn
@@ -137,3 +138,6 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int] = []  # real backends: the generated tokens
     logprobs: list[float] = []  # real backends: their log-probabilities under the policy
     finished_at_s: float
+    # a weight update interrupted the turn and it resumed on `policy_version` with its tokens so
+    # far (engines.inflight_on_update = "interrupt"): the version of its first tokens; -1: not interrupted
+    oldest_policy_version: int = -1

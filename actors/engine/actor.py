@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
@@ -71,6 +72,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         self._switched.set()
         self._init_writeback()  # engines.kv_writeback: held write-backs, the store tier's index
         self.incarnation = ""  # set at setup, renewed after a lease lapse (EngineStatus.incarnation)
+        self._init_updates()  # run.mode = "async": weight updates mid-rollout (commands.py)
 
     # --- setup and serving ---------------------------------------------------------------
     async def setup(self) -> None:
@@ -147,7 +149,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
 
     async def _fetch_loop(self, queue: str) -> None:
         while not self.stopping.is_set():
-            if not (self._pulling and queue in self._queues()):
+            if not (self._pulling and queue in self._queues()) or self._updating:
                 self._roles_changed.clear()
                 await self._roles_changed.wait()  # set by every switch, drain and stop
                 continue
@@ -168,6 +170,10 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         waits on an engine that will not serve it."""
         sub = self._subs["affinity"]
         while not self.stopping.is_set():
+            if self._updating:  # a weight update under way: routed turns wait here for the new version
+                self._roles_changed.clear()
+                await self._roles_changed.wait()
+                continue
             serving = self._pulling and self._prefills_routed_turns()
             if serving and self.core.room(self._pending_transfers) <= 0:
                 self._room.clear()
@@ -195,10 +201,11 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
                 self._msgs[work.work_id] = msg
                 self.counters["redelivered_in_flight"] += 1
                 return
-            if work.policy_version > self.policy_version or not self._pulling or not self._takes_prefill(queue):
+            if work.policy_version > self.policy_version or not self._pulling or self._updating or not self._takes_prefill(queue):
                 self.counters["returned_not_ready"] += 1
                 await msg.nak(delay=0.1)
                 return
+            work = self._stamp(work)
             problem = self._check_work(work)
             if problem is not None:  # decodes, but cannot run here: rejected like malformed input
                 self.counters["invalid_messages"] += 1
@@ -220,6 +227,10 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             self.counters["returned_not_ready"] += 1
             await msg.nak()
             return
+        if self._updating or item.prefill.policy_version > self.policy_version:  # prefilled on a version not loaded here yet
+            self.counters["returned_not_ready"] += 1
+            await msg.nak(delay=0.1)
+            return
         self._pending_transfers += 1
         self.spawn(self._pull_kv(item, msg), f"kv-{item.prefill.work_id}")
 
@@ -238,6 +249,15 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             self._pending_transfers -= 1
             self._wake.set()
             self._progress.set()
+
+    def _stamp(self, work: PrefillWork) -> PrefillWork:
+        """Async mode: a turn runs on the version this engine holds, which may be newer than the
+        one it asked for; its prefix cache, held and written-back KV are then keyed by that
+        version. (Sync mode: engines confirm a step's version before its work exists.)"""
+        if work.policy_version < self.policy_version:
+            self.counters["turns_restamped"] += 1
+            return msgspec.structs.replace(work, policy_version=self.policy_version)
+        return work
 
     def _takes_prefill(self, queue: str) -> bool:
         return self._prefills_routed_turns() if queue == "affinity" else "prefill" in self._queues()
@@ -266,6 +286,9 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         repeat_prefill = self.backend.repeats_prefill
         while not self.stopping.is_set():
             self._expire_held()
+            if self._interrupt_for is not None:  # a weight update cuts in between two iterations
+                await self._interrupting_update()
+                cursor_s = max(cursor_s, self.clock.now_s())
             if await self._before_step():  # waited on purpose: not lag
                 cursor_s = max(cursor_s, self.clock.now_s())
             self._wake.clear()  # from here on, new work interrupts the step being planned

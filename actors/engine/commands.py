@@ -11,9 +11,11 @@ switch regime and layouts give, pulls for the new role, and acks with the drain 
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.msg import Msg
 
-from actors.engine.emulated.costmodel import switch_reconfig_s
+from actors.engine.emulated.costmodel import switch_reconfig_s, weight_sync_s
 from bus_schemas.codec import encode
 from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, Shutdown
 from bus_schemas.lifecycle import EventKind
@@ -37,6 +39,9 @@ class EngineCommands:
                 if version < self.policy_version:
                     await self._reply(msg, "load_policy", ok=False, error=f"stale policy {version} < {self.policy_version}")
                     return
+                if version > self.policy_version and self.config.run.mode == "async":
+                    self.spawn(self._reply_when_updated(version, msg), f"update-{version}")  # replies once loaded
+                    return
                 if version > self.policy_version:
                     error = await self._load_weights(version)
                     if error is not None:
@@ -58,6 +63,87 @@ class EngineCommands:
     async def _load_weights(self, version: int) -> str | None:
         """A backend hook: load policy `version`'s weights; why not, or None when loaded."""
         return None
+
+    # --- weight updates mid-rollout (run.mode = "async", docs/async.md) -------------------------
+    def _init_updates(self) -> None:
+        self._updating = False  # no pulls while set; the step loop runs what is in flight
+        self._interrupt_for: tuple[int, asyncio.Future] | None = None  # the step loop applies it between iterations
+        self._updates: dict[int, asyncio.Task] = {}  # version -> its update (a repeated LoadPolicy waits on it)
+        self._update_lock = asyncio.Lock()
+
+    def _weight_sync_s(self) -> float:
+        """Modelled time to receive a version's weights (a backend hook: real backends return 0
+        and take what `_load_weights` really takes)."""
+        return weight_sync_s(self.core.preset, self.link)
+
+    async def _reply_when_updated(self, version: int, msg: Msg) -> None:
+        task = self._updates.get(version)
+        if task is None:
+            task = self._updates[version] = self.spawn(self._update_policy(version), f"load-policy-{version}")
+        error = await asyncio.shield(task)
+        await self._reply(msg, "load_policy", ok=error is None, error=error or "")
+
+    async def _update_policy(self, version: int) -> str | None:
+        """Take `version` while rollout goes on: stop pulling; then either let every in-flight
+        turn finish on the old weights ("finish") or cut them at the next iteration boundary
+        ("interrupt"); receive the weights; pull again. Returns why not, or None."""
+        async with self._update_lock:
+            if version <= self.policy_version:
+                return None
+            mode = self.config.engines.inflight_on_update
+            started_s = self.clock.now_s()
+            self._updating = True
+            self._roles_changed.set()
+            self.event(EventKind.POLICY_UPDATE_STARTED, policy_version=version, step=version, engine_id=self.actor_id, detail=mode)
+            try:
+                if mode == "interrupt":
+                    done = asyncio.get_running_loop().create_future()
+                    self._interrupt_for = (version, done)
+                    self._wake.set()  # a multi-iteration step ends at its next iteration boundary
+                    error = await done
+                else:
+                    while not self._drained():
+                        await self._next_progress()
+                    drain_s = self.clock.now_s() - started_s
+                    self.counters["update_drain_ms"] += round(drain_s * 1e3)
+                    error = await self._take_weights(version)
+            finally:
+                self._updating = False
+                self._room.set()
+                self._roles_changed.set()
+                self._wake.set()
+            if error is None:
+                self.counters["policy_updates"] += 1
+                self.event(
+                    EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id,
+                    duration_s=self.clock.now_s() - started_s, detail=mode,
+                )  # fmt: skip
+                await self.publish_heartbeat()
+            else:
+                self.log.error("could not load policy %d: %s", version, error)
+            return error
+
+    async def _take_weights(self, version: int) -> str | None:
+        """Receive `version`'s weights (modelled time, then the backend's load) and switch to it."""
+        await self.clock.sleep(self._weight_sync_s())
+        error = await self._load_weights(version)
+        if error is None:
+            self.policy_version = version
+            self.core.drop_cache_below(version)
+        return error
+
+    async def _interrupting_update(self) -> None:
+        """Called by the step loop between two iterations: cut every in-flight turn (its tokens
+        so far stay; its KV is recomputed under the new weights), then take the weights."""
+        version, done = self._interrupt_for
+        self._interrupt_for = None
+        old, now_s = self.policy_version, self.clock.now_s()
+        for seq in self.core.interrupt(version):
+            self._turn_event(EventKind.TURN_INTERRUPTED, seq, now_s, detail=f"policy {old} -> {version}", generated_tokens=seq.generated)
+            self.counters["turns_interrupted"] += 1
+        error = await self._take_weights(version)
+        if not done.done():
+            done.set_result(error)
 
     async def _switch(self, command: SetRole, msg: Msg) -> None:
         if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.target_role):

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
@@ -43,6 +45,7 @@ class Seq:
     prefill_started: bool = False
     decode_started: bool = False
     prefill_engine_id: str = ""
+    oldest_version: int = -1  # a weight update interrupted the turn: the version of its first tokens
 
     @property
     def key(self) -> str:
@@ -359,6 +362,38 @@ class EngineCore:
         for seq in self.waiting:
             if seq.generated_before_prefill == 0:  # a preempted decode recomputes, then decodes here
                 seq.handoff = True
+
+    # --- a weight update mid-rollout (run.mode = "async") -----------------------------------
+    def interrupt(self, version: int) -> list[Seq]:
+        """engines.inflight_on_update = "interrupt", at an iteration boundary: every admitted
+        sequence (running, or waiting with KV) loses its KV of the old version and is recomputed
+        under `version` with its tokens so far (recompute preemption); every waiting one is
+        restamped with `version`; the prefix cache of older versions goes. Held KV keeps its
+        version (a decode engine at another version refuses it). Returns the sequences cut."""
+        cut = []
+        for seq in list(self.running.values()):
+            self._evict(seq)
+            cut.append(seq)
+        for seq in self.waiting:
+            if seq not in cut and (seq.prefill_done_tokens > 0 or seq.cached_prefix_tokens > 0):
+                self._evict(seq)
+                cut.append(seq)
+        self.preemptions -= len(cut)  # not a KV shortage
+        for seq in self.waiting:
+            old = seq.work.policy_version
+            if old < version:
+                if seq.generated > 0 and seq.oldest_version < 0:
+                    seq.oldest_version = old  # tokens of the old policy stay in the turn
+                seq.work = msgspec.structs.replace(seq.work, policy_version=version)
+        self.drop_cache_below(version)
+        return cut
+
+    def drop_cache_below(self, version: int) -> int:
+        """Forget every cached prefix of a policy older than `version`; returns entries dropped."""
+        stale = [k for k in self._cache if int(k.rsplit("@", 1)[1]) < version]
+        for k in stale:
+            self._cache_tokens -= self._cache.pop(k)
+        return len(stale)
 
     # --- KV hand-off (prefill role) ------------------------------------------------------
     def hold(self, seq: Seq, handle_id: str, expires_at_s: float) -> None:

@@ -94,6 +94,7 @@ class EngineHandoff:
             output_tokens=seq.generated,
             cached_prefix_tokens=seq.cached_prefix_tokens,
             finished_at_s=at_s,
+            oldest_policy_version=seq.oldest_version,
         )
 
     async def _return_result(self, seq: Seq, at_s: float) -> None:
@@ -121,6 +122,11 @@ class EngineHandoff:
     # --- KV hand-off, decode side ----------------------------------------------------------
     async def _pull_kv(self, item: DecodeWork, msg: Msg) -> None:
         try:
+            if item.prefill.policy_version < self.policy_version:  # KV of an older policy: never reused
+                self.counters["kv_stale_version"] += 1
+                await self._reprefill(item.prefill, f"KV of policy {item.prefill.policy_version} on an engine at {self.policy_version}")
+                await msg.ack()
+                return
             error, chunk = await self._request_kv(item.kv)
             if error is not None:
                 await self._reprefill(item.prefill, error)

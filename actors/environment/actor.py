@@ -55,6 +55,7 @@ class EnvironmentActor(Actor):
         self.live: dict[str, Trajectory] = {}
         self._tasks_empty = False
         self._room = asyncio.Event()
+        self.newest_version = 0  # the newest policy version a turn result has shown
 
     async def setup(self) -> None:
         ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
@@ -196,7 +197,7 @@ class EnvironmentActor(Actor):
             turn=t.turn,
             env_id=self.actor_id,
             task_family=a.task_family,
-            policy_version=a.policy_version,
+            policy_version=self._turn_version(t),
             queued_at_s=self.clock.now_s(),
             **self._turn_fields(t),
         )
@@ -207,6 +208,19 @@ class EnvironmentActor(Actor):
         subject = subjects.work_prefill(engine_id)
         await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping, self.clock)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)
+
+    def _turn_version(self, t: Trajectory) -> int:
+        """The oldest version a turn may run on: the assignment's; under async stale_policy
+        "partial", the newest seen, so a trajectory's remaining turns move to it (docs/async.md)."""
+        a = t.assignment
+        if self.config.run.mode == "async" and self.config.trainer.stale_policy == "partial":
+            return max(a.policy_version, self.newest_version)
+        return a.policy_version
+
+    @staticmethod
+    def _turn_versions(r: TurnResult) -> int:
+        """The version recorded for a turn: the oldest that generated any of its tokens."""
+        return r.oldest_policy_version if 0 <= r.oldest_policy_version < r.policy_version else r.policy_version
 
     async def _result_loop(self) -> None:
         while True:
@@ -226,7 +240,8 @@ class EnvironmentActor(Actor):
             return
         t.awaiting_result = False
         t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
-        t.versions.append(r.policy_version)
+        t.versions.append(self._turn_versions(r))
+        self.newest_version = max(self.newest_version, r.policy_version)
         t.generated_tokens += r.output_tokens
         t.context_tokens += t.new_tokens + r.output_tokens
         cap = t.plan.profile.context_cap_tokens

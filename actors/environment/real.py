@@ -75,7 +75,8 @@ class RealEnvironmentActor(EnvironmentActor):
             return
         t.awaiting_result = False
         t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
-        t.versions.append(r.policy_version)
+        t.versions.append(self._turn_versions(r))
+        self.newest_version = max(self.newest_version, r.policy_version)
         t.ids = t.ids + t.new_ids + list(r.token_ids)
         t.generated_mask += [0] * len(t.new_ids) + [1] * len(r.token_ids)
         t.logprobs += [0.0] * len(t.new_ids) + list(r.logprobs)

@@ -1,4 +1,4 @@
-"""Sync-mode trainer.
+"""The trainer. Async mode (run.mode = "async") is `async_loop.AsyncTrainerLoop`; sync mode:
 
 Each step: (1) every engine confirms the step's policy version; (2) B tasks x G samples are
 assigned; (3) finished trajectories are collected until every one of the step is in;
@@ -15,6 +15,7 @@ from nats.errors import NoRespondersError
 from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
 from actors.environment.workloads import choose_family
+from actors.trainer.async_loop import AsyncTrainerLoop
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.control import CommandAck, LoadPolicy
@@ -28,7 +29,7 @@ COMMAND_TIMEOUT_WALL_S = 2.0
 LOAD_RETRY_WALL_S = 0.1  # an engine not yet serving commands is asked again after this
 
 
-class TrainerActor(Actor):
+class TrainerActor(AsyncTrainerLoop, Actor):
     kind = "trainer"
 
     def __init__(self, actor_id, config, nc, clock) -> None:
@@ -46,6 +47,9 @@ class TrainerActor(Actor):
     async def serve(self, burst: bool) -> None:
         await self.wait_for_heartbeats("environment", self.config.env_ids(), self.config.trainer.policy_ack_timeout_wall_s)
         await self._load_policy_everywhere(self.policy_version)
+        if self.config.run.mode == "async":
+            await self._serve_async()
+            return
         for step in range(self.config.trainer.steps):
             report = await self._run_step(step)
             self.reports.append(report)
@@ -84,9 +88,10 @@ class TrainerActor(Actor):
         await self._durable(subjects.train_step(), encode(report), f"step-{step}")
         return report
 
-    async def _train(self, batch: list[FinishedTrajectory], new_version: int) -> float:
+    async def _train(self, batch: list[FinishedTrajectory], new_version: int, min_version: int = -1) -> float:
         """Produce policy `new_version` from the step's trajectories; return the training time.
-        Modelled here (a wait); `TorchTrainerActor` trains for real."""
+        Modelled here (a wait); `TorchTrainerActor` trains for real. `min_version`: turns of an
+        older policy are masked out of the loss (async, stale_policy "partial")."""
         await self.clock.sleep(self.config.trainer.train_s)
         return self.config.trainer.train_s
 
@@ -142,7 +147,10 @@ class TrainerActor(Actor):
         waiting = set(self.config.engine_ids())
         give_up_at_s = self.clock.now_s() + self.config.trainer.policy_ack_timeout_wall_s * self.clock.time_scale
         while waiting:
-            for engine_id in sorted(waiting):
+            if self.config.run.mode == "async":  # every engine takes it at once, each while its rollout goes on
+                confirmed = await asyncio.gather(*(self._send_load_policy(e, version) for e in sorted(waiting)))
+                waiting -= {e for e, ok in zip(sorted(waiting), confirmed) if ok}
+            for engine_id in sorted(waiting) if self.config.run.mode == "sync" else ():
                 if await self._send_load_policy(engine_id, version):
                     waiting.discard(engine_id)
             if waiting:

@@ -5,6 +5,16 @@
 
 summed over the tokens the policy generated (observation and prompt tokens are masked out),
 with log-probabilities of the tempered distribution the engines sampled from. No KL term.
+
+Off-policy correction (async RL, `trainer.off_policy_correction`): "none" is the above, the
+ratio taken against the behaviour policy that sampled the tokens. "clipped_is" is decoupled
+PPO (AReaL): the ratio is clipped against the policy before this update (π_prox) and each
+token is weighted by the truncated importance ratio w = min(π_prox / π_rollout, is_cap):
+
+    loss = - Σ_tokens w · min(ρ' A, clip(ρ', 1-ε, 1+ε) A) / Σ_tokens,   ρ' = π_θ / π_prox
+
+`min_version` (stale_policy "partial"): the generated tokens of turns whose policy version is
+older are masked out of the loss (turn i's tokens are the i-th run of 1s in generated_mask).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ class StepStats:
     trajectories: int
     mean_abs_logprob_gap: float  # |logπ_θ - logπ_rollout| before the update: ~0 when engines and trainer agree
     clipped_fraction: float  # tokens whose ratio left [1-ε, 1+ε] in the last epoch
+    is_capped_tokens: int = 0  # clipped_is: tokens whose importance weight hit is_cap
+    masked_tokens: int = 0  # min_version: generated tokens of too-old turns, left out
 
 
 def group_advantages(rewards: list[float], groups: list[str], eps: float = 1e-6) -> list[float]:
@@ -45,8 +57,23 @@ def token_logprobs(lm, ids: torch.Tensor, attention: torch.Tensor, temperature: 
     return logp.gather(2, ids[:, 1:, None])[..., 0]
 
 
+def turn_mask(t: FinishedTrajectory, min_version: int) -> list[int]:
+    """generated_mask with the tokens of turns older than `min_version` set to 0."""
+    if min_version < 0:
+        return list(t.generated_mask)
+    mask, turn, previous = [], -1, 0
+    for bit in t.generated_mask:
+        if bit and not previous:
+            turn += 1
+        previous = bit
+        version = t.policy_versions[turn] if 0 <= turn < len(t.policy_versions) else -1
+        mask.append(1 if bit and version >= min_version else 0)
+    return mask
+
+
 def grpo_update(lm, optimizer, trajectories: list[FinishedTrajectory], *, temperature: float, clip_eps: float,
-                epochs: int, pad_id: int, max_grad_norm: float = 1.0) -> StepStats:  # fmt: skip
+                epochs: int, pad_id: int, max_grad_norm: float = 1.0, correction: str = "none", is_cap: float = 2.0,
+                min_version: int = -1) -> StepStats:  # fmt: skip
     data = [t for t in trajectories if usable(t)]
     advantages = group_advantages([t.reward for t in data], [t.task_id for t in data])
     keep = [i for i, a in enumerate(advantages) if a != 0.0]
@@ -63,19 +90,28 @@ def grpo_update(lm, optimizer, trajectories: list[FinishedTrajectory], *, temper
         n = len(t.token_ids)
         ids[i, :n] = torch.tensor(t.token_ids)
         attention[i, :n] = 1
-        mask[i, :n] = torch.tensor(t.generated_mask, dtype=torch.float)
+        mask[i, :n] = torch.tensor(turn_mask(t, min_version), dtype=torch.float)
         old[i, :n] = torch.tensor(t.logprobs)
     ids, attention, mask, old = ids.to(device), attention.to(device), mask[:, 1:].to(device), old[:, 1:].to(device)
     adv = torch.tensor(advantages, device=device)[:, None]
+    all_generated = sum(sum(t.generated_mask) for t in data)
     n_tokens = mask.sum()
+    if n_tokens.item() == 0:  # every generated token masked (too old)
+        return StepStats(0.0, 0, 0, 0.0, 0.0, 0, all_generated)
     lm.train()
     gap, clipped, loss_value = 0.0, 0.0, 0.0
+    base, weight, capped = old, torch.ones_like(old), 0
     for epoch in range(epochs):
         new = token_logprobs(lm, ids, attention, temperature)
         if epoch == 0:
             gap = ((new.detach() - old).abs() * mask).sum().item() / n_tokens.item()
-        ratio = torch.exp(new - old)
-        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+            if correction == "clipped_is":  # π_prox: the policy before this update (no second forward)
+                base = new.detach()
+                raw = torch.exp(base - old)
+                weight = torch.clamp(raw, max=is_cap)
+                capped = int(((raw > is_cap).float() * mask).sum().item())
+        ratio = torch.exp(new - base)
+        surrogate = weight * torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         loss = -(surrogate * mask).sum() / n_tokens
         optimizer.zero_grad()
         loss.backward()
@@ -84,4 +120,4 @@ def grpo_update(lm, optimizer, trajectories: list[FinishedTrajectory], *, temper
         loss_value = loss.item()
         clipped = ((((ratio - 1).abs() > clip_eps).float() * mask).sum() / n_tokens).item()
     lm.eval()
-    return StepStats(loss_value, int(n_tokens.item()), len(data), gap, clipped)
+    return StepStats(loss_value, int(n_tokens.item()), len(data), gap, clipped, capped, all_generated - int(n_tokens.item()))

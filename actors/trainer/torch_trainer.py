@@ -65,12 +65,13 @@ class TorchTrainerActor(TrainerActor):
         if msg.reply:
             await msg.respond(encode(reply))
 
-    async def _train(self, batch: list[FinishedTrajectory], new_version: int) -> float:
-        mc = self.config.model
+    async def _train(self, batch: list[FinishedTrajectory], new_version: int, min_version: int = -1) -> float:
+        mc, tc = self.config.model, self.config.trainer
         started_s = self.clock.now_s()
         stats = await asyncio.to_thread(
             grpo_update, self.lm, self.optimizer, batch, temperature=mc.temperature, clip_eps=mc.clip_eps,
-            epochs=mc.epochs, pad_id=self.tokenizer.pad_id,
+            epochs=mc.epochs, pad_id=self.tokenizer.pad_id, correction=tc.off_policy_correction, is_cap=tc.is_cap,
+            min_version=min_version,
         )  # fmt: skip
         unusable = len(batch) - sum(1 for t in batch if t.token_ids)
         if unusable:
@@ -84,6 +85,7 @@ class TorchTrainerActor(TrainerActor):
         self.train_stats.append(stats)
         self.counters["train_updates"] += 1
         self.counters["trained_tokens"] += stats.tokens
+        self.counters["is_capped_tokens"] += stats.is_capped_tokens
         self.log.info(
             "trained policy %d: loss %.4f on %d tokens of %d trajectories, rollout/trainer logprob gap %.2e, clipped %.3f, %.2f s",
             new_version, stats.loss, stats.tokens, stats.trajectories, stats.mean_abs_logprob_gap, stats.clipped_fraction, train_s,

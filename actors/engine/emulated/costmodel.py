@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from actors.engine.emulated import hardware as hw
 from actors.engine.emulated.hardware import LINKS, Link  # re-exported: the engine imports links from here
 
-__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s", "with_lockstep"]
+__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s", "weight_sync_s", "with_lockstep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +344,20 @@ def decode_run_s(preset: CostPreset, decode_seqs: int, decode_context_tokens: in
 
 def transfer_s(link: Link, kv_bytes: int) -> float:
     return link.t0_s + kv_bytes / link.bytes_per_s
+
+
+def weight_sync_bytes(preset: CostPreset) -> int:
+    """Bytes of a new policy version's weights: the BF16 weights a decode step reads
+    (hardware.MODELS, from each model's config.json) plus the input embedding table, which has
+    the untied LM head's shape (vocab x hidden) in these models [M: config.json]."""
+    model = hw.MODELS[preset.model]
+    return int(model.weight_bytes_bf16 + model.lm_head_bytes_bf16)
+
+
+def weight_sync_s(preset: CostPreset, link: Link) -> float:
+    """A weight update mid-rollout (run.mode = "async"): the model's bytes over the engine's
+    link (engines.link), as a KV transfer of that size would take (`transfer_s`)."""
+    return transfer_s(link, weight_sync_bytes(preset))
 
 
 def prefill_s(preset: CostPreset, new_tokens: int, prefix_tokens: int = 0) -> float:

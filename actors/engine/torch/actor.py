@@ -411,6 +411,9 @@ class TorchEngineActor(EngineActor):
         await super()._reprefill(work, why)
 
     # --- policy versions ---------------------------------------------------------------------------
+    def _weight_sync_s(self) -> float:
+        return 0.0  # the fetch below takes what it really takes
+
     async def _load_weights(self, version: int) -> str | None:
         first, error = await self._weights_request(version, 0)
         if error is not None:
