@@ -68,6 +68,7 @@ class EngineCommands:
     def _init_updates(self) -> None:
         self._updating = False  # no pulls while set; the step loop runs what is in flight
         self._interrupt_for: tuple[int, asyncio.Future] | None = None  # the step loop applies it between iterations
+        self._interrupting_to = -1  # an interrupting update's version, from its request until it is loaded
         self._updates: dict[int, asyncio.Task] = {}  # version -> its update (a repeated LoadPolicy waits on it)
         self._update_lock = asyncio.Lock()
 
@@ -99,8 +100,12 @@ class EngineCommands:
                 if mode == "interrupt":
                     done = asyncio.get_running_loop().create_future()
                     self._interrupt_for = (version, done)
+                    self._interrupting_to = version  # KV of older versions landing from now on is refused
                     self._wake.set()  # a multi-iteration step ends at its next iteration boundary
-                    error = await done
+                    try:
+                        error = await done
+                    finally:
+                        self._interrupting_to = -1
                 else:
                     while not self._drained():
                         await self._next_progress()

@@ -134,6 +134,11 @@ class EngineHandoff:
                 return
             duration_s = transfer_s(self.link, chunk.kv_bytes)
             await self.clock.sleep(duration_s)
+            if item.prefill.policy_version < max(self.policy_version, self._interrupting_to):  # an update cut in meanwhile
+                self.counters["kv_stale_version"] += 1
+                await self._reprefill(item.prefill, f"KV of policy {item.prefill.policy_version} landed after an update began")
+                await msg.ack()
+                return
             seq = self.core.admit_decode(item)
             self._msgs[seq.key] = msg
             kind = EventKind.DECODE_MIGRATED if item.migrated_from else EventKind.KV_TRANSFER_DONE
