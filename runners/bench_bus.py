@@ -1,10 +1,15 @@
 """The bus under load, on the real nats-server (`python -m runners.bench bus --out DIR`).
 
 1. Lifecycle events per second held with nothing lost: one actor's `LifecyclePublisher`
-   (the path every actor logs through: async publishes with Nats-Msg-Id, retried until
-   acked) emits N events; the rate is N over the time until every one is acked, and `lost`
-   counts emitted events missing from the LIFECYCLE stream afterwards. Twice: fsync off
-   (`sync_interval` 2m, NATS's default) and `always` (the launcher's default).
+   (the path every actor logs through: publishes with Nats-Msg-Id, at most a window in
+   flight, retried until acked) emits N events; the rate is N over the time until every one
+   is acked. After each run every emitted id is looked up in the LIFECYCLE stream: `lost`
+   counts those missing, `duplicated` those stored twice. Each setting runs `repeats` times
+   on a fresh server and reports the median (a shared machine is noisy; every run is in
+   `measured`, with the client's and the server's CPU per event). Twice: fsync off
+   (`sync_interval` 2m, NATS's default) and `always` (the launcher's default); the disk's
+   own small-write fsync rate is measured next to it (`disk_fsyncs_per_s`), since with
+   `always` the server fsyncs every write and the disk sets the pace.
 2. Control latency: a forecast published on `prorsa.forecast` → the allocator's hop (a
    stand-in that sends SetRole the moment the forecast arrives: the policy's own decision
    time is the policy benches' business) → a real engine process carries the switch out →
@@ -12,7 +17,7 @@
    both 0). Meanwhile a fleet of `--engines` engines sends heartbeats at the run's period.
 
 Writes DIR/bus.json: events_per_s_async, events_per_s_fsync, control_p50_ms,
-control_p99_ms, lost (and how each was measured).
+control_p99_ms, lost, duplicated (and how each was measured).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import asyncio
 import json
 import logging
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,14 +47,47 @@ from bus_schemas.control import CommandAck, Role, SetRole
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.status import EngineStatus
+from ops.export import read_stream
 from ops.natsserver import EmbeddedNats
 
 LOG = logging.getLogger("prorsa.bench.bus")
 REPO = Path(__file__).resolve().parent.parent
 
 
-async def events_per_s(root: Path, sync_interval: str, n_events: int) -> tuple[float, int]:
-    """(events acked per second, events lost) for one server setting."""
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds a process has used (this one by default); Linux /proc."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def disk_fsyncs_per_s(folder: Path, duration_s: float = 0.5) -> float:
+    """Small appends each followed by fsync, per second, in `folder`: what `sync_interval:
+    always` can at most reach on this disk at this moment (the server fsyncs every write)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fsync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    n, started = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - started < duration_s:
+            os.write(fd, b"x" * 200)
+            os.fsync(fd)
+            n += 1
+    finally:
+        os.close(fd)
+        path.unlink()
+    return n / (time.perf_counter() - started)
+
+
+def bench_event(i: int) -> LifecycleEvent:
+    return LifecycleEvent(event_id=f"bench-{i}", kind=EventKind.PREFILL_DONE, actor_id="e0", at_s=float(i), trajectory_id=f"t{i % 512}", turn=i % 7)
+
+
+async def events_per_s(root: Path, sync_interval: str, n_events: int) -> dict:
+    """One run on a fresh server: events acked per second, and every emitted id checked
+    against the stream afterwards (lost: missing; duplicated: stored more than once)."""
     with EmbeddedNats(root, sync_interval=sync_interval) as server:
         nc = await connect(server.url, "bench-events", LOG)
         try:
@@ -56,18 +96,32 @@ async def events_per_s(root: Path, sync_interval: str, n_events: int) -> tuple[f
             counters: Counter = Counter()
             publisher = LifecyclePublisher(js, counters, LOG, ScaledClock(1.0))
             publisher.start()
+            cpu_s, server_cpu_s = process_cpu_s(), process_cpu_s(server.proc.pid)
             started = time.perf_counter()
             for i in range(n_events):
-                publisher.emit(LifecycleEvent(event_id=f"bench-{i}", kind=EventKind.PREFILL_DONE, actor_id="e0", at_s=float(i), trajectory_id=f"t{i % 512}", turn=i % 7))
+                publisher.emit(bench_event(i))
                 if i % 1024 == 0:
                     await asyncio.sleep(0)  # let the publisher task run, as an actor's loop would
             await publisher.flush()
             elapsed_s = time.perf_counter() - started
+            cpu_s, server_cpu_s = process_cpu_s() - cpu_s, process_cpu_s(server.proc.pid) - server_cpu_s
             await publisher.close()
-            stored = (await js.stream_info(streams.LIFECYCLE.name)).state.messages
-            return n_events / elapsed_s, n_events - stored
+            stored = Counter(e.event_id for e in await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent))
+            emitted = {f"bench-{i}" for i in range(n_events)}
+            return {
+                "events_per_s": n_events / elapsed_s, "seconds": round(elapsed_s, 3),
+                "lost": len(emitted - stored.keys()), "duplicated": sum(n - 1 for n in stored.values()),
+                "client_cpu_us_per_event": round(cpu_s / n_events * 1e6, 1), "server_cpu_us_per_event": round(server_cpu_s / n_events * 1e6, 1),
+                "retries": counters["lifecycle_publish_retries"], "peak_in_flight": publisher.peak_in_flight,
+            }  # fmt: skip
         finally:
             await close(nc)
+
+
+async def events_median(root: Path, sync_interval: str, n_events: int, repeats: int) -> tuple[float, list[dict]]:
+    """(the median rate over `repeats` runs, each run's figures): a shared machine is noisy."""
+    runs = [await events_per_s(root / f"{sync_interval}-{k}", sync_interval, n_events) for k in range(repeats)]
+    return statistics.median(r["events_per_s"] for r in runs), runs
 
 
 def fleet_status(engine_id: str, at_s: float) -> bytes:
@@ -157,22 +211,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def bench(out: Path, n_events: int, n_fsync_events: int, n_switches: int, fleet: int, heartbeat_wall_s: float) -> dict:
+async def bench(out: Path, n_events: int, n_fsync_events: int, n_switches: int, fleet: int, heartbeat_wall_s: float, repeats: int = 3) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-bus-") as tmp:
         root = Path(tmp)
-        async_rate, lost_async = await events_per_s(root / "async", "2m", n_events)
-        fsync_rate, lost_fsync = await events_per_s(root / "fsync", "always", n_fsync_events)
+        async_rate, async_runs = await events_median(root, "2m", n_events, repeats)
+        disk_fsyncs = disk_fsyncs_per_s(root / "probe")
+        fsync_rate, fsync_runs = await events_median(root, "always", n_fsync_events, repeats)
         latencies = await control_latency_ms(root / "control", n_switches, fleet, heartbeat_wall_s)
+    runs = async_runs + fsync_runs
     result = {
         "events_per_s_async": round(async_rate),
         "events_per_s_fsync": round(fsync_rate),
         "control_p50_ms": round(percentile(latencies, 0.50), 2),
         "control_p99_ms": round(percentile(latencies, 0.99), 2),
-        "lost": lost_async + lost_fsync,
+        "lost": sum(r["lost"] for r in runs),
+        "duplicated": sum(r["duplicated"] for r in runs),
         "measured": {
-            "events_async": n_events, "events_fsync": n_fsync_events, "switches": n_switches,
-            "fleet_engines": fleet, "heartbeat_wall_s": heartbeat_wall_s, "cpus": os.cpu_count(),
-            "events": "one LifecyclePublisher, emit N then flush; rate = N / time to the last ack; lost = N - stored",
+            "events_async": n_events, "events_fsync": n_fsync_events, "repeats": repeats, "switches": n_switches,
+            "fleet_engines": fleet, "heartbeat_wall_s": heartbeat_wall_s, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+            "disk_fsyncs_per_s": round(disk_fsyncs),
+            "runs_async": async_runs, "runs_fsync": fsync_runs,
+            "events": "per run: a fresh server, one LifecyclePublisher, emit N then flush; rate = N / time to the last ack (the median of the runs); "
+            "lost / duplicated = emitted ids missing from / stored more than once in the LIFECYCLE stream, read back after each run",
             "control": "forecast publish -> SetRole request (allocator stand-in) -> engine process switches and acks, minus drain",
         },
     }  # fmt: skip

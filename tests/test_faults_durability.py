@@ -14,7 +14,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from actors.base.clock import ScaledClock
-from actors.base.publish import _ACK_TIMEOUT_WALL_S, _RETRY_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
+from actors.base.publish import ACK_TIMEOUT_WALL_S, _RETRY_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from ops.bus_guard import REASON_HEADER, DeadLetters, LifecycleFill, read_dead_letters
@@ -57,7 +57,7 @@ async def test_a_dead_lettered_task_assignment_fails_the_run(bus):
 
 
 async def test_publish_retries_give_up_inside_the_duplicate_window_with_a_counted_error(bus):
-    assert GIVE_UP_WALL_S + _RETRY_WALL_S + _ACK_TIMEOUT_WALL_S < streams.DUPLICATE_WINDOW_S  # the default does too
+    assert GIVE_UP_WALL_S + _RETRY_WALL_S + ACK_TIMEOUT_WALL_S < streams.DUPLICATE_WINDOW_S  # the default does too
     counters: Counter = Counter()
     started = time.monotonic()
     with pytest.raises(PublishFailed):  # no stream takes this subject: every try fails

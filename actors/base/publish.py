@@ -22,10 +22,10 @@ from actors.base.clock import Clock
 from actors.base.connection import BUS_ERRORS
 from bus_schemas.streams import DUPLICATE_WINDOW_S
 
-_ACK_TIMEOUT_WALL_S = 5.0
+ACK_TIMEOUT_WALL_S = 5.0
 _RETRY_WALL_S = 0.25
 # the last try must be acked (or time out) inside the duplicate window, with a margin
-GIVE_UP_WALL_S = DUPLICATE_WINDOW_S - 2 * _ACK_TIMEOUT_WALL_S
+GIVE_UP_WALL_S = DUPLICATE_WINDOW_S - 2 * ACK_TIMEOUT_WALL_S
 
 
 class PublishAborted(RuntimeError):
@@ -54,7 +54,7 @@ async def publish_durable(
     first_s = clock.now_s()
     while True:
         try:
-            return await js.publish(subject, data, timeout=clock.loop_s(_ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
+            return await js.publish(subject, data, timeout=clock.loop_s(ACK_TIMEOUT_WALL_S), headers={"Nats-Msg-Id": msg_id})
         except BUS_ERRORS as err:  # bus trouble: count, log, retry with the same id
             attempt += 1
             counters["publish_retries"] += 1
@@ -63,7 +63,7 @@ async def publish_durable(
             if stopping.is_set():
                 raise PublishAborted(f"stopped before {subject} acked {msg_id}") from err
             elapsed_wall_s = (clock.now_s() - first_s) / clock.time_scale
-            if elapsed_wall_s + _RETRY_WALL_S + _ACK_TIMEOUT_WALL_S > give_up_wall_s:
+            if elapsed_wall_s + _RETRY_WALL_S + ACK_TIMEOUT_WALL_S > give_up_wall_s:
                 counters["publish_failures"] += 1
                 log.error("publish to %s (id %s) not acked after %d tries in %.0f s: giving up inside the duplicate window", subject, msg_id, attempt, elapsed_wall_s)
                 raise PublishFailed(f"{subject} did not ack {msg_id} within {give_up_wall_s:g} s") from err
