@@ -1,27 +1,44 @@
 """The lifecycle publisher never blocks the actor and never loses an event: a publish the bus
-refuses is counted and retried with the same id until it is stored, once."""
+refuses is counted and retried with the same id until it is stored, once; retries stop
+inside the duplicate window with a counted error; at most `window` events are in flight;
+a nats-server killed mid-burst and restarted on its store loses and duplicates nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import Counter
+from pathlib import Path
 
+import pytest
+
+from actors.base.clock import ScaledClock
+from actors.base.connection import close, connect
 from actors.base.inproc import InProcServer
-from actors.base.lifecycle import LifecyclePublisher
+from actors.base.lifecycle import LifecyclePublisher, read_ack
+from actors.base.publish import ACK_TIMEOUT_WALL_S, GIVE_UP_WALL_S, PublishFailed
 from actors.base.virtual import LoopClock, VirtualTimeLoop
-from bus_schemas import streams
+from bus_schemas import streams, subjects
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
+from ops.export import read_stream
+from ops.natsserver import EmbeddedNats
+from tests.test_switch_protocol import until
+
+LOG = logging.getLogger("test")
 
 
 def event(event_id: str) -> LifecycleEvent:
     return LifecycleEvent(event_id=event_id, kind=EventKind.PREFILL_QUEUED, at_s=0.0, actor_id="t")
 
 
+async def stored_ids(js) -> Counter:
+    return Counter(e.event_id for e in await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent))
+
+
 async def publish_before_and_after_the_stream_exists() -> tuple[Counter, int]:
     js = InProcServer().connect("t").jetstream()
     counters: Counter = Counter()
-    publisher = LifecyclePublisher(js, counters, logging.getLogger("test"), LoopClock())
+    publisher = LifecyclePublisher(js, counters, LOG, LoopClock())
     publisher.start()
     publisher.emit(event("early"))  # no LIFECYCLE stream yet: the bus has no responders
     for _ in range(10_000):  # virtual time: the retry waits cost nothing
@@ -30,7 +47,7 @@ async def publish_before_and_after_the_stream_exists() -> tuple[Counter, int]:
         await asyncio.sleep(0.05)  # barrier-ok: virtual time, polls a counter
     else:
         raise AssertionError(f"only {counters['lifecycle_publish_retries']} retries in 500 virtual s")
-    assert not publisher._idle.is_set()  # still owed
+    assert publisher.owed == 1  # still owed
     await streams.ensure_streams(js)
     await asyncio.wait_for(publisher.flush(), timeout=10.0)
     retries = counters["lifecycle_publish_retries"]
@@ -50,3 +67,108 @@ def test_a_refused_lifecycle_publish_is_retried_until_stored_once():
     assert stored == 2
     assert counters["lifecycle_events"] == 2
     assert counters["lifecycle_publish_retries"] >= 3
+    assert counters["lifecycle_publish_failures"] == 0
+
+
+async def never_stored() -> tuple[Counter, float, LifecyclePublisher]:
+    js = InProcServer().connect("t").jetstream()  # no LIFECYCLE stream, ever
+    counters: Counter = Counter()
+    publisher = LifecyclePublisher(js, counters, LOG, LoopClock())
+    publisher.start()
+    started_s = asyncio.get_running_loop().time()
+    publisher.emit(event("doomed"))
+    with pytest.raises(PublishFailed, match="1 lifecycle events"):
+        await publisher.flush()
+    elapsed_s = asyncio.get_running_loop().time() - started_s
+    await publisher.flush()  # reported once
+    await publisher.close()
+    return counters, elapsed_s, publisher
+
+
+def test_lifecycle_retries_stop_inside_the_duplicate_window_with_a_counted_error():
+    loop = VirtualTimeLoop()
+    try:
+        counters, elapsed_s, publisher = loop.run_until_complete(never_stored())
+    finally:
+        loop.close()
+    assert counters["lifecycle_publish_failures"] == 1 and publisher.owed == 0
+    # tried until no further try could end inside the window, and no longer
+    assert GIVE_UP_WALL_S - ACK_TIMEOUT_WALL_S <= elapsed_s < GIVE_UP_WALL_S < streams.DUPLICATE_WINDOW_S
+    assert counters["lifecycle_publish_retries"] >= (GIVE_UP_WALL_S - ACK_TIMEOUT_WALL_S) / 0.25
+
+
+def test_stream_answers_are_read_as_stored_duplicate_or_failed():
+    assert read_ack(b'{"stream":"LIFECYCLE","seq":7}', None) == (None, False)
+    assert read_ack(b'{"stream":"LIFECYCLE","seq":7,"duplicate":true}', None) == (None, True)
+    why, _ = read_ack(b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}', None)
+    assert "maximum messages exceeded" in why
+    why, _ = read_ack(b"", {"Status": "503"})  # no stream takes the subject
+    assert "status 503" in why
+    assert read_ack(b'{"seq":1}', None)[0] is not None
+
+
+@pytest.mark.bus
+async def test_the_window_bounds_the_events_in_flight_and_every_event_is_stored_once(bus):
+    js = bus.jetstream()
+    counters: Counter = Counter()
+    publisher = LifecyclePublisher(js, counters, LOG, ScaledClock(1.0), window=8)
+    publisher.start()
+    for i in range(2000):
+        publisher.emit(event(f"w{i}"))
+        assert publisher.in_flight <= 8
+        if i % 100 == 0:
+            await asyncio.sleep(0)  # let the sender run, as an actor's loop would
+    await asyncio.wait_for(publisher.flush(), timeout=60)
+    await publisher.close()
+    assert publisher.peak_in_flight == 8  # the window filled, and never overflowed
+    assert await stored_ids(js) == Counter(f"w{i}" for i in range(2000))
+    assert counters["lifecycle_publish_retries"] == 0
+
+
+@pytest.mark.bus
+async def test_retries_on_nats_server_give_up_inside_the_window_with_a_counted_error(tmp_path: Path):
+    with EmbeddedNats(tmp_path / "nats") as server:  # no streams: every try is answered "no responders"
+        nc = await connect(server.url, "test", LOG)
+        try:
+            counters: Counter = Counter()
+            publisher = LifecyclePublisher(nc.jetstream(), counters, LOG, ScaledClock(1.0), give_up_wall_s=ACK_TIMEOUT_WALL_S + 1.0)
+            publisher.start()
+            publisher.emit(event("doomed"))
+            with pytest.raises(PublishFailed):
+                await asyncio.wait_for(publisher.flush(), timeout=30)
+            await publisher.close()
+        finally:
+            await close(nc)
+    assert counters["lifecycle_publish_failures"] == 1 and counters["lifecycle_publish_retries"] >= 2
+
+
+@pytest.mark.bus
+async def test_a_nats_server_killed_mid_burst_loses_and_duplicates_no_lifecycle_event(tmp_path: Path):
+    """`kill -9` of the server (sync_interval always) with events in flight, more emitted
+    while it is down, then a restart on the same store: every event stored exactly once."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    nc = await connect(server.url, "test", LOG)
+    try:
+        js = nc.jetstream()
+        await streams.ensure_streams(js)
+        counters: Counter = Counter()
+        publisher = LifecyclePublisher(js, counters, LOG, ScaledClock(1.0))
+        publisher.start()
+        for i in range(20_000):
+            publisher.emit(event(f"b{i}"))
+        await until(lambda: publisher.owed <= 18_000, timeout_wall_s=60)  # acks are coming in
+        server.proc.kill()  # a crash: mid-burst
+        server.proc.wait(timeout=10)
+        assert publisher.owed > 0 and publisher.in_flight > 0
+        await until(lambda: not nc.is_connected)
+        for i in range(20_000, 21_000):
+            publisher.emit(event(f"b{i}"))  # emitted while the server is down: queued, not lost
+        server.start()  # the same store and port
+        await asyncio.wait_for(publisher.flush(), timeout=120)
+        await publisher.close()
+        assert await stored_ids(js) == Counter(f"b{i}" for i in range(21_000))  # none missing, none twice
+        assert counters["lifecycle_publish_retries"] > 0 and counters["lifecycle_publish_failures"] == 0
+    finally:
+        await close(nc)
+        server.stop()
