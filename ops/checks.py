@@ -19,6 +19,8 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
     every turn kind for each turn 0..last (PD or colocated), and a tool call between turns.
     `disaggregated=None` (a fleet whose roles change): a turn that crossed engines (it has a
     `decode_queued` or `kv_transfer_done`) needs the PD kinds, any other the colocated ones.
+    Other kinds are allowed beside them: a re-prefill, a migrated decode, an interrupted turn
+    (`turn_interrupted`, async) and a `trajectory_dropped` (turn -1, async) change nothing here.
     """
     pd_kinds = {k.value for k in TURN_KINDS_PD}
     crossing = {EventKind.DECODE_QUEUED.value, EventKind.KV_TRANSFER_DONE.value}

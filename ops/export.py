@@ -127,6 +127,12 @@ async def read_run(js: JetStreamContext) -> RunRecord:
 
 
 def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str, backend: str, expected: int) -> dict:
+    """The run's summary. `expected`: the trajectories the config's batches need (steps x B x G);
+    under stale_policy "drop" every dropped trajectory's group is replaced by a new one, so the
+    dropped ones are counted on top (`trajectories_expected`). `trajectories_lost`: expected but
+    never finished (never negative; `trajectories_extra` counts finished ones beyond expected).
+    Async steps rows are batches: token counts are those computed while engines ran the
+    row's policy version."""
     finished_ids = {f.trajectory_id for f in record.finished}
     totals = step_token_totals(events)
     counters: dict[str, dict[str, int]] = {r.actor_id: r.counters for r in record.reports}
@@ -136,22 +142,33 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
         steps.append(
             {
                 "step": report.step,
+                "policy_version": report.policy_version,
+                "started_at_s": round(report.started_at_s, 3),
+                "rollout_done_at_s": round(report.rollout_done_at_s, 3),
                 "rollout_s": round(report.rollout_s, 3),
                 "train_s": report.train_s,
                 "trajectories": report.trajectories,
                 "mean_reward": report.mean_reward,
+                "staleness": list(report.staleness),
+                "dropped": report.dropped,
+                "masked_turns": report.masked_turns,
                 "prefill_tokens": tokens.get("prefill_tokens", 0),
                 "cached_prefix_tokens": tokens.get("cached_prefix_tokens", 0),
                 "decode_tokens": tokens.get("decode_tokens", 0),
             }
         )
+    dropped = sum(r.dropped for r in record.steps)
+    expected += dropped  # each dropped trajectory's group was replaced by a new one
     return {
         "policy": policy,
         "mode": mode,
         "backend": backend,
         "trajectories_expected": expected,
         "trajectories_finished": len(finished_ids),
-        "trajectories_lost": expected - len(finished_ids),
+        "trajectories_trained": sum(r.trajectories for r in record.steps),
+        "trajectories_dropped": dropped,
+        "trajectories_lost": max(0, expected - len(finished_ids)),
+        "trajectories_extra": max(0, len(finished_ids) - expected),
         "invalid_messages": sum(c.get("invalid_messages", 0) for c in counters.values()),
         "events": events.height,
         "steps": steps,

@@ -1,8 +1,8 @@
 """Benchmarks that print figures.
 
     python -m runners.bench calibration --out DIR    cost model vs published figures (fitting and validation sets)
-    python -m runners.bench rollout [--suite paper] [--out DIR] [--live] [--jobs N]
-                                                     every policy side by side (runners.rollout)
+    python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--out DIR] [--live] [--jobs N]
+                                                     every policy side by side, sync and async RL (runners.rollout)
     python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
                                                      simulation wall time vs fleet size (runners.simscale)
     python -m runners.bench bus [--out DIR]          lifecycle events/s and control latency on the real server (runners.bench_bus)
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tables", default="main,sweep,ablation,sensitivity",
         help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
     )  # fmt: skip
+    roll.add_argument("--mode", choices=("sync", "async", "both"), default="both", help="RL mode(s) to run every policy in (default both)")
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
@@ -110,12 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         tables = tuple(t.strip() for t in args.tables.split(",") if t.strip())
         out = args.out or Path("runs") / f"rollout-{args.suite}"
         per_gpu = tuple(int(n) for n in args.per_gpu.split(",") if n.strip())
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu)
+        modes = ("sync", "async") if args.mode == "both" else (args.mode,)
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes)
     return 2
 
 
 def rollout(
-    suite_name: str, out: Path, live: bool, jobs: int, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), per_gpu: tuple[int, ...] = ()
+    suite_name: str,
+    out: Path,
+    live: bool,
+    jobs: int,
+    tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
+    per_gpu: tuple[int, ...] = (),
+    modes: tuple[str, ...] = ("sync", "async"),
 ) -> int:
     from runners.rollout import SUITES, run_suite
 
@@ -126,12 +134,15 @@ def rollout(
     if unknown:
         print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: main, sweep, ablation, sensitivity)", file=sys.stderr)
         return 2
-    results = run_suite(SUITES[suite_name], out, live, jobs, tables, per_gpu)
+    results = run_suite(SUITES[suite_name], out, live, jobs, tables, per_gpu, modes)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
     bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]
     for r in bad:
-        print(f"error: {r['fleet']}/{r['workload']}/{r['policy']}: {r['status']}, {r['trajectories_lost']} lost, {r['incomplete_trajectories']} incomplete", file=sys.stderr)
+        print(
+            f"error: {r['fleet']}/{r['workload']}/{r['mode']}/{r['policy']}: {r['status']}, "
+            f"{r['trajectories_lost']} lost, {r['incomplete_trajectories']} incomplete", file=sys.stderr,
+        )  # fmt: skip
     return 1 if bad else 0
 
 

@@ -1,11 +1,13 @@
 """The rollout bench: the same workloads (same seeds) under every policy, side by side.
 
-    python -m runners.bench rollout [--suite paper] [--out DIR] [--live] [--jobs N]
+    python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--out DIR] [--live] [--jobs N]
 
-Each fleet x workload x policy is one run of the same actors — in virtual time by default
+Each fleet x workload x mode x policy is one run of the same actors — in virtual time by default
 (`runners.simulate`), on a real nats-server with `--live` (`ops.launch`). `oracle` reads
-the true demand from the `prorsa` run's log of the same fleet and workload, so it runs
-after it. Writes DIR/results.json (one record per run), DIR/results.md (the table) and a
+the true demand from the `prorsa` run's log of the same fleet, workload and mode, so it runs
+after it. Async runs (run.mode = "async", docs/async.md) train the same number of batches
+of the same shape as the sync run, with max_staleness = ASYNC_MAX_STALENESS and
+stale_policy = ASYNC_STALE_POLICY. Writes DIR/results.json (one record per run), DIR/results.md (the table) and a
 timeline PNG per workload; every run's folder (events, summary) is kept under DIR/runs.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -58,10 +60,15 @@ class Workload:
     steps: int = 1  # sync RL steps (a shifting mix needs at least two)
 
 
+MODES = ("sync", "async")
+ASYNC_MAX_STALENESS = 1  # policy versions (trainer.max_staleness) in the bench's async runs
+ASYNC_STALE_POLICY = "hold"  # every assigned group is trained: the same trajectories as sync
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
     """One row of a table: a fleet, a workload and a concurrency, with engine settings that
-    differ from the fleet's (`engines`, named by `variant`), run under every policy."""
+    differ from the fleet's (`engines`, named by `variant`), in one RL mode, run under every policy."""
 
     table: str  # "main", "sweep", "ablation" or "sensitivity"
     fleet: Fleet
@@ -69,10 +76,11 @@ class Case:
     trajectories_per_gpu: int
     engines: dict = field(default_factory=dict)
     variant: str = "default"
+    mode: str = "sync"  # run.mode: "sync" or "async"
 
     @property
     def key(self) -> str:
-        return f"{self.table}-{self.fleet.name}-{self.workload.name}-{self.trajectories_per_gpu}-{self.variant}"
+        return f"{self.table}-{self.fleet.name}-{self.workload.name}-{self.trajectories_per_gpu}-{self.variant}-{self.mode}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +118,11 @@ class Suite:
         dynamic = list(self.dynamic) if main else [p for p in self.dynamic if p != "reactive"]
         return [*colocated, *statics, *dynamic, "oracle"]
 
-    def cases(self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity")) -> list[Case]:
+    def cases(self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), modes: tuple[str, ...] = ("sync",)) -> list[Case]:
+        """Every row of `tables`, once per mode (a row's sync and async cases side by side)."""
+        return [replace(c, mode=m) for c in self._cases(tables) for m in modes]
+
+    def _cases(self, tables: tuple[str, ...]) -> list[Case]:
         fleets = {f.name: f for f in self.fleets}
         workloads = {w.name: w for w in self.workloads}
         out: list[Case] = []
@@ -173,11 +185,12 @@ SUITES = {
             (*_ABLATE, "lockstep constants high", {"lockstep_constants": "high"}),
         ),
     ),
-    # A minute-long check of the machinery (tests and smoke runs).
+    # A seconds-long check of the machinery (tests and smoke runs); two batches, so an async
+    # run has a batch to overlap with training.
     "smoke": Suite(
         name="smoke",
         fleets=(Fleet("moe", {"count": 4, "preset": "h200-qwen3-30b-a3b", "layout": {"dp": 2, "ep": 2}}, 2, (1,)),),
-        workloads=(Workload("search", {"search": 1.0}),),
+        workloads=(Workload("search", {"search": 1.0}, steps=2),),
         trajectories_per_gpu=4,
         samples_per_task=4,
         environments=2,
@@ -193,7 +206,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         policy, which = policy.split("@")
         engines["layout"] = fleet.colocated_layouts[int(which) - 1]
     raw = {
-        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed, "time_scale": 20.0},
+        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed, "time_scale": 20.0, "mode": case.mode},
         "engines": engines,
         "environments": {"count": suite.environments, "max_live_trajectories": 1 << 16},
         "trainer": {
@@ -201,6 +214,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
             "tasks_per_step": suite.tasks_per_step(fleet, case.trajectories_per_gpu),
             "samples_per_task": suite.samples_per_task,
             "train_s": 60.0,
+            **({"max_staleness": ASYNC_MAX_STALENESS, "stale_policy": ASYNC_STALE_POLICY} if case.mode == "async" else {}),
         },
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else ""},
@@ -232,24 +246,29 @@ def _run_one(args: tuple[bytes, str, bool]) -> dict:
 
 
 def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
-    """Sum over steps of the longest trajectory's critical path: every prefill alone on a
-    prefill engine (new tokens on a cached prefix), every decode at the fastest step (one
-    sequence alone on the engine), its tool latencies, no queueing."""
+    """No policy's `rollout_s` can beat this. A trajectory's critical path: every prefill alone
+    on a prefill engine (new tokens on a cached prefix), every decode at the fastest step (one
+    sequence alone on the engine), its tool latencies, no queueing. Sync: the sum over steps of
+    the longest path of the step. Async (no step boundaries): the longest path of the run."""
     prefill, decode = config.engines.cost_preset(Role.PREFILL), config.engines.cost_preset(Role.DECODE)
     tpot_s = decode_step_s(decode, 1, 0)  # one sequence alone: under DP attention, busy peers slow a step
-    turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "step", "new_tokens", "context_tokens")
+    turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "new_tokens", "context_tokens")
     prefill_col = pl.struct("new_tokens", "context_tokens").map_elements(
         lambda r: prefill_s(prefill, max(1, r["new_tokens"]), r["context_tokens"]), return_dtype=pl.Float64
     )
-    per_traj = turns.with_columns(prefill_col.alias("s")).group_by("trajectory_id", "step").agg(pl.col("s").sum().alias("prefill_s"))
+    per_traj = turns.with_columns(prefill_col.alias("s")).group_by("trajectory_id").agg(pl.col("s").sum().alias("prefill_s"))
+    step = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first())  # sync: the trajectory's step
     gen = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id").agg(pl.col("generated_tokens").sum().alias("gen"))
     tools = events.filter(pl.col("kind") == "tool_done").group_by("trajectory_id").agg(pl.col("duration_s").sum().alias("tool_s"))
     paths = (
-        per_traj.join(gen, on="trajectory_id", how="left")
+        per_traj.join(step, on="trajectory_id", how="left")
+        .join(gen, on="trajectory_id", how="left")
         .join(tools, on="trajectory_id", how="left")
         .fill_null(0)
         .with_columns((pl.col("prefill_s") + pl.col("gen") * tpot_s + pl.col("tool_s")).alias("path_s"))
     )
+    if config.run.mode == "async":
+        return float(paths["path_s"].max() or 0.0)
     return float(paths.group_by("step").agg(pl.col("path_s").max())["path_s"].sum())
 
 
@@ -259,10 +278,37 @@ def trajectory_times(events: pl.DataFrame) -> pl.Series:
     return started.join(finished, on="trajectory_id").select(pl.col("t1") - pl.col("t0"))["t1"]
 
 
+def rollout_s(mode: str, steps: list[dict]) -> float:
+    """Model seconds of rollout. Sync: the sum over steps of first assignment to last finished
+    trajectory (training and weight loads excluded: rollout is paused then). Async (rollout
+    never pauses, training overlaps it): first assignment to the forming of the last batch, when
+    its last trajectory finished — training that overlaps rollout is inside it."""
+    if mode == "async":
+        return steps[-1]["rollout_done_at_s"] - steps[0]["started_at_s"]
+    return sum(s["rollout_s"] for s in steps)
+
+
+def run_s(events: pl.DataFrame, steps: list[dict]) -> float:
+    """Model seconds of the whole RL loop, the same in both modes: first assignment to the
+    last policy version published (the last batch trained)."""
+    published = events.filter(pl.col("kind") == "policy_published")["at_s"].max()
+    return float(published) - steps[0]["started_at_s"]
+
+
 def record(case: Case, policy: str, config: Config, summary: dict, out: Path) -> dict:
     events = load_events(out / "events.parquet")
     times = trajectory_times(events)
     role_switches = events.filter(pl.col("kind") == "role_switched").height
+    steps = summary["steps"]
+    trained = sum(s["trajectories"] for s in steps)
+    whole_s = run_s(events, steps)
+    started = events.filter(pl.col("kind") == "started").group_by("task_family").len()
+    families = {f: int(n) for f, n in sorted(started.iter_rows())}  # trajectories started per task family
+    staleness: list[int] = []  # trained trajectories per staleness, over every batch (async)
+    for s in steps:
+        for i, n in enumerate(s["staleness"]):
+            staleness += [0] * (i + 1 - len(staleness))
+            staleness[i] += n
     return {
         "table": case.table,
         "fleet": case.fleet.name,
@@ -275,13 +321,23 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "kv_writeback": config.engines.kv_writeback,
         "lockstep_constants": config.engines.lockstep_constants,
         "stage_layouts": config.engines.prefill_layout is not None or config.engines.decode_layout is not None,
+        "max_staleness": config.trainer.max_staleness if config.run.mode == "async" else None,
+        "stale_policy": config.trainer.stale_policy if config.run.mode == "async" else None,
         "status": summary["status"],
-        "rollout_s": round(sum(s["rollout_s"] for s in summary["steps"]), 2),
-        "step_rollout_s": [s["rollout_s"] for s in summary["steps"]],
+        "rollout_s": round(rollout_s(config.run.mode, steps), 2),
+        "step_rollout_s": [s["rollout_s"] for s in steps],
+        "run_s": round(whole_s, 2),
+        "trajectories": summary["trajectories_finished"],
+        "trajectories_trained": trained,
+        "throughput_per_s": round(trained / whole_s, 4) if whole_s > 0 else None,
+        "families": families,
+        "staleness": staleness,
+        "dropped": sum(s["dropped"] for s in steps),
         "role_switches": role_switches,
         "p50_traj_s": round(float(times.quantile(0.5)), 2),
         "p99_traj_s": round(float(times.quantile(0.99)), 2),
         "lower_bound_s": round(lower_bound_s(config, events), 2),
+        "trajectories_expected": summary["trajectories_expected"],
         "trajectories_lost": summary["trajectories_lost"],
         "incomplete_trajectories": summary["incomplete_trajectories"],
         "wall_s": summary["wall_s"],
@@ -298,10 +354,12 @@ def run_suite(
     jobs: int = 2,
     tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
     per_gpu: tuple[int, ...] = (),
+    modes: tuple[str, ...] = MODES,
 ) -> list[dict]:
-    """Run the suite's cases (of `tables`; only those at `per_gpu` trajectories per GPU, if given)."""
+    """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
+    GPU, if given)."""
     out.mkdir(parents=True, exist_ok=True)
-    cases = [c for c in suite.cases(tables) if not per_gpu or c.trajectories_per_gpu in per_gpu]
+    cases = [c for c in suite.cases(tables, modes) if not per_gpu or c.trajectories_per_gpu in per_gpu]
     plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table)]
     first = [x for x in plan if x[1] != "oracle"]
     second = [x for x in plan if x[1] == "oracle"]
@@ -321,12 +379,12 @@ def run_suite(
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
             for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
                 results.append(record(case, policy, config, summary, run_dir))
-                progress.update(bar, advance=1, description=f"{case.key}/{policy}")
+                progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode
                 (out / "results.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     add_speedups(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(results_markdown(results))
     from runners.timeline import plot_timelines
 
-    plot_timelines([r for r in results if r["table"] == "main"], out)
+    plot_timelines([r for r in results if r["table"] == "main" and r["mode"] == modes[0]], out)  # one timeline per workload
     return results

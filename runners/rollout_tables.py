@@ -1,32 +1,48 @@
 """The rollout bench's tables (pure): speedups against colocated, prorsa against the best of
-each baseline family per row, and the markdown the bench writes (runners/rollout.py)."""
+each baseline family per row and mode, async throughput against sync, and the markdown the
+bench writes (runners/rollout.py).
+
+Times are model seconds. `rollout_s` (per mode, runners.rollout.rollout_s): sync, the sum over
+steps of first assignment to last finished trajectory; async, first assignment to the forming
+of the last batch. `run_s`: first assignment to the last policy published, in both modes;
+throughput = trained trajectories / run_s.
+"""
 
 from __future__ import annotations
 
+ROW = ("table", "fleet", "workload", "trajectories_per_gpu", "variant")
+
+
+def _row_key(r: dict) -> tuple:
+    return tuple(r[k] for k in ROW)
+
 
 def _case_key(r: dict) -> tuple:
-    return (r["table"], r["fleet"], r["workload"], r["trajectories_per_gpu"], r["variant"])
+    return (*_row_key(r), r.get("mode", "sync"))
 
 
 def add_speedups(results: list[dict]) -> None:
+    """`speedup_vs_colocated`: colocated's rollout time over the run's, in the same mode."""
     base = {_case_key(r): r["rollout_s"] for r in results if r["policy"] == "colocated"}
     for r in results:
         b = base.get(_case_key(r))
         r["speedup_vs_colocated"] = round(b / r["rollout_s"], 3) if b and r["rollout_s"] > 0 else None
 
 
-def best_of(rows: list[dict], family: str) -> dict | None:
-    """The fastest run of a policy family: `static` (any split) or a colocated baseline in any layout."""
+def best_of(rows: list[dict], family: str, key: str = "rollout_s") -> dict | None:
+    """The fastest run of a policy family by `key` (lower is better): `static` (any split) or a
+    colocated baseline in any layout."""
     if family == "static":
         pick = [r for r in rows if r["policy"].startswith("static-")]
     else:
         pick = [r for r in rows if r["policy"].split("@")[0] == family]
-    return min(pick, key=lambda r: r["rollout_s"], default=None)
+    return min(pick, key=lambda r: r[key], default=None)
 
 
 def comparisons(results: list[dict]) -> list[dict]:
-    """Per case: prorsa against the best colocated, colocated-sticky (either layout), the best
-    static split (hindsight) and oracle; ratios > 1 mean prorsa is faster."""
+    """Per case (row and mode): prorsa against the best colocated, colocated-sticky (either
+    layout), the best static split (hindsight) and oracle, by rollout_s; ratios > 1 mean prorsa
+    is faster."""
     out = []
     for key in dict.fromkeys(_case_key(r) for r in results):
         rows = [r for r in results if _case_key(r) == key]
@@ -34,13 +50,15 @@ def comparisons(results: list[dict]) -> list[dict]:
         if "prorsa" not in by:
             continue
         p = by["prorsa"]["rollout_s"]
-        row = dict(zip(("table", "fleet", "workload", "trajectories_per_gpu", "variant"), key))
+        row = dict(zip((*ROW, "mode"), key))
         row["prorsa_s"] = p
         for family in ("colocated", "colocated-sticky", "static"):
             best = best_of(rows, family)
             row[f"vs_{family}"] = round(best["rollout_s"] / p, 3) if best else None
             row[f"best_{family}"] = best["policy"] if best else None
+            row[f"{family}_s"] = best["rollout_s"] if best else None
         row["vs_reactive"] = round(by["reactive"]["rollout_s"] / p, 3) if "reactive" in by else None
+        row["oracle_s"] = by["oracle"]["rollout_s"] if "oracle" in by else None
         row["of_oracle"] = round(by["oracle"]["rollout_s"] / p, 3) if "oracle" in by else None
         sticky, static = best_of(rows, "colocated-sticky"), best_of(rows, "static")
         row["static_vs_sticky"] = round(sticky["rollout_s"] / static["rollout_s"], 3) if sticky and static else None
@@ -49,29 +67,77 @@ def comparisons(results: list[dict]) -> list[dict]:
     return out
 
 
+def mode_comparisons(results: list[dict]) -> list[dict]:
+    """Per row and policy run in both modes: throughput (trained trajectories per model second
+    of the whole loop) async against sync; ratios > 1 mean async is faster. The families
+    (colocated, colocated-sticky, static) are each the best of their runs in that mode.
+    `same_tasks` says whether both modes started the same trajectories per task family."""
+    out = []
+    for key in dict.fromkeys(_row_key(r) for r in results):
+        rows = [r for r in results if _row_key(r) == key]
+        sync = [r for r in rows if r.get("mode", "sync") == "sync"]
+        async_ = [r for r in rows if r.get("mode") == "async"]
+        if not sync or not async_:
+            continue
+        for name in ("colocated", "colocated-sticky", "static", "prorsa"):
+            s = best_of(sync, name, "run_s") if name != "prorsa" else next((r for r in sync if r["policy"] == "prorsa"), None)
+            a = best_of(async_, name, "run_s") if name != "prorsa" else next((r for r in async_ if r["policy"] == "prorsa"), None)
+            if s is None or a is None:
+                continue
+            out.append(
+                {
+                    **dict(zip(ROW, key)), "policy": name, "sync_policy": s["policy"], "async_policy": a["policy"],
+                    "sync_run_s": s["run_s"], "async_run_s": a["run_s"],
+                    "sync_throughput": s["throughput_per_s"], "async_throughput": a["throughput_per_s"],
+                    "async_vs_sync": round(a["throughput_per_s"] / s["throughput_per_s"], 3),
+                    # False: the two modes rolled out different task families (not like for like)
+                    "same_tasks": s.get("families") == a.get("families"),
+                }
+            )  # fmt: skip
+    return out
+
+
+def _x(x: float | None) -> str:
+    return f"{x:.3f}x" if x else "-"
+
+
+def _s(x: float | None) -> str:
+    return f"{x:.1f}" if x is not None else "-"
+
+
 def results_markdown(results: list[dict]) -> str:
     lines = [
-        "| table | fleet | workload | traj/GPU | variant | policy | rollout s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
-        "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| table | fleet | workload | traj/GPU | variant | mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
+        "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         bound = r["rollout_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
-        speedup = f"{r['speedup_vs_colocated']:.3f}x" if r["speedup_vs_colocated"] else "-"
         lines.append(
-            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {r['policy']} | "
-            f"{r['rollout_s']:.1f} | {speedup} | {r['role_switches']} | {r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
+            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {r.get('mode', 'sync')} | "
+            f"{r['policy']} | {r['rollout_s']:.1f} | {_s(r.get('run_s'))} | {r.get('trajectories', '-')} | "
+            f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
+            f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
-    lines += ["", "prorsa against the others (ratio > 1: prorsa faster; colocated baselines: the better layout):", "",
-              "| table | fleet | workload | traj/GPU | variant | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
-              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-
-    def cell(x: float | None) -> str:
-        return f"{x:.3f}x" if x else "-"
-
+    lines += ["", "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):", "",
+              "| table | fleet | workload | traj/GPU | variant | mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
+              "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for c in comparisons(results):
         lines.append(
-            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {cell(c['vs_colocated'])} | "
-            f"{cell(c['vs_colocated-sticky'])} | {cell(c['vs_static'])} ({c['best_static']}) | {cell(c['static_vs_sticky'])} | "
-            f"{cell(c['vs_reactive'])} | {cell(c['of_oracle'])} | {c['prorsa_switches']} |"
+            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {c['mode']} | "
+            f"{_s(c['colocated_s'])} | {_s(c['colocated-sticky_s'])} | {_s(c['static_s'])} ({c['best_static']}) | {_s(c['prorsa_s'])} | "
+            f"{_s(c['oracle_s'])} | {_x(c['vs_colocated'])} | {_x(c['vs_colocated-sticky'])} | {_x(c['vs_static'])} | "
+            f"{_x(c['static_vs_sticky'])} | {_x(c['vs_reactive'])} | {_x(c['of_oracle'])} | {c['prorsa_switches']} |"
         )
+    modes = mode_comparisons(results)
+    if modes:
+        lines += ["", "async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):", "",
+                  "| table | fleet | workload | traj/GPU | variant | policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
+                  "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for m in modes:
+            name = m["policy"] if m["sync_policy"] == m["async_policy"] else f"{m['policy']} ({m['sync_policy']} / {m['async_policy']})"
+            lines.append(
+                f"| {m['table']} | {m['fleet']} | {m['workload']} | {m['trajectories_per_gpu']} | {m['variant']} | {name} | "
+                f"{m['sync_run_s']:.1f} | {m['async_run_s']:.1f} | {m['sync_throughput']:.4f} | {m['async_throughput']:.4f} | "
+                f"{_x(m['async_vs_sync'])}{'' if m['same_tasks'] else ' (other tasks)'} |"
+            )
     return "\n".join(lines) + "\n"

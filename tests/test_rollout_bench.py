@@ -9,30 +9,74 @@ from pathlib import Path
 import polars as pl
 
 from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
+from runners.rollout_tables import mode_comparisons, results_markdown
 
-FIELDS = {"table", "fleet", "workload", "mode", "policy", "trajectories_per_gpu", "dp_sync", "kv_writeback", "rollout_s", "speedup_vs_colocated", "role_switches", "p50_traj_s", "p99_traj_s", "lower_bound_s"}
+FIELDS = {
+    "table", "fleet", "workload", "mode", "policy", "trajectories_per_gpu", "dp_sync", "kv_writeback", "rollout_s", "run_s",
+    "trajectories", "trajectories_trained", "throughput_per_s", "staleness", "families", "speedup_vs_colocated", "role_switches",
+    "p50_traj_s", "p99_traj_s", "lower_bound_s",
+}  # fmt: skip
+POLICIES = ["colocated", "colocated-sticky", "static-1:3", "reactive", "prorsa"]
 
 
-def test_smoke_suite_runs_every_policy_and_writes_the_table_and_a_timeline(tmp_path: Path):
+def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a_timeline(tmp_path: Path):
     suite = SUITES["smoke"]
     results = run_suite(suite, tmp_path, jobs=1)
-    policies = [r["policy"] for r in results]
-    assert policies == ["colocated", "colocated-sticky", "static-1:3", "reactive", "prorsa", "oracle"]
+    assert [(r["mode"], r["policy"]) for r in results] == [
+        *(("sync", p) for p in POLICIES), *(("async", p) for p in POLICIES), ("sync", "oracle"), ("async", "oracle"),
+    ]  # fmt: skip
     assert json.loads((tmp_path / "results.json").read_text()) == results
+    config = run_config(suite, suite.cases(("main",))[0], "colocated")
+    batches, per_batch, train_s = config.trainer.steps, config.trainer.tasks_per_step * config.trainer.samples_per_task, config.trainer.train_s
+    assert batches >= 2  # an async run has a batch to overlap with training
     for r in results:
         assert FIELDS <= set(r)
         assert r["status"] == "completed" and r["trajectories_lost"] == 0 and r["incomplete_trajectories"] == 0
+        # every assigned trajectory finished and was trained, none dropped: the same work in both modes
+        assert r["trajectories"] == r["trajectories_trained"] == r["trajectories_expected"] == batches * per_batch
+        assert r["dropped"] == 0 and sum(r["families"].values()) == r["trajectories"]
         assert 0 < r["lower_bound_s"] <= r["rollout_s"]  # no policy beats the critical path
         assert r["p50_traj_s"] <= r["p99_traj_s"] <= r["rollout_s"] + 1e-6
-    colocated_s = results[0]["rollout_s"]  # each speedup is colocated's rollout time over the policy's own
-    for r in results:
-        assert r["speedup_vs_colocated"] == round(colocated_s / r["rollout_s"], 3), r["policy"]
-    assert len({r["rollout_s"] for r in results}) > 1  # the policies differ: the ratios are not all trivially 1
+        assert abs(r["throughput_per_s"] - r["trajectories_trained"] / r["run_s"]) < 1e-3 * r["throughput_per_s"]
+        if r["mode"] == "sync":  # steps: rollout, then training with rollout paused
+            assert r["staleness"] == [] and r["max_staleness"] is None
+            assert r["rollout_s"] == round(sum(r["step_rollout_s"]), 2)
+            assert r["run_s"] >= r["rollout_s"] + batches * train_s
+        else:  # training overlaps rollout: only the last batch's training is outside rollout_s
+            assert (r["max_staleness"], r["stale_policy"]) == (1, "hold")
+            assert sum(r["staleness"]) == r["trajectories_trained"] and len(r["staleness"]) <= 2  # staleness <= 1
+            assert r["rollout_s"] + train_s <= r["run_s"] < r["rollout_s"] + 2 * train_s
+    for mode in ("sync", "async"):
+        runs = [r for r in results if r["mode"] == mode]
+        colocated_s = next(r["rollout_s"] for r in runs if r["policy"] == "colocated")  # each mode's own colocated run
+        for r in runs:
+            assert r["speedup_vs_colocated"] == round(colocated_s / r["rollout_s"], 3), (mode, r["policy"])
+        assert len({r["lower_bound_s"] for r in runs}) == 1  # the same workload (same seeds) under every policy: the same limit
+    sync_runs = [r for r in results if r["mode"] == "sync"]
+    assert len({r["rollout_s"] for r in sync_runs}) > 1  # the policies differ: the ratios are not all trivially 1
+    assert len({json.dumps(r["families"]) for r in results}) == 1  # both modes rolled out the same tasks
     table = (tmp_path / "results.md").read_text()
-    assert "| main | moe | search | 4 | default | prorsa |" in table and "vs best static" in table
+    assert "| main | moe | search | 4 | default | sync | prorsa |" in table and "| main | moe | search | 4 | default | async | prorsa |" in table
+    assert "vs best static" in table and "async against sync" in table and "other tasks" not in table.split("async against sync")[1].split("\n", 1)[1]
     assert (tmp_path / "timeline-moe-search.png").stat().st_size > 10_000
-    bounds = {r["lower_bound_s"] for r in results}
-    assert len(bounds) == 1  # the same workload (same seeds) under every policy: the same physical limit
+
+
+def test_mode_comparison_pairs_each_family_across_modes():
+    def rec(mode: str, policy: str, run_s: float, families: dict | None = None) -> dict:
+        return {
+            "table": "main", "fleet": "f", "workload": "w", "trajectories_per_gpu": 1, "variant": "default", "mode": mode, "policy": policy,
+            "run_s": run_s, "throughput_per_s": 100 / run_s, "families": families or {"swe": 100},
+        }  # fmt: skip
+
+    rows = [rec("sync", "colocated", 200), rec("sync", "static-1:3", 150), rec("sync", "static-2:2", 120), rec("sync", "prorsa", 100)]
+    rows += [rec("async", "colocated", 100), rec("async", "static-1:3", 90), rec("async", "static-2:2", 95), rec("async", "prorsa", 50, {"math": 100})]
+    by = {m["policy"]: m for m in mode_comparisons(rows)}
+    assert set(by) == {"colocated", "static", "prorsa"}  # no colocated-sticky run: no row
+    assert by["colocated"]["async_vs_sync"] == 2.0 and by["colocated"]["same_tasks"]
+    assert (by["static"]["sync_policy"], by["static"]["async_policy"]) == ("static-2:2", "static-1:3")  # each mode's best split
+    assert by["static"]["async_vs_sync"] == round(120 / 90, 3)
+    assert not by["prorsa"]["same_tasks"]  # flagged, not hidden
+    assert "(other tasks)" in results_markdown([{**r, "rollout_s": r["run_s"], "lower_bound_s": 1.0, "speedup_vs_colocated": None, "role_switches": 0, "p50_traj_s": 1.0, "p99_traj_s": 1.0} for r in rows])
 
 
 def test_lower_bound_is_the_longest_critical_path(tmp_path: Path):
@@ -55,6 +99,14 @@ def test_lower_bound_is_the_longest_critical_path(tmp_path: Path):
 def test_paper_suite_plans_the_pd_tables_with_their_settings():
     suite = SUITES["paper"]
     cases = suite.cases()
+    both = suite.cases(modes=("sync", "async"))
+    assert len(both) == 2 * len(cases) and {c.mode for c in both} == {"sync", "async"}
+    for sync, async_ in zip(both[::2], both[1::2]):  # every row in both modes: same fleet, workload, batches and batch shape
+        assert (sync.key.removesuffix("-sync"), sync.mode, async_.mode) == (async_.key.removesuffix("-async"), "sync", "async")
+        a, b = run_config(suite, sync, "prorsa"), run_config(suite, async_, "prorsa")
+        assert (a.run.mode, b.run.mode) == ("sync", "async") and (b.trainer.max_staleness, b.trainer.stale_policy) == (1, "hold")
+        assert (a.trainer.steps, a.trainer.tasks_per_step, a.trainer.samples_per_task) == (b.trainer.steps, b.trainer.tasks_per_step, b.trainer.samples_per_task)
+        assert a.workload == b.workload and a.engines == b.engines
     tables = {c.table for c in cases}
     assert tables == {"main", "sweep", "ablation", "sensitivity"}
     fleets = {c.fleet.name for c in cases}
