@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
     )  # fmt: skip
     roll.add_argument("--mode", choices=("sync", "async", "both"), default="both", help="RL mode(s) to run every policy in (default both)")
+    roll.add_argument("--fleets", default="", help="only these fleets (comma-separated; default every fleet of the suite)")
+    roll.add_argument("--workloads", default="", help="only these workloads (comma-separated; default every workload)")
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path("runs") / f"rollout-{args.suite}"
         per_gpu = tuple(int(n) for n in args.per_gpu.split(",") if n.strip())
         modes = ("sync", "async") if args.mode == "both" else (args.mode,)
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes)
+        only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only)
     return 2
 
 
@@ -124,6 +127,7 @@ def rollout(
     tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = ("sync", "async"),
+    only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> int:
     from runners.rollout import SUITES, run_suite
 
@@ -134,7 +138,12 @@ def rollout(
     if unknown:
         print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: main, sweep, ablation, sensitivity)", file=sys.stderr)
         return 2
-    results = run_suite(SUITES[suite_name], out, live, jobs, tables, per_gpu, modes)
+    suite = SUITES[suite_name]
+    unknown = {*only[0]} - {f.name for f in suite.fleets} | {*only[1]} - {w.name for w in suite.workloads}
+    if unknown:
+        print(f"error: suite {suite_name!r} has no fleet or workload {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
     bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]

@@ -355,11 +355,17 @@ def run_suite(
     tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = MODES,
+    only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
-    GPU, if given)."""
+    GPU and of the fleets and workloads in `only`, where given)."""
     out.mkdir(parents=True, exist_ok=True)
-    cases = [c for c in suite.cases(tables, modes) if not per_gpu or c.trajectories_per_gpu in per_gpu]
+    fleets, workloads = only
+    cases = [
+        c for c in suite.cases(tables, modes)
+        if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
+        and (not workloads or c.workload.name in workloads)
+    ]  # fmt: skip
     plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table)]
     first = [x for x in plan if x[1] != "oracle"]
     second = [x for x in plan if x[1] == "oracle"]
