@@ -9,7 +9,7 @@
    `measured`, with the client's and the server's CPU per event). Twice: fsync off
    (`sync_interval` 2m, NATS's default) and `always` (the launcher's default); the disk's
    own small-write fsync rate is measured next to it (`disk_fsyncs_per_s`), since with
-   `always` the server fsyncs every write and the disk sets the pace.
+   `always` the server syncs what it stores before it acks and the disk sets the pace.
 2. Control latency: a forecast published on `prorsa.forecast` → the allocator's hop (a
    stand-in that sends SetRole the moment the forecast arrives: the policy's own decision
    time is the policy benches' business) → a real engine process carries the switch out →
@@ -64,8 +64,8 @@ def process_cpu_s(pid: int | None = None) -> float:
 
 
 def disk_fsyncs_per_s(folder: Path, duration_s: float = 0.5) -> float:
-    """Small appends each followed by fsync, per second, in `folder`: what `sync_interval:
-    always` can at most reach on this disk at this moment (the server fsyncs every write)."""
+    """Small appends each followed by fsync, per second, in `folder`: how fast this disk
+    syncs at this moment (the pace `sync_interval: always` follows; the server groups some)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "fsync-probe"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
