@@ -10,8 +10,18 @@ Each live trajectory is in one phase of its turn cycle:
 Every completed phase adds its duration to the family's distribution (a turn-0 PRE, the
 prompt's queue under a step's start burst, to its own); tool_done adds the tool latency and
 the observation length, decode_done the generation length, finished the number of turns.
-Fleet events give the sync-RL cadence: rollout_done → step_started (the trainer's gap),
-and step_started → each trajectory's start (the environments' launch spread).
+Fleet events give the RL cadence, in either mode (`mode`, read from the events alone):
+
+    sync   rollout_done → step_started (the trainer's gap), step_started → each start (the
+           environments' launch spread); a step starts as many as the one before
+    async  no steps (docs/async.md): batch_ready → the next batch_ready (the batches' gap),
+           batch_ready → each start of the cycle it opens (the wave the freed room admits:
+           at once under drop/partial, after the training time under hold, where the
+           published version opens the gate); a cycle starts what a batch consumes
+
+A log is async once it shows a batch_ready or a weight update mid-rollout
+(policy_update_started), or a trajectory starts before any step_started; a step_started
+makes it sync. `cadence(now_s)` gives the lifecycle model the same view of both.
 
 Trajectories are kept in flat numpy arrays (one slot each), so the model reads 10k of them
 without a Python loop, and `ingest` applies a tick's events a chunk at a time: the phase a
@@ -21,6 +31,7 @@ trajectory was in before each event is a forward fill over its earlier events in
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -57,6 +68,36 @@ class FamilyStats:
     prompt_engine_s: Empirical = field(default_factory=Empirical)  # ... of turn 0
     prompt_tokens: Empirical = field(default_factory=Empirical)
     turns: TurnHazard = field(default_factory=TurnHazard)
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """Trajectories still to start, as cycles (sync: RL steps; async: batch cycles): the
+    running cycle's pending starts, spread by `offsets` from its anchor, and the next
+    cycles', each `gap` after the one before, the first pending for `next_waited_s`."""
+
+    pending: float  # starts of the running cycle still to come, if they come
+    pending_chance: float  # the probability that they do
+    pending_mix: dict[int, float]  # their families' shares (family index -> share)
+    since_anchor_s: float  # time since the running cycle's anchor (step_started / batch_ready)
+    offsets: Empirical  # anchor → a start of its cycle
+    next_size: float  # starts of a coming cycle, if it brings any (0: none)
+    next_chance: float  # the probability that it does
+    next_mix: dict[int, float]
+    next_waited_s: float | None  # how long the next anchor has been pending (None: not pending)
+    gap: Empirical  # pending since → the next anchor
+    # async: a cycle's starts come at once (one block), and cycles follow one another without
+    # a pause (the one after next too); sync: starts are launched one by one, steps one at a time
+    waves: bool
+
+
+_BATCH_SIZE = re.compile(r"staleness \[([\d, ]*)\]")  # batch_ready's detail: the staleness histogram
+
+
+def batch_trajectories(detail: str) -> int | None:
+    """Trajectories in a batch, from batch_ready's detail (its staleness histogram)."""
+    found = _BATCH_SIZE.search(detail or "")
+    return sum(int(x) for x in found[1].split(",") if x.strip()) if found else None
 
 
 _NUMERIC = ("at_s", "turn", "new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens", "step")
@@ -99,6 +140,14 @@ class LiveState:
         self.started_per_step: Counter[int] = Counter()
         self.started_per_step_family: Counter[tuple[int, int]] = Counter()  # (step, family index)
         self.last_step = -1
+        self.mode = "sync"  # "async" once the events show it (module docstring)
+        self.batch_ready_s: list[float] = []  # async: every batch_ready so far; cycle k starts at the k-th
+        self.batch_gap_s = Empirical(50)  # async: batch_ready → the next batch_ready
+        self.wave_offset_s = Empirical(1000)  # async: batch_ready → a start of the cycle it opened
+        self.last_batch_size: int | None = None  # async: trajectories in the last batch (its detail)
+        self.started_per_cycle: Counter[int] = Counter()  # async: starts per cycle (0: before any batch)
+        self.started_per_cycle_family: Counter[tuple[int, int]] = Counter()
+        self.first_start_s: float | None = None
         self.events = 0
 
     # --- reading ---------------------------------------------------------------------------
@@ -117,6 +166,52 @@ class LiveState:
         total = sum(counts.values())
         return {f: n / total for f, n in sorted(counts.items())} if total else {}
 
+    def cadence(self, now_s: float) -> Cadence:
+        """Trajectories still to start, from the cadence of the log's mode."""
+        if self.mode == "async":
+            return self._async_cadence(now_s)
+        running = self.step_started_s is not None
+        return Cadence(
+            pending=self.pending_starts(), pending_chance=1.0, pending_mix=self.step_mix(self.step) or self.step_mix(self.step - 1),
+            since_anchor_s=max(now_s - self.step_started_s, 0.0) if running else 0.0, offsets=self.start_offset_s,
+            next_size=self.last_step_size(), next_chance=1.0, next_mix=self.step_mix(self.last_step),
+            next_waited_s=None if self.step_pending_since_s is None else max(now_s - self.step_pending_since_s, 0.0),
+            gap=self.step_gap_s, waves=False,
+        )  # fmt: skip
+
+    def _async_cadence(self, now_s: float) -> Cadence:
+        """The running cycle opened at the last batch_ready. A cycle brings a wave with the
+        probability q that the cycles before did (none near the run's end, or when the gate
+        stays shut), as big as theirs (the first: the batch that opened it); while the
+        running cycle's has not come, that chance fades as its offset passes."""
+        cycle = len(self.batch_ready_s)
+        anchor_s = self.batch_ready_s[-1] if cycle else self.first_start_s
+        if anchor_s is None:
+            return Cadence(0.0, 0.0, {}, 0.0, self.wave_offset_s, 0.0, 0.0, {}, None, self.batch_gap_s, True)
+        done = np.array([self.started_per_cycle[k] for k in range(1, cycle)])
+        waves = done[done > 0]
+        wave = float(waves.mean()) if len(waves) else float(self.last_batch_size or self.started_per_cycle[0])
+        q = (len(waves) + 1.0) / (len(done) + 2.0)  # Laplace: one pseudo-cycle with a wave, one without
+        since_s = max(now_s - anchor_s, 0.0)
+        started = self.started_per_cycle[cycle]
+        pending, chance = (max(wave - started, 0.0), 1.0) if started else (wave, q)
+        if cycle == 0:
+            pending = 0.0  # the run's first fill comes at once
+        elif not started and self.wave_offset_s.n:  # P(a wave | none by now) = q S(t) / (q S(t) + 1 - q)
+            late = q * float(self.wave_offset_s.survival(np.array([since_s]))[0])
+            chance = late / (late + 1.0 - q)
+        mix = self.cycle_mix(cycle - 1) or self.cycle_mix(cycle)
+        return Cadence(
+            pending=pending, pending_chance=chance, pending_mix=self.cycle_mix(cycle) or mix, since_anchor_s=since_s,
+            offsets=self.wave_offset_s, next_size=wave, next_chance=q, next_mix=mix, next_waited_s=since_s, gap=self.batch_gap_s, waves=True,
+        )  # fmt: skip
+
+    def cycle_mix(self, cycle: int) -> dict[int, float]:
+        """Async: share of each family among the starts of that cycle."""
+        counts = {f: n for (k, f), n in self.started_per_cycle_family.items() if k == cycle}
+        total = sum(counts.values())
+        return {f: n / total for f, n in sorted(counts.items())} if total else {}
+
     def pending_starts(self) -> int:
         """Trajectories of the running step not started yet, if it is as big as the one before."""
         if self.step_started_s is None or self.step_pending_since_s is not None:
@@ -132,17 +227,25 @@ class LiveState:
             return
         fleet = np.flatnonzero(of_fleet(events))
         if len(fleet):
-            for kind, at_s, step in events[fleet, ["kind", "at_s", "step"]].iter_rows():
-                self._fleet_event(kind, at_s, step)
+            for kind, at_s, step, detail in events[fleet, ["kind", "at_s", "step", "detail"]].iter_rows():
+                self._fleet_event(kind, at_s, step, detail)
         code = kind_codes(events, _KINDS)
         rows = np.flatnonzero(code >= 0)
         if len(rows):
             self._ingest_chunk(events, rows, code[rows])
 
-    def _fleet_event(self, kind: str, at_s: float, step: int) -> None:
-        if kind == "rollout_done":
+    def _fleet_event(self, kind: str, at_s: float, step: int, detail: str) -> None:
+        if kind in ("batch_ready", "policy_update_started"):
+            self.mode = "async"
+        if kind == "batch_ready":
+            if self.batch_ready_s:
+                self.batch_gap_s.add(max(0.0, at_s - self.batch_ready_s[-1]))
+            self.batch_ready_s.append(at_s)
+            self.last_batch_size = batch_trajectories(detail) or self.last_batch_size
+        elif kind == "rollout_done":
             self.step_pending_since_s = at_s
         elif kind == "step_started":
+            self.mode = "sync"
             if self.step_pending_since_s is not None:
                 self.step_gap_s.add(max(0.0, at_s - self.step_pending_since_s))
             self.step_pending_since_s, self.step_started_s, self.step = None, at_s, step
@@ -235,9 +338,28 @@ class LiveState:
             self.last_step = max(self.last_step, int(steps.max()))
         since = np.array([self._step_started_at_s.get(int(k), np.nan) for k in steps])
         self.start_offset_s.add_many(np.maximum(at_s[started] - since, 0.0)[~np.isnan(since)])
+        self._learn_async_starts(at_s[started], fam[started])
         done = code == FINISHED
         for key, members in self._by_family(fam[done]):
             self.stats[key].turns.add_finished_many(turn[done][members])
+
+    def _learn_async_starts(self, at_s: np.ndarray, fam: np.ndarray) -> None:
+        """Each start's cycle (batch_ready events before it) and its offset from that cycle's
+        anchor. A start before any step_started is async's."""
+        if len(at_s) == 0:
+            return
+        if self.first_start_s is None:
+            self.first_start_s = float(at_s.min())
+            if self.step_started_s is None:
+                self.mode = "async"
+        if self.mode != "async":
+            return
+        anchors = np.array(self.batch_ready_s)
+        cycle = np.searchsorted(anchors, at_s, side="right")
+        self.started_per_cycle.update(cycle.tolist())
+        self.started_per_cycle_family.update(zip(cycle.tolist(), fam.tolist()))
+        opened = cycle > 0  # cycle 0 is the run's first fill, not a wave a batch opened
+        self.wave_offset_s.add_many(at_s[opened] - anchors[cycle[opened] - 1])
 
     def _walk(self, code, at_s, turn, slot, col) -> tuple[np.ndarray, np.ndarray]:
         """Phase and phase-entry time of each event's trajectory just before the event; then

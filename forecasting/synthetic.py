@@ -4,6 +4,7 @@ a workload model (recorded runs of ops.launch are that)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import polars as pl
 
@@ -67,3 +68,43 @@ def synthetic_log(
 ) -> pl.DataFrame:
     """`synthetic_events` as a frame."""
     return events_frame(synthetic_events(trajectories, seed, spread_s, max_turns, min_turns, until_s))
+
+
+def synthetic_async_events(
+    batches: int, wave: int, seed: int, gap_s: float = 40.0, train_s: float = 10.0, max_turns: int = 4, idle_batches: int = 0
+) -> list[LifecycleEvent]:
+    """An async-RL log (docs/async.md, `hold`): the run's first fill (2·wave trajectories at
+    0), then a batch_ready every gap_s (jittered by ±10%) and, train_s later, the published
+    version and a wave of `wave` new trajectories; the last `idle_batches` batches admit none
+    (the run's end). Fleet events as the trainer and engines write them."""
+    rng = np.random.default_rng(seed)
+    events: list[LifecycleEvent] = []
+    fleet = 0
+
+    def fleet_event(kind: EventKind, at_s: float, **fields) -> None:
+        nonlocal fleet
+        events.append(LifecycleEvent(event_id=f"f{fleet:05d}", kind=kind, at_s=at_s, actor_id="trainer", **fields))
+        fleet += 1
+
+    def start(count: int, at_s: float, version: int) -> None:
+        first = sum(1 for e in events if e.kind is EventKind.STARTED)
+        for i in range(first, first + count):
+            events.extend(msgspec.structs.replace(e, step=version, policy_version=version) for e in _trajectory(rng, i, at_s, max_turns, 1, float("inf")))
+
+    start(2 * wave, 0.0, 0)
+    ready_s = 0.0
+    for n in range(batches):
+        ready_s += gap_s * float(rng.uniform(0.9, 1.1))
+        fleet_event(EventKind.BATCH_READY, ready_s, step=n, policy_version=n, detail=f"staleness [{wave}]; masked turns 0")
+        published_s = ready_s + train_s
+        fleet_event(EventKind.POLICY_PUBLISHED, published_s, step=n, policy_version=n + 1, duration_s=train_s)
+        fleet_event(EventKind.POLICY_UPDATE_STARTED, published_s, step=n + 1, policy_version=n + 1, engine_id="e0")
+        fleet_event(EventKind.POLICY_LOADED, published_s + 0.1, step=n + 1, policy_version=n + 1, engine_id="e0", duration_s=0.1)
+        if n < batches - idle_batches:
+            start(wave, published_s, n + 1)
+    return sorted(events, key=lambda e: (e.at_s, e.event_id))
+
+
+def synthetic_async_log(batches: int, wave: int, seed: int, **kw) -> pl.DataFrame:
+    """`synthetic_async_events` as a frame."""
+    return events_frame(synthetic_async_events(batches, wave, seed, **kw))

@@ -4,6 +4,7 @@
         --horizons 1 5 10 20 30 --bin-s 1 --out DIR
     python -m runners.replay --config configs/forecast-swe.toml configs/forecast-shift.toml \\
         --holdout-seeds 1011 1023 --models ets arima lifecycle --out DIR
+    python -m runners.replay --config configs/async.toml --set trainer.steps=12 --holdout-seeds 1011 ...
 
 Each log goes through forecasting.core tick by tick, exactly as the live forecaster actor
 runs it. With --holdout-seeds, fresh logs are recorded from each config with each seed
@@ -199,14 +200,43 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     return scored, dict(core.fallbacks)
 
 
-def record_holdout(config_path: Path, seeds: list[int], out: Path) -> tuple[list[Path], PrefillCost]:
-    """Fresh logs of `config_path` with each seed, in virtual time (runners.simulate), and
-    the config's prefill cost."""
+def with_overrides(config, overrides: list[str]):
+    """`config` with each `SECTION.KEY=VALUE` set (VALUE in TOML: 12, "hold", {dp = 4, ep = 4}),
+    validated as the config file would be: a variant of a config without another file."""
+    import tomllib
+
+    import msgspec
+
+    from actors.config import Config
+
+    raw = msgspec.to_builtins(config)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: want SECTION.KEY=VALUE")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word: a string
+        *path, last = key.strip().split(".")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = parsed
+    try:
+        return msgspec.convert(raw, Config)
+    except (msgspec.ValidationError, ValueError) as err:
+        raise ConfigError(f"--set {' '.join(overrides)}: {err}") from None
+
+
+def record_holdout(config_path: Path, seeds: list[int], out: Path, overrides: list[str] = ()) -> tuple[list[Path], PrefillCost]:
+    """Fresh logs of `config_path` (with `overrides`, see with_overrides) with each seed, in
+    virtual time (runners.simulate), and the config's prefill cost."""
     import msgspec
 
     from runners.simulate import run as simulate
 
-    config = load_config(config_path)
+    config = with_overrides(load_config(config_path), list(overrides))
     logs = []
     for seed in seeds:
         if seed == config.run.seed:
@@ -262,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("log", type=Path, nargs="?", help="a recorded events.parquet (or --config with --holdout-seeds)")
     parser.add_argument("--config", type=Path, nargs="+", default=[], help="configs to record held-out logs from")
     parser.add_argument("--holdout-seeds", type=int, nargs="+", default=[], help="record and score only fresh logs with these seeds")
+    parser.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", help="override config keys for the held-out logs (TOML values)")
     parser.add_argument("--models", nargs="+", default=["moving_average", "ets", "arima", "lifecycle", "hybrid"])
     parser.add_argument("--horizons", nargs="+", type=float, default=[1.0, 5.0, 10.0, 20.0, 30.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
@@ -273,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="note: %(message)s", stream=sys.stderr)
-    if (args.log is None) == (not args.holdout_seeds) or bool(args.config) != bool(args.holdout_seeds):
+    if (args.log is None) == (not args.holdout_seeds) or bool(args.config) != bool(args.holdout_seeds) or (args.set and not args.config):
         print("error: give a LOG, or --config CONFIG... with --holdout-seeds SEED...", file=sys.stderr)
         return 2
     try:
@@ -282,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             cost = preset_cost(args.preset) if args.preset else UNIT_COST
             logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log], cost)]
         else:
-            logs = [(path.stem, *record_holdout(path, args.holdout_seeds, args.out)) for path in args.config]
+            logs = [(path.stem, *record_holdout(path, args.holdout_seeds, args.out, args.set)) for path in args.config]
         table = run(logs, cfg, args.out, args.tick_s)
     except (EventLogError, ReplayError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)

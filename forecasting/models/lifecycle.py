@@ -9,10 +9,14 @@ with the family's turn-continuation probability. That gives, per slot, the expec
     prefill arrivals (TOOL ends)   × observation tokens (and cache-missed tokens, and their
                                      prefill engine-seconds)
     decode starts and completions  → decode sequences active; × generation tokens
-    plus the sync-RL steps' start bursts: the running step's trajectories not started yet
-    (as many as the step before had, launched with the learned spread after step_started),
-    and between steps the next step's (the learned trainer gap, then that spread), in the
-    families' shares of the step before. A start queues its prompt (prompt tokens); its
+    plus the start bursts of the RL cadence, in the log's mode (forecasting.live.Cadence):
+    sync: the running step's trajectories not started yet (as many as the step before had,
+    launched with the learned spread after step_started), and between steps the next step's
+    (the learned trainer gap, then that spread); async (no steps): the wave each batch
+    opens (as many as a batch consumed, at the learned offset after batch_ready: the
+    training time under hold, whose gate opens with the new version), for the running
+    cycle and for the next ones, each a learned batch gap after the one before. Families
+    in the shares of the cycle before. A start queues its prompt (prompt tokens); its
     first PRE uses the turn-0 queue distribution (a burst queues longer), and its later
     turns are like any other's.
 
@@ -42,6 +46,7 @@ from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, Hi
 from forecasting.models.timeseries import Naive
 
 
+MAX_CYCLES_AHEAD = 4  # async: batch cycles followed within the horizon
 COMPOUND = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens")  # the flows
 
 
@@ -76,6 +81,20 @@ class _Flows:
     def of(by_phase: np.ndarray) -> "_Flows":
         """From the (3, slots) ends per phase."""
         return _Flows(arrivals=by_phase[TOOL], starts=by_phase[PRE], ends=by_phase[DEC])
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """`count` items of `sizes` that arrive together, as one item (their sizes scaled)."""
+
+    sizes: Empirical
+    count: float
+
+    def values(self) -> np.ndarray:
+        return self.sizes.values() * self.count
+
+    def mean(self) -> float:
+        return self.sizes.mean() * self.count
 
 
 def _walk(phase: int, cycles: int) -> tuple[np.ndarray, np.ndarray]:
@@ -267,14 +286,16 @@ class Lifecycle(Forecaster):
         flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
         self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
 
-    def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool) -> None:
+    def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
+        """block > 0: the arrivals come as blocks of that many (a start burst), so each
+        flow's distribution has blocks, not single arrivals, as its items."""
         obs = _stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
         miss = _stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
         engine = _stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
         gen = _stat(stats, pooled, "gen_tokens")
         demand.new_tokens += flows.arrivals * obs.mean()
         for target, sizes in (("prefill_new_tokens", obs), ("prefill_miss_tokens", miss), ("prefill_engine_s", engine)):
-            demand.compound[target].append((flows.arrivals, sizes))
+            demand.compound[target].append((flows.arrivals / block, _Block(sizes, block)) if block > 0 else (flows.arrivals, sizes))
         demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.miss_tokens += flows.arrivals * miss.mean()
         demand.engine_s += flows.arrivals * engine.mean()
@@ -287,33 +308,36 @@ class Lifecycle(Forecaster):
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
 
-    # --- sync-RL start bursts ----------------------------------------------------------------
+    # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
-        """Trajectories still to start: the running step's pending ones, or the next step's;
-        their families in the shares of the running step (or the step before)."""
-        pending = live.pending_starts()
-        offsets = live.start_offset_s
-        if pending and offsets.n:
-            waited = np.array([int(max(now_s - live.step_started_s, 0.0) / step_s)])
-            p = offsets.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
-            self._add_burst(demand, live, pending, live.step_mix(live.step) or live.step_mix(live.step - 1), p, step_s)
-        size = live.last_step_size()
-        if live.step_pending_since_s is None or live.step_gap_s.n == 0 or size == 0:
+        """Trajectories still to start: the running cycle's pending ones, then the next
+        cycles' (sync: the next step, once the rollout is done; async: each batch's wave, the
+        batches' gap apart), in the families' shares of the cycle before."""
+        cad = live.cadence(now_s)
+        if cad.pending and cad.offsets.n:
+            waited = np.array([int(cad.since_anchor_s / step_s)])
+            p = cad.pending_chance * cad.offsets.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
+            self._add_burst(demand, live, cad.pending, cad.pending_mix, p, step_s, cad.waves)
+        if cad.next_waited_s is None or cad.gap.n == 0 or cad.next_size == 0:
             return
-        waited = np.array([int(max(now_s - live.step_pending_since_s, 0.0) / step_s)])
-        p = live.step_gap_s.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]
-        if offsets.n:
-            p = np.convolve(p, offsets.centred_pmf(step_s, demand.slots))[: demand.slots]
-        self._add_burst(demand, live, size, live.step_mix(live.last_step), p, step_s)
+        waited = np.array([int(cad.next_waited_s / step_s)])
+        anchor = cad.gap.residual_sums(waited, np.ones((1, 1)), step_s, demand.slots)[0]  # P(next anchor in slot j)
+        anchor = anchor * cad.next_chance  # ... that brings starts
+        for _ in range(MAX_CYCLES_AHEAD if cad.waves else 1):
+            p = np.convolve(anchor, cad.offsets.centred_pmf(step_s, demand.slots))[: demand.slots] if cad.offsets.n else anchor
+            self._add_burst(demand, live, cad.next_size, cad.next_mix, p, step_s, cad.waves)
+            anchor = _truncated(anchor, _pmf(cad.gap, step_s, demand.slots))  # the cycle after: one more gap
+            if anchor.sum() < 1e-3:
+                break
 
-    def _add_burst(self, demand: _Demand, live: LiveState, size: int, mix: dict[int, float], p: np.ndarray, step_s: float) -> None:
-        """`size` trajectories that start in each slot with probability p, as one block, in
-        the families' shares `mix` (pooled statistics where it is empty)."""
+    def _add_burst(self, demand: _Demand, live: LiveState, size: float, mix: dict[int, float], p: np.ndarray, step_s: float, wave: bool) -> None:
+        """`size` trajectories that start in each slot with probability p, in the families'
+        shares `mix` (pooled statistics where it is empty); `wave`: all at once (async)."""
         pooled = live.stats[POOLED]
         prompt_new = prompt_miss = prompt_engine_s = 0.0  # a start's expected prompt and its prefill compute
         for key, share in ({live.families[f]: share for f, share in mix.items()} or {POOLED: 1.0}).items():
             stats = live.stats[key]
-            self._add_family_starts(demand, stats, pooled, size * share, p, step_s)
+            self._add_family_starts(demand, stats, pooled, size * share, p, step_s, wave)
             prompt_new += share * _stat(stats, pooled, "prompt_tokens").mean()
             prompt_miss += share * _stat(stats, pooled, "prompt_miss_tokens").mean()
             prompt_engine_s += share * _stat(stats, pooled, "prompt_engine_s").mean()
@@ -322,7 +346,7 @@ class Lifecycle(Forecaster):
         demand.var["prefill_miss_tokens"] += burst_var * prompt_miss**2
         demand.var["prefill_engine_s"] += burst_var * prompt_engine_s**2
 
-    def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float) -> None:
+    def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
         weights = _continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
@@ -332,8 +356,8 @@ class Lifecycle(Forecaster):
         # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
         queued = size * weights[:, None] * _truncated(p, first_pre)[None, :]
         self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, queued))), stats, pooled, turn0=False)
-        none = np.zeros(demand.slots)
-        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none), stats, pooled, turn0=True)
+        none = np.zeros(demand.slots)  # a wave's prompts arrive together: one block of `size` with probability p
+        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none), stats, pooled, turn0=True, block=size if wave else 0.0)
 
     # --- slots → bins ------------------------------------------------------------------------
     def _to_bins(self, d: _Demand, horizon_bins: int) -> Prediction:
