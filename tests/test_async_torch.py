@@ -1,0 +1,116 @@
+"""Async RL on the torch backend, on the real bus (issue 14): the version recorded on each turn
+matches the weights that produced it. A prefill and a decode engine take version 1 from the
+trainer's weight service (`train.weights`) while turns of version 0 are mid-rollout; every
+turn's logprobs are checked against one plain forward pass of the version it reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
+
+from actors.config import ModelSection  # noqa: E402
+from actors.engine.torch.actor import TorchEngineActor  # noqa: E402
+from actors.engine.torch.model import ByteTokenizer, build_tiny, checksum, load_model, split_chunks, weights_to_bytes  # noqa: E402
+from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
+from bus_schemas import subjects  # noqa: E402
+from bus_schemas.codec import decode, encode  # noqa: E402
+from bus_schemas.control import CommandAck, LoadPolicy, Role  # noqa: E402
+from bus_schemas.lifecycle import EventKind, LifecycleEvent  # noqa: E402
+from bus_schemas.work import TurnResult  # noqa: E402
+from tests.torch_helpers import clock, prompt_ids, real_work, torch_config  # noqa: E402
+
+pytestmark = pytest.mark.bus
+
+LOGPROB_ATOL = 1e-4  # float32, batched and padded on the engines against one unpadded forward here
+TURNS = 6  # per wave: one before the update, one after
+OUT = 48  # tokens per turn: decodes are still running when the update comes
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny(ModelSection(seed=0), tmp_path_factory.mktemp("tiny") / "model")
+
+
+def version_one(checkpoint):
+    """Version 1: version 0 moved far enough that every turn's logprobs tell them apart."""
+    lm = load_model(checkpoint)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return lm
+
+
+def forward_logprobs(lm, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + generated])
+    with torch.inference_mode():
+        logp = torch.log_softmax(lm(ids).logits[0].float(), -1)  # temperature 1
+    rows = logp[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
+    return rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
+
+
+async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp_path, checkpoint):
+    config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, mode="async"))
+    models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
+    # the trainer's weight service, serving version 1 as it does after training it
+    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
+    payload = weights_to_bytes(models[1])
+    trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
+    await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+
+    got: dict[str, TurnResult] = {}
+    all_in, decoding = asyncio.Event(), asyncio.Event()
+
+    async def on_result(msg):
+        r = decode(TurnResult, msg.data)
+        got.setdefault(r.trajectory_id, r)
+        if len(got) == 2 * TURNS:
+            all_in.set()
+
+    async def on_event(msg):
+        e = decode(LifecycleEvent, msg.data)
+        if e.kind is EventKind.DECODE_STARTED and e.engine_id == "e1":
+            decoding.set()
+
+    await bus.subscribe(subjects.result("env0"), cb=on_result)
+    await bus.subscribe(subjects.lifecycle_all(), cb=on_event)
+    await bus.flush()
+    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
+    prompts = {f"old{i}": prompt_ids(i, 20 + 7 * i) for i in range(TURNS)} | {f"new{i}": prompt_ids(100 + i, 15 + 5 * i) for i in range(TURNS)}
+    js = bus.jetstream()
+    try:
+        await asyncio.wait_for(asyncio.gather(prefill.ready.wait(), decode_.ready.wait()), timeout=30)
+        for i in range(TURNS):
+            await js.publish(subjects.work_prefill(), encode(real_work(f"old{i}", prompts[f"old{i}"], out=OUT)))
+        await asyncio.wait_for(decoding.wait(), timeout=30)
+        acks = await asyncio.gather(*(
+            bus.request(subjects.ctl_engine(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+        ))  # fmt: skip
+        assert all(decode(CommandAck, a.data).ok and decode(CommandAck, a.data).policy_version == 1 for a in acks)
+        for i in range(TURNS):  # assigned at version 0 (a trajectory started before the update): run on 1
+            await js.publish(subjects.work_prefill(), encode(real_work(f"new{i}", prompts[f"new{i}"], out=OUT)))
+        await asyncio.wait_for(all_in.wait(), timeout=60)
+    finally:
+        for engine in (prefill, decode_):
+            engine.request_stop("test over")
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+
+    assert sorted(got) == sorted(prompts)
+    versions = {t: r.policy_version for t, r in got.items()}
+    assert {versions[f"new{i}"] for i in range(TURNS)} == {1}
+    assert 0 in versions.values()  # some turns were in flight on version 0 and finished there
+    for traj, r in got.items():
+        assert len(r.token_ids) == len(r.logprobs) == OUT, traj
+        assert r.oldest_policy_version in (-1, r.policy_version), traj  # finish: no turn spans two versions
+        expected = {v: forward_logprobs(lm, prompts[traj], list(r.token_ids)) for v, lm in models.items()}
+        reported = torch.tensor(r.logprobs)
+        gap = {v: (reported - e).abs().max().item() for v, e in expected.items()}
+        assert gap[r.policy_version] < LOGPROB_ATOL, (traj, r.policy_version, gap)
+        assert gap[1 - r.policy_version] > 100 * LOGPROB_ATOL, (traj, gap)  # the other version's would not pass
