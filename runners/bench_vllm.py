@@ -24,6 +24,11 @@ result received) p50/p99, KV bytes moved and fetch time per turn (the decode eng
 connector counters), prefix-cache hit share (prompt positions the engine running the
 prefill did not compute), and for pd the share of prompt positions e1 loaded over NATS.
 Exactness: pd, colocated and direct produce the same tokens on every turn.
+
+With `--example-connector N`, two more engines built with vLLM's `ExampleConnector` (KV
+through safetensors files in a shared folder) and N single hand-offs of a fresh 2 x
+`--prompt`-token prompt, one at a time: the second engine's time for the KV and one decode
+token, Prorsa's connector (e0 -> e1 over NATS) against the ExampleConnector (x0 -> x1).
 Writes DIR/bench_vllm.json and prints a table. Not a timed test: figures depend on the
 machine and its load.
 """
@@ -39,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,7 +66,7 @@ from ops.natsserver import EmbeddedNats
 
 PHASES = ("pd", "colocated", "direct")
 ENV_ID = "bench"
-KV_COUNTERS = ("kv_bytes_fetched", "kv_fetch_us", "kv_fetched", "kv_loaded_tokens", "kv_load_failures")
+KV_COUNTERS = ("kv_bytes_fetched", "kv_fetch_us", "kv_fetched", "kv_loads", "kv_loaded_tokens", "kv_load_failures", "kv_loads_repeated")
 TURN_TIMEOUT_WALL_S = 300.0
 log = logging.getLogger("bench_vllm")
 
@@ -95,6 +101,7 @@ class Phase:
     wall_s: float
     turns: list[Turn]
     kv: dict[str, int] = field(default_factory=dict)  # the decode engine's connector counters, this phase's deltas
+    actor_counters: dict[str, dict[str, int]] = field(default_factory=dict)  # each engine actor's counters (actor phases)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -198,7 +205,7 @@ async def actor_phase(url: str, cfg: Config, engines: dict[str, VllmEngine], rol
         await asyncio.wait_for(asyncio.gather(*running), timeout=60)
         await close(nc)
     kv = {k: after.get(k, 0) - before.get(k, 0) for k in KV_COUNTERS}
-    return Phase(name, r, wall_s, turns, kv)
+    return Phase(name, r, wall_s, turns, kv, {a.actor_id: dict(a.counters) for a in actors})
 
 
 async def direct_phase(nc, engine: VllmEngine, r: int, w: Workload, on_turn) -> Phase:
@@ -225,20 +232,65 @@ async def warm_up(nc, engines: dict[str, VllmEngine]) -> None:
         raise RuntimeError("warm-up: e1 loaded no KV from e0; the connector does not work here")
 
 
+async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEngine], n: int, prompt_tokens: int) -> dict:
+    """One turn at a time, `n` fresh prompts: prefill on the first engine of a pair, then the
+    prompt + first token on the second with 1 output token, its KV moved by Prorsa's connector
+    (e0 -> e1 over NATS, from memory) or by vLLM's ExampleConnector (x0 -> x1 through files in a
+    shared folder; full blocks only). Medians per turn, and whether both pairs give the same tokens."""
+    times = {k: [] for k in ("prorsa_prefill_ms", "prorsa_handoff_ms", "example_prefill_ms", "example_handoff_ms")}
+    same, loaded_example = True, []
+    before = await engines["e1"].connector_counters(nc)
+    for i in range(n):
+        ids = tokens(50_000 + i, prompt_tokens)
+        started = time.perf_counter()
+        first = await engines["e0"].prefill(f"ho-p-{i}", ids, hold=f"ho-h-{i}")
+        mid = time.perf_counter()
+        rest = await engines["e1"].decode(f"ho-d-{i}", ids + first.token_ids, 1, KvSource("e0", f"ho-h-{i}", len(ids)))
+        times["prorsa_prefill_ms"].append((mid - started) * 1e3)
+        times["prorsa_handoff_ms"].append((time.perf_counter() - mid) * 1e3)
+        started = time.perf_counter()
+        x_first = await example["x0"].generate(f"ho-xp-{i}", ids, 1)
+        mid = time.perf_counter()
+        x_rest = await example["x1"].generate(f"ho-xd-{i}", ids + x_first.token_ids, 1)
+        times["example_prefill_ms"].append((mid - started) * 1e3)
+        times["example_handoff_ms"].append((time.perf_counter() - mid) * 1e3)
+        same &= first.token_ids + rest.token_ids == x_first.token_ids + x_rest.token_ids
+        loaded_example.append(x_rest.cached_tokens)
+    after = await engines["e1"].connector_counters(nc)
+    figures = {k: statistics.median(v) for k, v in times.items()}
+    figures.update({
+        "turns": n, "prompt_tokens": prompt_tokens, "same_tokens": same,
+        "prorsa_bytes_per_turn": (after.get("kv_bytes_fetched", 0) - before.get("kv_bytes_fetched", 0)) / n,
+        "prorsa_loaded_tokens_per_turn": (after.get("kv_loaded_tokens", 0) - before.get("kv_loaded_tokens", 0)) / n,
+        "example_loaded_tokens_per_turn": statistics.mean(loaded_example),  # num_cached_tokens of x1's request: all from the files
+        "handoff_ratio_prorsa_over_example": statistics.median(times["prorsa_handoff_ms"]) / statistics.median(times["example_handoff_ms"]),
+    })  # fmt: skip
+    return figures
+
+
+def example_engines(cfg: Config, url: str, storage: Path) -> dict[str, VllmEngine]:
+    """Two engines with vLLM's ExampleConnector (KV through safetensors files in `storage`)."""
+    kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return {eid: VllmEngine(eid, cfg.vllm, cfg.vllm.model, url, overrides={"kv_transfer_config": kv}) for eid in ("x0", "x1")}
+
+
 # --- the run -----------------------------------------------------------------------------------
-async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Console) -> tuple[dict[str, float], int, list[Phase]]:
+async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Console, example_turns: int = 0,
+                  storage: Path | None = None) -> tuple[dict[str, float], int, list[Phase], dict | None]:  # fmt: skip
     nc = await connect(url, "bench-vllm", log)
     js = nc.jetstream()
     await streams.ensure_streams(js)
     await publish_origin(js, cfg.run.name)
     engines = {eid: VllmEngine(eid, cfg.vllm, cfg.vllm.model, url) for eid in ("e0", "e1")}
+    example = example_engines(cfg, url, storage) if example_turns else {}
+    handoff_figures = None
     start_s: dict[str, float] = {}
     phases: list[Phase] = []
     columns = (TextColumn("{task.description:24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=False) as progress:
-            starting = progress.add_task("starting 2 vLLM engines", total=2)
-            for eid, engine in engines.items():
+            starting = progress.add_task(f"starting {len(engines) + len(example)} vLLM engines", total=len(engines) + len(example))
+            for eid, engine in {**engines, **example}.items():
                 started = time.perf_counter()
                 await engine.start()
                 start_s[eid] = time.perf_counter() - started
@@ -259,11 +311,14 @@ async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Cons
                     else:
                         roles = {"e0": Role.PREFILL, "e1": Role.DECODE} if name == "pd" else {"e0": Role.COLOCATED}
                         phases.append(await actor_phase(url, cfg, engines, roles, name, r, w, advance))
+            if example:
+                progress.update(turns_task, description="hand-off vs ExampleConnector")
+                handoff_figures = await handoff(nc, engines, example, example_turns, w.prompt_tokens * 2)
     finally:
-        for engine in engines.values():
+        for engine in {**engines, **example}.values():
             engine.shutdown()
         await close(nc)
-    return start_s, block_size_tokens, phases
+    return start_s, block_size_tokens, phases, handoff_figures
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -293,6 +348,10 @@ def summarise(phases: list[Phase], name: str) -> dict:
         "kv_transfer_ms_per_turn": kv["kv_fetch_us"] / 1e3 / len(turns),  # over all turns: a turn whose KV did not move counts 0
         "kv_transfer_ms_per_fetch": kv["kv_fetch_us"] / 1e3 / kv["kv_fetched"] if kv["kv_fetched"] else 0.0,
         "kv_fetches": kv["kv_fetched"],
+        "kv_loads": kv["kv_loads"],  # loads into the decoder's blocks (a fetch each)
+        "kv_loads_repeated": kv["kv_loads_repeated"],  # a request loading again (preempted and resumed)
+        "actor_counters": {a: dict(sum((Counter(p.actor_counters.get(a, {})) for p in mine), Counter()))
+                           for a in sorted({a for p in mine for a in p.actor_counters})},  # fmt: skip
         "kv_load_failures": kv["kv_load_failures"],
         "kv_loaded_share": kv["kv_loaded_tokens"] / prompt_tokens,  # prompt positions the decoder loaded over NATS
         "prefix_cache_hit_share": sum(t.cached_tokens for t in turns) / prompt_tokens,  # on the engine that prefilled
@@ -342,6 +401,13 @@ def print_table(console: Console, report: dict) -> None:
     console.print(f"exact: pd == colocated on {e['turns_compared']} turns: {e['pd_equals_colocated']} "
                   f"(max logprob diff {e['max_logprob_diff_pd']:.2e}); direct == colocated: {e['direct_equals_colocated']}")  # fmt: skip
     ratios = report["ratios"]
+    h = report["handoff_vs_example_connector"]
+    if h:
+        console.print(f"hand-off, {h['prompt_tokens']} prompt tokens, medians of {h['turns']} (KV in + 1 decode token on the "
+                      f"second engine): Prorsa's connector {h['prorsa_handoff_ms']:.0f} ms ({h['prorsa_bytes_per_turn'] / 1e3:.0f} KB "
+                      f"over NATS), ExampleConnector {h['example_handoff_ms']:.0f} ms (files): "
+                      f"{h['handoff_ratio_prorsa_over_example']:.2f}x; prefill {h['prorsa_prefill_ms']:.0f} vs "
+                      f"{h['example_prefill_ms']:.0f} ms; same tokens {h['same_tokens']}")  # fmt: skip
     console.print(f"pd / colocated output tok/s {ratios['pd_over_colocated_tok_s']:.2f}x; actor overhead (colocated "
                   f"against direct) {ratios['actor_overhead_pct']:+.1f}%; engine starts "
                   + ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_s"].items()))  # fmt: skip
@@ -359,12 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--kv-chunk-kib", type=int, default=256)
+    parser.add_argument("--example-connector", type=int, default=0, metavar="N",
+                        help="also N single hand-offs of 2 x --prompt tokens against vLLM's ExampleConnector (2 more engines)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.hidden % 32 or args.trajectories < 1 or args.turns < 1 or args.rounds < 1:
         parser.error("--hidden must be a multiple of 32 (vLLM's CPU attention: head size 32); counts >= 1")
     w = Workload(args.trajectories, args.turns, args.prompt, args.obs, args.out_tokens)
-    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens()), kv_pool_gib=1,
+    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens(), 2 * w.prompt_tokens + 8), kv_pool_gib=1,
                        max_num_seqs=max(8, args.trajectories), kv_chunk_bytes=args.kv_chunk_kib * 1024)  # fmt: skip
     console = Console()
     load_before = os.getloadavg()
@@ -372,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_dir)
         cfg = bench_config(build_model(tmp / "model", args.hidden, args.layers), vllm)
         with EmbeddedNats(tmp / "nats") as server:
-            start_s, block_size_tokens, phases = asyncio.run(measure(server.url, cfg, w, args.rounds, console))
+            start_s, block_size_tokens, phases, handoff_figures = asyncio.run(
+                measure(server.url, cfg, w, args.rounds, console, args.example_connector, tmp / "example-kv")
+            )
     summary = {name: summarise(phases, name) for name in PHASES}
     report = {
         "command": "python -m runners.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -390,13 +460,15 @@ def main(argv: list[str] | None = None) -> int:
             "pd_over_colocated_tok_s": summary["pd"]["output_tok_s"] / summary["colocated"]["output_tok_s"],
             "actor_overhead_pct": 100 * (summary["direct"]["output_tok_s"] / summary["colocated"]["output_tok_s"] - 1),
         },
+        "handoff_vs_example_connector": handoff_figures,
         "turns": {f"{p.name}-r{p.round}": [[t.trajectory, t.turn, t.token_ids] for t in p.turns] for p in phases},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_vllm.json").write_text(json.dumps(report, indent=1) + "\n")
     print_table(console, report)
     console.print(f"wrote {args.out / 'bench_vllm.json'}")
-    return 0 if report["exact"]["pd_equals_colocated"] else 1
+    exact = report["exact"]["pd_equals_colocated"] and (handoff_figures is None or handoff_figures["same_tokens"])
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""`python -m runners.bench_vllm` on a very small workload: it runs to the end and its JSON
-holds every figure with the invariants that do not depend on the machine (exactness, where
-KV moved and how much), never timings."""
+"""`python -m runners.bench_vllm` on a very small workload (and one hand-off against vLLM's
+ExampleConnector): it runs to the end and its JSON holds every figure with the invariants that
+do not depend on the machine (exactness, where KV moved and how much), never timings."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ TRAJECTORIES, TURNS, PROMPT, OBS, OUT = 2, 3, 140, 130, 6  # turn 1's context (1
 FIELDS = {"rounds", "turns", "output_tokens", "prompt_tokens", "wall_s", "output_tok_s", "output_tok_s_per_round",
           "turn_latency_ms_p50", "turn_latency_ms_p99", "kv_bytes_moved", "kv_bytes_moved_per_turn",
           "kv_transfer_ms_per_turn", "kv_transfer_ms_per_fetch", "kv_fetches", "kv_load_failures", "kv_loaded_share",
-          "prefix_cache_hit_share"}  # fmt: skip
+          "prefix_cache_hit_share", "kv_loads", "kv_loads_repeated", "actor_counters"}  # fmt: skip
 
 
 def test_bench_vllm_small_run_writes_consistent_figures(tmp_path):
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "runners.bench_vllm", "--out", str(out), "--trajectories", str(TRAJECTORIES),
-               "--turns", str(TURNS), "--prompt", str(PROMPT), "--obs", str(OBS), "--out-tokens", str(OUT), "--rounds", "1"]  # fmt: skip
+               "--turns", str(TURNS), "--prompt", str(PROMPT), "--obs", str(OBS), "--out-tokens", str(OUT), "--rounds", "1",
+               "--example-connector", "1"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "pd == colocated on 6 turns: True" in done.stdout  # the printed table's verdict
@@ -58,4 +59,13 @@ def test_bench_vllm_small_run_writes_consistent_figures(tmp_path):
     for name in ("colocated", "direct"):  # one engine: nothing moves
         assert phases[name]["kv_bytes_moved"] == phases[name]["kv_fetches"] == 0
         assert phases[name]["kv_loaded_share"] == 0
-    assert report["engine_start_s"].keys() == {"e0", "e1"}
+    assert report["engine_start_s"].keys() == {"e0", "e1", "x0", "x1"}
+
+    # one hand-off of a fresh 2 x PROMPT-token prompt: Prorsa's connector moves all of it, vLLM's
+    # ExampleConnector the full blocks (the rest is recomputed); both give the tokens of one engine
+    handoff = report["handoff_vs_example_connector"]
+    assert handoff["same_tokens"] and handoff["turns"] == 1
+    assert handoff["prorsa_loaded_tokens_per_turn"] == 2 * PROMPT
+    assert handoff["example_loaded_tokens_per_turn"] == 2 * PROMPT // report["block_size_tokens"] * report["block_size_tokens"]
+    assert handoff["prorsa_bytes_per_turn"] == -(-2 * PROMPT // report["block_size_tokens"]) * block_bytes
+    assert handoff["prorsa_handoff_ms"] > 0 and handoff["example_handoff_ms"] > 0

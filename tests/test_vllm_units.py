@@ -86,6 +86,7 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
     nixl = vllm_engine.engine_args("e3", msgspec.structs.replace(cfg, kv_connector="nixl"), "/ckpt", "nats://x:1")
     nixl_kv = nixl.kv_transfer_config if isinstance(nixl.kv_transfer_config, dict) else vars(nixl.kv_transfer_config)
     assert (nixl_kv["kv_connector"], nixl_kv["kv_role"]) == ("NixlConnector", "kv_both")
+    assert nixl_kv["kv_connector_extra_config"] == {"kv_lease_duration": 120}  # vllm.kv_ttl_wall_s: held blocks expire alike
 
 
 def test_a_tied_payload_gets_its_output_projection_as_a_file_of_its_own(tmp_path):

@@ -57,6 +57,7 @@ class LoadSpec:
     start_tokens: int  # block-aligned: what the local prefix cache already held
     tokens: int  # load positions start_tokens..tokens
     block_ids: list[int]  # the request's blocks covering positions start_tokens..tokens
+    req_id: str = ""
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
         self._bus: KvBus | None = None
         self._kv_caches: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._loaded_reqs: set[str] = set()
         if role == KVConnectorRole.WORKER:
             self._bus = KvBus(
                 str(extra["nats_url"]), self._engine_id, int(extra["chunk_bytes"]),
@@ -121,7 +123,7 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
                 load, external = self._to_load.pop(new.req_id)
                 start = new.num_computed_tokens - external
                 first, last = _blocks_for(start, new.num_computed_tokens, self._block_size)
-                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), start, new.num_computed_tokens, block_ids[first:last]))
+                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), start, new.num_computed_tokens, block_ids[first:last], new.req_id))
             if new.req_id in self._holds:
                 self._hold_blocks[new.req_id] = block_ids
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -132,7 +134,7 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
                 load, external = self._to_load.pop(req_id)
                 computed = cached.num_computed_tokens[i]
                 first, last = _blocks_for(computed - external, computed, self._block_size)
-                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), computed - external, computed, list(new_blocks[0])[first:last]))
+                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), computed - external, computed, list(new_blocks[0])[first:last], req_id))
             if req_id not in self._hold_blocks:
                 continue
             if req_id in cached.resumed_req_ids:  # preempted and back: its blocks are all new
@@ -187,6 +189,10 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
             cache.index_copy_(0, index, src[layer].to(cache.device))
         self._bus.counters["kv_loaded_tokens"] += load.tokens - load.start_tokens
         self._bus.counters["kv_loads"] += 1
+        if load.req_id in self._loaded_reqs:
+            self._bus.counters["kv_loads_repeated"] += 1
+            log.warning("engine %s: request %s loaded KV again (%d..%d)", self._engine_id, load.req_id, load.start_tokens, load.tokens)
+        self._loaded_reqs.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

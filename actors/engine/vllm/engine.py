@@ -150,12 +150,15 @@ class Generated:
 
 
 def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, overrides: dict | None = None):
-    """vLLM's AsyncEngineArgs for one Prorsa engine; `overrides`: further AsyncEngineArgs fields
-    (runners.vllm_gpu_check: gpu_memory_utilization for two engines on one GPU)."""
+    """vLLM's AsyncEngineArgs for one Prorsa engine; `overrides` replace or add AsyncEngineArgs
+    fields (runners.vllm_gpu_check: gpu_memory_utilization for two engines on one GPU;
+    runners.bench_vllm: vLLM's ExampleConnector for the hand-off baseline)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     if cfg.kv_connector == "nixl":
-        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        # the prefill engine keeps a prompt's blocks for the decoder this long (a lease the decoder renews while it waits)
+        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"kv_lease_duration": max(6, round(cfg.kv_ttl_wall_s))}}  # fmt: skip
     else:
         kv = {
             "kv_connector": "ProrsaNatsConnector",
@@ -167,7 +170,7 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
                 "ttl_wall_s": cfg.kv_ttl_wall_s, "timeout_wall_s": cfg.kv_fetch_timeout_wall_s,
             },
         }  # fmt: skip
-    return AsyncEngineArgs(
+    args = dict(
         model=model_dir,
         skip_tokenizer_init=True,  # token ids in and out
         dtype=cfg.dtype,
@@ -182,8 +185,8 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
         logprobs_mode="processed_logprobs",  # of the tempered distribution, as the trainer's ratio needs
         kv_transfer_config=kv,
         disable_log_stats=True,
-        **(overrides or {}),
     )
+    return AsyncEngineArgs(**{**args, **(overrides or {})})
 
 
 class VllmEngine:
