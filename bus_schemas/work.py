@@ -63,6 +63,8 @@ class DecodeWork(msgspec.Struct, frozen=True, kw_only=True):
     # the last of them sampled but not yet in the KV (emulated backend only)
     generated_tokens: int = 1
     migrated_from: str = ""  # the engine that handed this decode over, empty for a fresh turn
+    # a migrated turn that a weight update interrupted: the version of its first tokens (-1: none)
+    oldest_policy_version: int = -1
 
 
 class KvFetch(msgspec.Struct, frozen=True, kw_only=True):

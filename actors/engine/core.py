@@ -206,6 +206,7 @@ class EngineCore:
             decode_started=item.generated_tokens > 1,  # migrated mid-turn: its decode started elsewhere
             prefill_engine_id=item.kv.engine_id,
             rank=self._least_loaded_rank(),
+            oldest_version=item.oldest_policy_version,
         )
         self._note_admission(seq)
         self.running[seq.key] = seq

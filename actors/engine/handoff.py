@@ -73,6 +73,7 @@ class EngineHandoff:
                 prefilled_at_s=now_s,
                 generated_tokens=seq.generated,
                 migrated_from=self.actor_id,
+                oldest_policy_version=seq.oldest_version,
             )
             await self._publish(subjects.work_decode(), encode(item), f"{seq.key}/mig{self.epoch}")
             await self._ack(seq.key)
