@@ -79,7 +79,10 @@ class AsyncTrainerLoop:
         version = self.policy_version
         while self.gate.may_assign(version):
             i = self.gate.assigned
-            family = choose_family(self.config.workload.mix_at(version), run.seed, version, i)
+            # the data schedule is the sync run's: group i is task i % B of batch i // B, so a
+            # shifting mix moves with the batches, not with the (lagging) policy version
+            batch, k = divmod(i, tc.tasks_per_step)
+            family = choose_family(self.config.workload.mix_at(batch), run.seed, batch, k)
             task_id = f"a{i}"
             members = [f"{task_id}-g{g}" for g in range(tc.samples_per_task)]
             self.gate.assign(task_id, version, members)
