@@ -42,6 +42,13 @@ class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown"):
 Command = SetRole | LoadPolicy | Drain | Shutdown
 
 
+def command_subject(engine_id: str, command: Command) -> str:
+    """The subject an engine takes `command` on: policy loads apart from role commands."""
+    from bus_schemas import subjects
+
+    return subjects.ctl_policy(engine_id) if isinstance(command, LoadPolicy) else subjects.ctl_engine(engine_id)
+
+
 class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
     """Reply to every command."""
 

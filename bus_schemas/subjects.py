@@ -57,8 +57,14 @@ def kv_store_put() -> str:
 
 
 def ctl_engine(engine_id: str) -> str:
-    """Commands (role changes, policy loads, shutdown) for one engine."""
+    """Role commands (SetRole, Drain, Shutdown) for one engine: the allocator's."""
     return f"{PREFIX}.ctl.engine.{_token(engine_id, 'engine id')}"
+
+
+def ctl_policy(engine_id: str) -> str:
+    """Policy loads (LoadPolicy) for one engine: the trainer's. Apart from the role commands,
+    so that each may be granted to one role only (ops/access.py)."""
+    return f"{PREFIX}.ctl.policy.{_token(engine_id, 'engine id')}"
 
 
 # --- results ----------------------------------------------------------------------------

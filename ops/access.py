@@ -10,17 +10,17 @@ credentials may publish and subscribe only where its role needs:
 | --- | --- | --- |
 | engine `<id>` | work (prefill, decode), results, KV requests, weight requests | its own control and KV subjects, the prefill and decode queues |
 | environment | prefill work, finished trajectories | engine heartbeats, dead letters, the task queue, its own results |
-| trainer | task assignments, policy versions, step reports, commands to engines (LoadPolicy) | heartbeats, finished trajectories, weight and model requests |
-| allocator | role commands to engines | heartbeats, forecasts |
+| trainer | task assignments, policy versions, step reports, policy loads to engines (`prorsa.ctl.policy.<id>`) | heartbeats, finished trajectories, weight and model requests |
+| allocator | role commands to engines (`prorsa.ctl.engine.<id>`) | heartbeats, forecasts |
 | forecaster | forecasts | the lifecycle log |
 | monitor | nothing | everything (read-only) |
 | launcher | everything (it creates the streams, moves dead letters, exports the log) | everything |
 
 Replies: every user gets its own inbox prefix (`_INBOX_<user>`), so nobody reads another's
 replies (JetStream delivers pulled messages to the puller's inbox); answering a request
-(`allow_responses`) needs no publish permission. Known gap: LoadPolicy and SetRole share
-`prorsa.ctl.engine.<id>`, so the trainer could also send a role command (separating them
-needs a subject per command family).
+(`allow_responses`) needs no publish permission. Policy loads and role commands travel on
+subjects of their own, so the trainer cannot send a role command nor the allocator a policy
+load; an engine refuses (and counts) a command that arrives on the other family's subject.
 """
 
 from __future__ import annotations
@@ -91,13 +91,13 @@ def role_permissions(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
             publish += work + [subjects.result_all(), "prorsa.kv.>", subjects.kv_store_put(), subjects.train_model(), subjects.train_weights()]
             publish += _consume(streams.WORK_PREFILL) + _consume(streams.WORK_DECODE)
             publish.append(f"$JS.API.STREAM.MSG.GET.{streams.LIFECYCLE.name}")  # the latest policy version at a restart
-            subscribe += [subjects.ctl_engine(actor_id), subjects.kv(actor_id), f"prorsa.kv.*.{actor_id}", subjects.kv_store_put()]
+            subscribe += [subjects.ctl_engine(actor_id), subjects.ctl_policy(actor_id), subjects.kv(actor_id), f"prorsa.kv.*.{actor_id}", subjects.kv_store_put()]
         case "environment":
             publish += [subjects.work_prefill(), subjects.work_prefill() + ".*", subjects.train_finished()]
             publish += _consume(streams.TASKS) + _consume(streams.RESULTS)
             subscribe += [subjects.dead_letter_all()]
         case "trainer":
-            publish += [subjects.train_tasks(), subjects.train_policy(), subjects.train_step(), "prorsa.ctl.engine.*"]
+            publish += [subjects.train_tasks(), subjects.train_policy(), subjects.train_step(), "prorsa.ctl.policy.*"]
             publish += _consume(streams.TRAIN)
             subscribe += [subjects.train_model(), subjects.train_weights()]
         case "allocator":

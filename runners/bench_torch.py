@@ -47,7 +47,7 @@ from actors.engine.torch.actor import KV_FETCHES_IN_FLIGHT
 from actors.engine.torch.model import build_tiny, load_model, load_tokenizer
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
-from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole
+from bus_schemas.control import Command, CommandAck, Drain, LoadPolicy, Role, SetRole, command_subject
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.work import PrefillWork
 from ops.export import read_stream
@@ -127,7 +127,7 @@ async def command(nc, engine_id: str, cmd: Command, deadline: float) -> CommandA
     """Send a command; retry while the engine is not up yet (no responders)."""
     while True:
         try:
-            ack = decode(CommandAck, (await nc.request(subjects.ctl_engine(engine_id), encode(cmd), timeout=5.0)).data)
+            ack = decode(CommandAck, (await nc.request(command_subject(engine_id, cmd), encode(cmd), timeout=5.0)).data)
             if not ack.ok:
                 raise RuntimeError(f"engine {engine_id} refused {cmd!r}: {ack.error}")
             return ack

@@ -84,7 +84,7 @@ async def received_until_marker(watcher: Client, subject: str, intruder: Client,
     return got
 
 
-@pytest.mark.parametrize("intruder_role", ["engine-e0", "environment-env0", "trainer-like-monitor"])
+@pytest.mark.parametrize("intruder_role", ["engine-e0", "environment-env0", "trainer", "trainer-like-monitor"])
 async def test_only_the_allocator_sends_role_commands(secured, intruder_role: str):
     server, users = secured
     name = "monitor" if intruder_role == "trainer-like-monitor" else intruder_role
@@ -99,6 +99,23 @@ async def test_only_the_allocator_sends_role_commands(secured, intruder_role: st
         assert intruder.violations() and not allocator.violations()
     finally:
         for c in (watcher, intruder, allocator):
+            await c.nc.close()
+
+
+@pytest.mark.parametrize("intruder_role", ["allocator", "engine-e0", "environment-env0"])
+async def test_only_the_trainer_sends_policy_loads(secured, intruder_role: str):
+    server, users = secured
+    watcher, intruder, trainer = await client(server, users, "launcher"), await client(server, users, intruder_role), await client(server, users, "trainer")
+    try:
+
+        async def load(c: Client, data: bytes) -> None:
+            await c.nc.publish(subjects.ctl_policy("e1"), data)
+
+        got = await received_until_marker(watcher, subjects.ctl_policy("e1"), intruder, trainer, load)
+        assert got == [b"marker"]  # the intruder's policy load never reached the engine's subject
+        assert intruder.violations() and not trainer.violations()
+    finally:
+        for c in (watcher, intruder, trainer):
             await c.nc.close()
 
 

@@ -91,7 +91,7 @@ async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp
             await js.publish(subjects.work_prefill(), encode(real_work(f"old{i}", prompts[f"old{i}"], out=OUT)))
         await asyncio.wait_for(decoding.wait(), timeout=30)
         acks = await asyncio.gather(*(
-            bus.request(subjects.ctl_engine(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
         ))  # fmt: skip
         assert all(decode(CommandAck, a.data).ok and decode(CommandAck, a.data).policy_version == 1 for a in acks)
         for i in range(TURNS):  # assigned at version 0 (a trajectory started before the update): run on 1

@@ -65,7 +65,7 @@ async def test_an_update_mid_decode_loses_no_turn_and_never_serves_old_kv(bus, t
     try:
         await asyncio.wait_for(decoding.wait(), timeout=30)
         acks = await asyncio.gather(*(
-            bus.request(subjects.ctl_engine(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
         ))  # fmt: skip
         assert all(decode(CommandAck, a.data).ok and decode(CommandAck, a.data).policy_version == 1 for a in acks)
         for i in range(TURNS):  # asked for version 0 after the update: run on 1

@@ -10,7 +10,7 @@ import pytest
 from actors.engine.actor import EngineActor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
-from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole
+from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole, command_subject
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.work import DecodeWork, KvHandle, TurnResult
 from ops.export import read_stream
@@ -33,7 +33,8 @@ async def events(bus) -> list[LifecycleEvent]:
 
 
 async def command(bus, engine_id: str, message, timeout: float = 5) -> CommandAck:
-    reply = await bus.request(subjects.ctl_engine(engine_id), encode(message) if not isinstance(message, bytes) else message, timeout=timeout)
+    subject = command_subject(engine_id, message) if not isinstance(message, bytes) else subjects.ctl_engine(engine_id)
+    reply = await bus.request(subject, encode(message) if not isinstance(message, bytes) else message, timeout=timeout)
     return decode(CommandAck, reply.data)
 
 
@@ -68,6 +69,12 @@ async def test_commands_epochs_and_a_malformed_command(bus, tiny_config):
         stale = await command(bus, "e0", SetRole(role=Role.PREFILL, epoch=0))
         assert not stale.ok and "stale epoch" in stale.error and stale.role is Role.DECODE
         assert e0.counters["invalid_messages"] == 1
+        # each command family on its own subject: the other's is refused, counted, and changes nothing
+        crossed = decode(CommandAck, (await bus.request(subjects.ctl_engine("e0"), encode(LoadPolicy(version=3)), timeout=5)).data)
+        assert not crossed.ok and "ctl.policy" in crossed.error and crossed.policy_version == 2
+        crossed = decode(CommandAck, (await bus.request(subjects.ctl_policy("e0"), encode(SetRole(role=Role.PREFILL, epoch=2)), timeout=5)).data)
+        assert not crossed.ok and "ctl.engine" in crossed.error and crossed.role is Role.DECODE
+        assert e0.counters["commands_on_wrong_subject"] == 2
     finally:
         e0.request_stop("test over")
         await asyncio.wait_for(running, timeout=15)

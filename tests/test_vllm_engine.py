@@ -334,7 +334,7 @@ async def test_weight_update_changes_outputs_and_never_reuses_old_kv(engines, na
         await nc.jetstream().publish(subjects.work_prefill(), encode(real_work("colocated", turn, out=5)))
         await results.wait_for("colocated")  # a colocated engine runs the whole turn itself
         colocated_ref = (await a.generate("ref-colocated", turn, 5)).token_ids  # under policy 0 too
-        reply = await nc.request(subjects.ctl_engine("va"), encode(LoadPolicy(version=1)), timeout=120)
+        reply = await nc.request(subjects.ctl_policy("va"), encode(LoadPolicy(version=1)), timeout=120)
         ack = decode(CommandAck, reply.data)
     finally:
         actor.request_stop("test over")

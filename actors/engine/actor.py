@@ -84,7 +84,8 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         }
         if self.config.affinity_routing:
             self._subs["affinity"] = await pull_subscription(self.js, affinity_consumer(self.actor_id), ack_wait, max_deliver)
-        await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_command)
+        await self.nc.subscribe(subjects.ctl_engine(self.actor_id), cb=self._on_role_command)
+        await self.nc.subscribe(subjects.ctl_policy(self.actor_id), cb=self._on_policy_command)
         await self.nc.subscribe(subjects.kv(self.actor_id), cb=self._on_kv_fetch)
         await self._setup_writeback()
         await self._catch_up_policy()

@@ -29,10 +29,22 @@ class EngineCommands:
     _pulling, _room, _progress, migrates_decodes, migrate_decodes(), spawn(),
     event(), publish_heartbeat(), request_stop(), decode_or_count()."""
 
-    async def _on_command(self, msg: Msg) -> None:
+    async def _on_role_command(self, msg: Msg) -> None:
+        await self._on_command(msg, policy_subject=False)
+
+    async def _on_policy_command(self, msg: Msg) -> None:
+        await self._on_command(msg, policy_subject=True)
+
+    async def _on_command(self, msg: Msg, policy_subject: bool) -> None:
         command = self.decode_or_count(Command, msg)
         if command is None:
             await self._reply(msg, "invalid", ok=False, error="malformed command")
+            return
+        if isinstance(command, LoadPolicy) != policy_subject:  # each family on its own subject (access control)
+            self.counters["commands_on_wrong_subject"] += 1
+            want = "ctl.policy" if isinstance(command, LoadPolicy) else "ctl.engine"
+            self.log.error("refused %s on %s: it belongs on prorsa.%s.<engine>", type(command).__name__, msg.subject, want)
+            await self._reply(msg, "invalid", ok=False, error=f"{type(command).__name__} belongs on prorsa.{want}.<engine>")
             return
         match command:
             case LoadPolicy(version=version):

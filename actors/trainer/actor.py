@@ -163,7 +163,7 @@ class TrainerActor(AsyncTrainerLoop, Actor):
     async def _send_load_policy(self, engine_id: str, version: int) -> bool:
         try:
             reply = await self.nc.request(
-                subjects.ctl_engine(engine_id), encode(LoadPolicy(version=version)), timeout=self.clock.loop_s(COMMAND_TIMEOUT_WALL_S)
+                subjects.ctl_policy(engine_id), encode(LoadPolicy(version=version)), timeout=self.clock.loop_s(COMMAND_TIMEOUT_WALL_S)
             )
         except (NoRespondersError, TimeoutError):
             self.counters["policy_load_retries"] += 1
