@@ -27,7 +27,7 @@ Exactness: pd, colocated and direct produce the same tokens on every turn.
 
 With `--example-connector N`, two more engines built with vLLM's `ExampleConnector` (KV
 through safetensors files in a shared folder) and N single hand-offs of a fresh 2 x
-`--prompt`-token prompt, one at a time: the second engine's time for the KV and one decode
+`--prompt`-token prompt (not block-aligned: `handoff_tokens`), one at a time: the second engine's time for the KV and one decode
 token, Prorsa's connector (e0 -> e1 over NATS) against the ExampleConnector (x0 -> x1).
 Writes DIR/bench_vllm.json and prints a table. Not a timed test: figures depend on the
 machine and its load.
@@ -44,7 +44,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,6 +67,7 @@ PHASES = ("pd", "colocated", "direct")
 ENV_ID = "bench"
 KV_COUNTERS = ("kv_bytes_fetched", "kv_fetch_us", "kv_fetched", "kv_loads", "kv_loaded_tokens", "kv_load_failures", "kv_loads_repeated")
 TURN_TIMEOUT_WALL_S = 300.0
+SETTLE_WALL_S = 10.0  # after a phase's last result, its actors' last acks land within this
 log = logging.getLogger("bench_vllm")
 
 
@@ -198,14 +198,29 @@ async def actor_phase(url: str, cfg: Config, engines: dict[str, VllmEngine], rol
             return list(result.token_ids), list(result.logprobs), result.cached_prefix_tokens
 
         wall_s, turns = await run_trajectories(w, r, turn_fn, on_turn)
+        deadline = time.monotonic() + SETTLE_WALL_S
+        while sum(a.in_flight() for a in actors) and time.monotonic() < deadline:  # the last acks land
+            await asyncio.sleep(0.01)  # barrier-ok: polling the actors' own state
         after = await loader.connector_counters(nc)
     finally:
         for a in actors:
             a.request_stop("phase over")
         await asyncio.wait_for(asyncio.gather(*running), timeout=60)
+        left = await purge_work(js)  # what the next phase must not see
         await close(nc)
     kv = {k: after.get(k, 0) - before.get(k, 0) for k in KV_COUNTERS}
-    return Phase(name, r, wall_s, turns, kv, {a.actor_id: dict(a.counters) for a in actors})
+    counters = {a.actor_id: dict(a.counters) for a in actors}
+    counters["bench"] = {"work_left_in_queues": left}
+    return Phase(name, r, wall_s, turns, kv, counters)
+
+
+async def purge_work(js) -> int:
+    """Empty both work queues; how many items were left in them."""
+    left = 0
+    for stream in (streams.WORK_PREFILL, streams.WORK_DECODE):
+        left += (await js.stream_info(stream.name)).state.messages
+        await js.purge_stream(stream.name)
+    return left
 
 
 async def direct_phase(nc, engine: VllmEngine, r: int, w: Workload, on_turn) -> Phase:
@@ -232,12 +247,25 @@ async def warm_up(nc, engines: dict[str, VllmEngine]) -> None:
         raise RuntimeError("warm-up: e1 loaded no KV from e0; the connector does not work here")
 
 
-async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEngine], n: int, prompt_tokens: int) -> dict:
+async def files_written(storage: Path, n_files: int, timeout_wall_s: float = 30.0) -> float:
+    """Wait until the ExampleConnector's folder holds `n_files` layer files; the wait, ms. Under
+    load its files can land after the prefill's output (seen here: the loader then finds the
+    prompt's folder without its files and its engine dies on FileNotFoundError)."""
+    started = time.perf_counter()
+    while len(list(storage.glob("*/*.safetensors"))) < n_files:
+        if time.perf_counter() - started > timeout_wall_s:
+            raise RuntimeError(f"ExampleConnector: {n_files} KV files not in {storage} after {timeout_wall_s} s")
+        await asyncio.sleep(0.005)  # barrier-ok: polling a folder another process writes
+    return (time.perf_counter() - started) * 1e3
+
+
+async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEngine], n: int, prompt_tokens: int,
+                  storage: Path, layers: int) -> dict:  # fmt: skip
     """One turn at a time, `n` fresh prompts: prefill on the first engine of a pair, then the
     prompt + first token on the second with 1 output token, its KV moved by Prorsa's connector
     (e0 -> e1 over NATS, from memory) or by vLLM's ExampleConnector (x0 -> x1 through files in a
     shared folder; full blocks only). Medians per turn, and whether both pairs give the same tokens."""
-    times = {k: [] for k in ("prorsa_prefill_ms", "prorsa_handoff_ms", "example_prefill_ms", "example_handoff_ms")}
+    times = {k: [] for k in ("prorsa_prefill_ms", "prorsa_handoff_ms", "example_prefill_ms", "example_handoff_ms", "example_write_lag_ms")}
     same, loaded_example = True, []
     before = await engines["e1"].connector_counters(nc)
     for i in range(n):
@@ -250,9 +278,10 @@ async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEng
         times["prorsa_handoff_ms"].append((time.perf_counter() - mid) * 1e3)
         started = time.perf_counter()
         x_first = await example["x0"].generate(f"ho-xp-{i}", ids, 1)
+        times["example_write_lag_ms"].append(await files_written(storage, (i + 1) * layers))
         mid = time.perf_counter()
         x_rest = await example["x1"].generate(f"ho-xd-{i}", ids + x_first.token_ids, 1)
-        times["example_prefill_ms"].append((mid - started) * 1e3)
+        times["example_prefill_ms"].append((mid - started) * 1e3 - times["example_write_lag_ms"][-1])
         times["example_handoff_ms"].append((time.perf_counter() - mid) * 1e3)
         same &= first.token_ids + rest.token_ids == x_first.token_ids + x_rest.token_ids
         loaded_example.append(x_rest.cached_tokens)
@@ -262,10 +291,19 @@ async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEng
         "turns": n, "prompt_tokens": prompt_tokens, "same_tokens": same,
         "prorsa_bytes_per_turn": (after.get("kv_bytes_fetched", 0) - before.get("kv_bytes_fetched", 0)) / n,
         "prorsa_loaded_tokens_per_turn": (after.get("kv_loaded_tokens", 0) - before.get("kv_loaded_tokens", 0)) / n,
-        "example_loaded_tokens_per_turn": statistics.mean(loaded_example),  # num_cached_tokens of x1's request: all from the files
+        "example_loaded_tokens_per_turn": statistics.mean(loaded_example),
+        "example_write_lag_ms_max": max(times["example_write_lag_ms"]),  # files landing after x0's output (excluded above)  # num_cached_tokens of x1's request: all from the files
         "handoff_ratio_prorsa_over_example": statistics.median(times["prorsa_handoff_ms"]) / statistics.median(times["example_handoff_ms"]),
     })  # fmt: skip
     return figures
+
+
+def handoff_tokens(w: Workload) -> int:
+    """The hand-off prompt: about 2 x --prompt, never a whole number of 32-token blocks (at 512
+    tokens, 4 blocks of 128, vLLM 0.32's ExampleConnector engine died here: its loader found
+    the prompt's folder without the layer files, FileNotFoundError, twice in two runs)."""
+    n = 2 * w.prompt_tokens
+    return n + 7 if n % 32 == 0 else n
 
 
 def example_engines(cfg: Config, url: str, storage: Path) -> dict[str, VllmEngine]:
@@ -313,7 +351,8 @@ async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Cons
                         phases.append(await actor_phase(url, cfg, engines, roles, name, r, w, advance))
             if example:
                 progress.update(turns_task, description="hand-off vs ExampleConnector")
-                handoff_figures = await handoff(nc, engines, example, example_turns, w.prompt_tokens * 2)
+                layers = engines["e0"].llm.model_config.get_num_layers(engines["e0"].llm.vllm_config.parallel_config)
+                handoff_figures = await handoff(nc, engines, example, example_turns, handoff_tokens(w), storage, layers)
     finally:
         for engine in {**engines, **example}.values():
             engine.shutdown()
@@ -350,12 +389,22 @@ def summarise(phases: list[Phase], name: str) -> dict:
         "kv_fetches": kv["kv_fetched"],
         "kv_loads": kv["kv_loads"],  # loads into the decoder's blocks (a fetch each)
         "kv_loads_repeated": kv["kv_loads_repeated"],  # a request loading again (preempted and resumed)
-        "actor_counters": {a: dict(sum((Counter(p.actor_counters.get(a, {})) for p in mine), Counter()))
-                           for a in sorted({a for p in mine for a in p.actor_counters})},  # fmt: skip
+        "actor_counters": sum_counters([p.actor_counters for p in mine]),
         "kv_load_failures": kv["kv_load_failures"],
         "kv_loaded_share": kv["kv_loaded_tokens"] / prompt_tokens,  # prompt positions the decoder loaded over NATS
         "prefix_cache_hit_share": sum(t.cached_tokens for t in turns) / prompt_tokens,  # on the engine that prefilled
     }
+
+
+def sum_counters(per_round: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Each actor's counters summed over rounds (zeros kept)."""
+    total: dict[str, dict[str, int]] = {}
+    for counters in per_round:
+        for actor, values in counters.items():
+            mine = total.setdefault(actor, {})
+            for key, value in values.items():
+                mine[key] = mine.get(key, 0) + value
+    return total
 
 
 def exactness(phases: list[Phase]) -> dict:
@@ -407,7 +456,8 @@ def print_table(console: Console, report: dict) -> None:
                       f"second engine): Prorsa's connector {h['prorsa_handoff_ms']:.0f} ms ({h['prorsa_bytes_per_turn'] / 1e3:.0f} KB "
                       f"over NATS), ExampleConnector {h['example_handoff_ms']:.0f} ms (files): "
                       f"{h['handoff_ratio_prorsa_over_example']:.2f}x; prefill {h['prorsa_prefill_ms']:.0f} vs "
-                      f"{h['example_prefill_ms']:.0f} ms; same tokens {h['same_tokens']}")  # fmt: skip
+                      f"{h['example_prefill_ms']:.0f} ms; same tokens {h['same_tokens']}; ExampleConnector files landed up to "
+                      f"{h['example_write_lag_ms_max']:.0f} ms after its prefill returned")  # fmt: skip
     console.print(f"pd / colocated output tok/s {ratios['pd_over_colocated_tok_s']:.2f}x; actor overhead (colocated "
                   f"against direct) {ratios['actor_overhead_pct']:+.1f}%; engine starts "
                   + ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_s"].items()))  # fmt: skip
@@ -432,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden % 32 or args.trajectories < 1 or args.turns < 1 or args.rounds < 1:
         parser.error("--hidden must be a multiple of 32 (vLLM's CPU attention: head size 32); counts >= 1")
     w = Workload(args.trajectories, args.turns, args.prompt, args.obs, args.out_tokens)
-    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens(), 2 * w.prompt_tokens + 8), kv_pool_gib=1,
+    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens(), handoff_tokens(w) + 8), kv_pool_gib=1,
                        max_num_seqs=max(8, args.trajectories), kv_chunk_bytes=args.kv_chunk_kib * 1024)  # fmt: skip
     console = Console()
     load_before = os.getloadavg()

@@ -52,7 +52,11 @@ def test_bench_vllm_small_run_writes_consistent_figures(tmp_path):
 
     pd = phases["pd"]
     block_bytes = 2 * 2 * 2 * report["block_size_tokens"] * 32 * 4  # layers x (K, V) x KV heads x block x head size x float32
-    assert pd["kv_fetches"] == turns and pd["kv_bytes_moved"] > 0  # every turn's KV crossed over NATS
+    assert pd["kv_fetches"] == pd["kv_loads"] == turns and pd["kv_bytes_moved"] > 0  # every turn's KV crossed over NATS, once
+    assert pd["kv_loads_repeated"] == 0
+    for name in ("pd", "colocated"):  # every item acked before the actors stopped: nothing carried into the next phase
+        assert phases[name]["actor_counters"]["bench"]["work_left_in_queues"] == 0
+        assert not any(c.get("returned_on_shutdown") for c in phases[name]["actor_counters"].values())
     assert pd["kv_bytes_moved"] % block_bytes == 0  # whole blocks of every layer
     assert 0 < pd["kv_loaded_share"] < 1  # the decoder's own prefix cache spared part of the later turns
     assert pd["kv_transfer_ms_per_fetch"] > 0

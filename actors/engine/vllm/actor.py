@@ -80,6 +80,9 @@ class VllmEngineActor(EngineActor):
     async def _on_kv_fetch(self, msg: Msg) -> None:
         return  # the connector inside vLLM's worker answers on subjects.kv(this engine)
 
+    def _weight_sync_s(self) -> float:
+        return 0.0  # no modelled transfer time: the fetch below takes what it really takes
+
     async def _load_weights(self, version: int) -> str | None:
         """The trainer's weights of `version` (chunks on subjects.train_weights, checksummed),
         loaded into vLLM in place; later requests are salted with the version."""
@@ -156,6 +159,10 @@ class VllmEngineActor(EngineActor):
             self._room.set()
             self._progress.set()
             self._wake.set()
+
+    def in_flight(self) -> int:
+        """Work items pulled and not yet acked (benches wait for 0 before stopping the actor)."""
+        return len(self._msgs)
 
     def _sampling(self) -> dict:
         temperature = self.config.model.temperature
