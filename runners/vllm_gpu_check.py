@@ -12,8 +12,8 @@ takes `--gpu-share` of GPU 0, or its own GPU with `--two-gpus`) and an embedded 
    Prorsa's connector, or read by e1's NixlConnector from e0's blocks), decoded on e1: the
    same greedy tokens as e0 alone, on every prompt;
 2. throughput: output tokens/s of the batch decoded on e1 from moved KV against the same
-   batch run whole on e0, and the hand-off's share of a turn (Prorsa's connector: its own
-   fetch time; NIXL: decode-side time to first token minus one decode step, an upper bound).
+   batch run whole on e0, the share of prompt positions e1 did not compute, and (Prorsa's
+   connector) its fetch time per turn.
 Prints one PASS/FAIL line per connector with its figures; writes `--out DIR/vllm_gpu_check.json`
 when asked. Exit 0 only if every connector passes.
 """
@@ -106,7 +106,10 @@ async def check_connector(name: str, model: str, url: str, args) -> dict:
             await nc.close()
             figures["kv_fetch_ms_per_turn"] = counters.get("kv_fetch_us", 0) / 1e3 / max(1, counters.get("kv_fetched", 1))
             figures["kv_load_failures"] = counters.get("kv_load_failures", 0)
-        figures["passed"] = all(exact) and figures["decoder_loaded_share"] > 0.9 and not figures.get("kv_load_failures")
+        # Prorsa's connector: its counters prove the KV moved; NIXL: exactness only (vLLM's
+        # num_cached_tokens under NIXL's async load is reported, not trusted, until seen on a GPU)
+        moved = name != "prorsa" or figures["decoder_loaded_share"] > 0.9
+        figures["passed"] = all(exact) and moved and not figures.get("kv_load_failures")
         return figures
     finally:
         for engine in engines:
