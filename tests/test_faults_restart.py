@@ -176,7 +176,9 @@ def test_kill_9_the_nats_server_mid_run_restarts_it_on_its_store_and_loses_nothi
     assert events["event_id"].n_unique() == events.height  # no acked event stored twice ...
     assert sorted(events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()) == sorted(ASSIGNED)
     assert incomplete_trajectories(events, ASSIGNED, disaggregated=True) == {}  # ... nor missing
-    assert summary["actors"]["trainer"].get("duplicate_finished", 0) == 0
+    # trained once each: a finished trajectory whose ack the killed server never stored comes
+    # again (at-least-once) and the trainer discards it by id (counted as duplicate_finished)
+    assert sum(step["trajectories"] for step in summary["steps"]) == len(ASSIGNED)
 
 
 @pytest.mark.e2e
