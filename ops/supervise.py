@@ -99,6 +99,9 @@ async def supervise(
                     if delay_s is None:
                         return "failed"
                     await asyncio.sleep(delay_s)
+                    if interrupted.is_set():  # Ctrl-C reached the server first (one process group): no restart
+                        console.print("[yellow]interrupted: stopping every actor")
+                        return "interrupted"
                     await asyncio.to_thread(server.start)
                     console.print(f"restarted nats-server pid {server.proc.pid} at {server.url}", highlight=False)
                     server_wait = asyncio.create_task(asyncio.to_thread(server.proc.wait))

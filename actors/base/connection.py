@@ -97,7 +97,10 @@ async def close(nc: NATS) -> None:
             await nc.flush(timeout=2)
         except BUS_ERRORS as err:  # a flush that fails at exit changes nothing: the close follows
             logging.getLogger("prorsa.connection").warning("flush before close failed: %r", err)
-    await nc.close()
+    try:
+        await nc.close()
+    except BUS_ERRORS as err:  # the server went first (its socket reset while nats-py flushed): closed anyway
+        logging.getLogger("prorsa.connection").warning("close found the connection lost: %r", err)
 
 
 async def run_bucket(js: JetStreamContext, replicas: int = 1):
