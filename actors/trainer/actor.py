@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.base import Actor
@@ -120,17 +121,24 @@ class TrainerActor(AsyncTrainerLoop, Actor):
                 wanted.add(trajectory_id)
         return wanted
 
+    async def _pull_finished(self) -> tuple[FinishedTrajectory, Msg] | None:
+        """The next finished trajectory and its message (ack it once recorded); None when none
+        came within the fetch wait, or it was malformed (terminated, never redelivered)."""
+        if self.stopping.is_set():
+            raise asyncio.CancelledError
+        msg = await pull_one(self._finished_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
+        if msg is None:
+            return None
+        done = await self.decode_work(FinishedTrajectory, msg)
+        return None if done is None else (done, msg)
+
     async def _collect(self, wanted: set[str]) -> list[FinishedTrajectory]:
         missing = set(wanted) - set(self.finished)
         while missing:
-            if self.stopping.is_set():
-                raise asyncio.CancelledError
-            msg = await pull_one(self._finished_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
-            if msg is None:
+            pulled = await self._pull_finished()
+            if pulled is None:
                 continue
-            done = await self.decode_work(FinishedTrajectory, msg)
-            if done is None:
-                continue
+            done, msg = pulled
             if done.trajectory_id in self.finished:
                 self.counters["duplicate_finished"] += 1
             elif done.trajectory_id not in wanted:

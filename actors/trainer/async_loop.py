@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.base.publish import pull_one
 from actors.environment.workloads import choose_family
 from actors.trainer.staleness import Batch, Group, StalenessGate
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
-from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, TaskAssignment
-
-FETCH_WAIT_WALL_S = 0.2
+from bus_schemas.train import PolicyVersion, StepReport, TaskAssignment
 
 
 class BatchCannotFill(RuntimeError):
@@ -30,7 +27,7 @@ class BatchCannotFill(RuntimeError):
 
 class AsyncTrainerLoop:
     """Needs the TrainerActor attributes: config, clock, counters, log, stopping, policy_version,
-    reports, _finished_sub, event(), decode_work(), _durable(), _train(), _weights_ref(),
+    reports, event(), _pull_finished(), _durable(), _train(), _weights_ref(),
     _load_policy_everywhere()."""
 
     async def _serve_async(self) -> None:
@@ -109,21 +106,18 @@ class AsyncTrainerLoop:
 
     # --- collecting --------------------------------------------------------------------------
     async def _collect_one(self) -> None:
-        if self.stopping.is_set():
-            raise asyncio.CancelledError
-        msg = await pull_one(self._finished_sub, self.clock.loop_s(FETCH_WAIT_WALL_S))
-        if msg is None:
+        pulled = await self._pull_finished()
+        if pulled is None:
             return
-        done = await self.decode_work(FinishedTrajectory, msg)
-        if done is not None:
-            outcome = self.gate.finished(done)
-            if outcome == "duplicate":
-                self.counters["duplicate_finished"] += 1
-            elif outcome == "unexpected":
-                self.counters["unexpected_finished"] += 1
-                self.log.warning("finished trajectory %s belongs to no untrained group", done.trajectory_id)
-            else:
-                self.finished[done.trajectory_id] = done
+        done, msg = pulled
+        outcome = self.gate.finished(done)
+        if outcome == "duplicate":
+            self.counters["duplicate_finished"] += 1
+        elif outcome == "unexpected":
+            self.counters["unexpected_finished"] += 1
+            self.log.warning("finished trajectory %s belongs to no untrained group", done.trajectory_id)
+        else:
+            self.finished[done.trajectory_id] = done
         await msg.ack()
 
     # --- batches -------------------------------------------------------------------------------
