@@ -84,38 +84,26 @@ async def received_until_marker(watcher: Client, subject: str, intruder: Client,
     return got
 
 
-@pytest.mark.parametrize("intruder_role", ["engine-e0", "environment-env0", "trainer", "trainer-like-monitor"])
-async def test_only_the_allocator_sends_role_commands(secured, intruder_role: str):
+COMMANDS = [  # (subject, the one role that sends there, roles that must not)
+    (subjects.ctl_engine("e1"), "allocator", ["engine-e0", "environment-env0", "trainer", "monitor"]),  # role commands
+    (subjects.ctl_policy("e1"), "trainer", ["allocator", "engine-e0", "environment-env0"]),  # policy loads
+]
+
+
+@pytest.mark.parametrize("subject, sender, intruder_role", [(s, sender, i) for s, sender, intruders in COMMANDS for i in intruders])
+async def test_only_one_role_sends_each_family_of_engine_commands(secured, subject: str, sender: str, intruder_role: str):
     server, users = secured
-    name = "monitor" if intruder_role == "trainer-like-monitor" else intruder_role
-    watcher, intruder, allocator = await client(server, users, "launcher"), await client(server, users, name), await client(server, users, "allocator")
+    watcher, intruder, legit = await client(server, users, "launcher"), await client(server, users, intruder_role), await client(server, users, sender)
     try:
 
         async def command(c: Client, data: bytes) -> None:
-            await c.nc.publish(subjects.ctl_engine("e1"), data)
+            await c.nc.publish(subject, data)
 
-        got = await received_until_marker(watcher, subjects.ctl_engine("e1"), intruder, allocator, command)
+        got = await received_until_marker(watcher, subject, intruder, legit, command)
         assert got == [b"marker"]  # the intruder's command never reached the engine's subject
-        assert intruder.violations() and not allocator.violations()
+        assert intruder.violations() and not legit.violations()
     finally:
-        for c in (watcher, intruder, allocator):
-            await c.nc.close()
-
-
-@pytest.mark.parametrize("intruder_role", ["allocator", "engine-e0", "environment-env0"])
-async def test_only_the_trainer_sends_policy_loads(secured, intruder_role: str):
-    server, users = secured
-    watcher, intruder, trainer = await client(server, users, "launcher"), await client(server, users, intruder_role), await client(server, users, "trainer")
-    try:
-
-        async def load(c: Client, data: bytes) -> None:
-            await c.nc.publish(subjects.ctl_policy("e1"), data)
-
-        got = await received_until_marker(watcher, subjects.ctl_policy("e1"), intruder, trainer, load)
-        assert got == [b"marker"]  # the intruder's policy load never reached the engine's subject
-        assert intruder.violations() and not trainer.violations()
-    finally:
-        for c in (watcher, intruder, trainer):
+        for c in (watcher, intruder, legit):
             await c.nc.close()
 
 
