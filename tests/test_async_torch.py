@@ -19,8 +19,7 @@ from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
 from bus_schemas import subjects  # noqa: E402
 from bus_schemas.codec import decode, encode  # noqa: E402
 from bus_schemas.control import CommandAck, LoadPolicy, Role  # noqa: E402
-from bus_schemas.lifecycle import EventKind, LifecycleEvent  # noqa: E402
-from bus_schemas.work import TurnResult  # noqa: E402
+from tests.actor_helpers import TurnWatch  # noqa: E402
 from tests.torch_helpers import clock, prompt_ids, real_work, torch_config  # noqa: E402
 
 pytestmark = pytest.mark.bus
@@ -63,23 +62,9 @@ async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp
     trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
     await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
 
-    got: dict[str, TurnResult] = {}
-    all_in, decoding = asyncio.Event(), asyncio.Event()
-
-    async def on_result(msg):
-        r = decode(TurnResult, msg.data)
-        got.setdefault(r.trajectory_id, r)
-        if len(got) == 2 * TURNS:
-            all_in.set()
-
-    async def on_event(msg):
-        e = decode(LifecycleEvent, msg.data)
-        if e.kind is EventKind.DECODE_STARTED and e.engine_id == "e1":
-            decoding.set()
-
-    await bus.subscribe(subjects.result("env0"), cb=on_result)
-    await bus.subscribe(subjects.lifecycle_all(), cb=on_event)
-    await bus.flush()
+    watch = TurnWatch(2 * TURNS, decoding_on="e1")
+    await watch.subscribe(bus, subjects.result("env0"))
+    got, all_in, decoding = watch.got, watch.all_in, watch.decoding
     prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
     decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
     runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]

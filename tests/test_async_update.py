@@ -13,9 +13,8 @@ from actors.engine.actor import EngineActor
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.control import CommandAck, LoadPolicy, Role
-from bus_schemas.lifecycle import EventKind, LifecycleEvent
-from bus_schemas.work import TurnResult
-from tests.actor_helpers import at_scale, build, clock_for
+from bus_schemas.lifecycle import EventKind
+from tests.actor_helpers import TurnWatch, at_scale, build, clock_for
 from tests.test_engine_core import work
 
 pytestmark = pytest.mark.bus
@@ -39,25 +38,9 @@ async def test_an_update_mid_decode_loses_no_turn_and_never_serves_old_kv(bus, t
     clock = clock_for(config)
     prefill = build(EngineActor, "e0", config, bus, Role.PREFILL, clock=clock)
     decode_ = build(EngineActor, "e1", config, bus, Role.DECODE, clock=clock)
-    got: dict[str, TurnResult] = {}
-    all_in, decoding = asyncio.Event(), asyncio.Event()
-    log: list[LifecycleEvent] = []
-
-    async def on_result(msg):
-        r = decode(TurnResult, msg.data)
-        got.setdefault(r.trajectory_id, r)
-        if len(got) == 2 * TURNS:
-            all_in.set()
-
-    async def on_event(msg):
-        e = decode(LifecycleEvent, msg.data)
-        log.append(e)
-        if e.kind is EventKind.DECODE_STARTED and e.engine_id == "e1":
-            decoding.set()
-
-    await bus.subscribe(subjects.result_all(), cb=on_result)
-    await bus.subscribe(subjects.lifecycle_all(), cb=on_event)
-    await bus.flush()
+    watch = TurnWatch(2 * TURNS, decoding_on="e1")
+    await watch.subscribe(bus, subjects.result_all())
+    got, log, all_in, decoding = watch.got, watch.log, watch.all_in, watch.decoding
     js = bus.jetstream()
     for i in range(TURNS):
         await js.publish(subjects.work_prefill(), encode(work(f"old{i}-{inflight}", context=0, new=600, out=OUT)))
