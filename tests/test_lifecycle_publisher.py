@@ -117,7 +117,7 @@ async def test_the_window_bounds_the_events_in_flight_and_every_event_is_stored_
         publisher.emit(event(f"w{i}"))
         assert publisher.in_flight <= 8
         if i % 100 == 0:
-            await asyncio.sleep(0)  # let the sender run, as an actor's loop would
+            await asyncio.sleep(0)  # barrier-ok: yields to the sender, as an actor's loop would between emits
     await asyncio.wait_for(publisher.flush(), timeout=60)
     await publisher.close()
     assert publisher.peak_in_flight == 8  # the window filled, and never overflowed

@@ -26,23 +26,23 @@ async def test_a_server_that_dies_while_interrupted_is_not_restarted(tmp_path: P
     await streams.ensure_streams(nc.jetstream())
     await close(nc)
     interrupted = asyncio.Event()
-    started = []
 
     async def respawn(spec):  # no actor dies in this test
         raise AssertionError(f"{spec} respawned")
 
     supervision = Supervision("restart", 3, 0.5)
-    run = asyncio.create_task(supervise({}, tmp_path, bus, 0, interrupted, supervision, respawn, {}, server))
+    notes: dict = {}
+    run = asyncio.create_task(supervise({}, tmp_path, bus, 0, interrupted, supervision, respawn, notes, server))
     try:
-        await asyncio.sleep(0.5)  # barrier-ok: let the supervisor reach its wait before the fault
+        while "lifecycle_alerts" not in notes:  # the supervisor is connected and watching (it notes its alerts then)
+            await asyncio.sleep(0.01)  # barrier-ok: polls the supervisor's state, not a time
         original = server.proc.pid
         server.proc.send_signal(signal.SIGINT)  # the group's Ctrl-C reaches the server first ...
-        while not supervision.deaths:  # barrier-ok: until the supervisor has counted the death (it then backs off 0.5 s)
-            await asyncio.sleep(0.01)
+        while not supervision.deaths:  # the supervisor has counted the death (it then backs off 0.5 s)
+            await asyncio.sleep(0.01)  # barrier-ok: polls the supervisor's state, not a time
         interrupted.set()  # ... and the launcher's own handler runs during the restart's backoff
         status = await asyncio.wait_for(run, timeout=30)
-        started.append(server.proc.pid)
     finally:
         server.stop()
     assert status == "interrupted"
-    assert started == [original] and server.proc.poll() is not None  # never started again
+    assert server.proc.pid == original and server.proc.poll() is not None  # never started again
