@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from bus_schemas import subjects
+
 
 class Role(str, enum.Enum):
     PREFILL = "prefill"
@@ -44,8 +46,6 @@ Command = SetRole | LoadPolicy | Drain | Shutdown
 
 def command_subject(engine_id: str, command: Command) -> str:
     """The subject an engine takes `command` on: policy loads apart from role commands."""
-    from bus_schemas import subjects
-
     return subjects.ctl_policy(engine_id) if isinstance(command, LoadPolicy) else subjects.ctl_engine(engine_id)
 
 
