@@ -92,7 +92,7 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
 def test_a_tied_payload_gets_its_output_projection_as_a_file_of_its_own(tmp_path):
     """The trainer drops `lm_head.weight` of a tied model; the reload gets it back, equal to the
     embedding, so vLLM repacks its output projection (tests/test_vllm_tied.py: on an engine)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
     from safetensors.torch import load_file, save_file
 
     from actors.engine.vllm.engine import WeightsUnsupported, write_tied_head
