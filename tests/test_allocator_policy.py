@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
+
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import from_forecast, from_queues
 from actors.allocator.loads import stage_loads
@@ -143,10 +145,10 @@ def test_demand_from_queues_and_from_a_forecast():
     assert abs(f.decode_seqs - 70.0 / 3) < 1e-9  # a negative forecast counts as zero
 
 
-def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False) -> EngineStatus:
+def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False, running_decode: int = 0) -> EngineStatus:
     return EngineStatus(
         engine_id=engine_id, at_s=0.0, role=role, epoch=0, policy_version=0, backend="emulated",
-        waiting_prefill=0, running_decode=0, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0,
+        waiting_prefill=0, running_decode=running_decode, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0,
         busy_fraction=0.0, waiting_prefill_tokens=waiting_tokens, switching=switching,
     )  # fmt: skip
 
@@ -176,6 +178,32 @@ def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
     assert router.route("", "", 0, 3000) == "e0"  # a first prompt goes to the prefill engine
     assert router.route("e1", "e0", 2000, 1500) == "e0"  # a long append on a short context too
     assert router.counters()["prefill_short_tokens"] == 3400 and router.counters()["prefill_long_tokens"] == 4500
+
+
+def test_a_prefill_engine_turn_moves_only_to_keep_another_from_running_dry():
+    router = Router(["e0", "e1", "e2"], local_prefill_max_tokens=1024)
+    for s in (_status("e0", P, 20_000), _status("e1", P, 5000), _status("e2", D, 0)):
+        router.observe(s)
+    # e0 is 15k tokens busier than e1, far more than the 4k prefix, but e1 has 5k queued: moving
+    # the turn would recompute 4k tokens and keep no engine from running dry
+    assert router.route("e2", "e0", 4000, 3000) == "e0"
+    router.observe(_status("e1", P, 1000))  # e1 is about to run dry: the turn moves there
+    assert router.route("e2", "e0", 4000, 3000) == "e1"
+    # a colocated home keeps the plain rule: 20k queued > 5k + the 4k prefix
+    colocated = Router(["e0", "e1"])
+    for s in (_status("e0", C, 20_000), _status("e1", C, 5000)):
+        colocated.observe(s)
+    assert colocated.route("e0", "e0", 4000, 3000) == "e1"
+
+
+def test_a_short_append_leaving_a_busy_decode_engine_goes_to_its_prefix_holder():
+    router = Router(["e0", "e1", "e2"], local_prefill_max_tokens=1024)
+    for s in (_status("e0", P, 0), _status("e1", P, 0), _status("e2", D, 0, running_decode=50)):
+        router.observe(s)
+    # the decode engine holding the whole context is 50 sequences busy: the append goes to e1,
+    # which prefilled the last turn and holds the prefix, not to e0 (least loaded by name)
+    assert router.route("e2", "e1", 6000, 400) == "e1"
+    assert router.counters()["routed_home"] == 1 and router.counters()["routed_balance"] == 0
 
 
 # --- colocation or PD from the cost model (allocator.colocation = "cost-model") --------------------
@@ -318,11 +346,30 @@ def test_colocation_buys_a_costly_split_once_its_losses_cover_the_cost():
 
 
 def test_a_split_whose_working_set_outgrows_its_decode_side_goes_back():
-    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    no_writeback = msgspec.structs.replace(ENGINES, kv_writeback="none")  # histories stay on the decode engines
+    cap = CapacityModel(no_writeback, 2.0).at(4096)
     pd = [P] * 4 + [D] * 4
     fits = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=0.5 * 4 * cap.decode_kv_tokens)
-    assert cost_model_split().decide(fits, fleet(pd)) == []
+    assert cost_model_split(no_writeback).decide(fits, fleet(pd)) == []
     outgrown = replace(fits, kv_working_set_tokens=1.2 * 4 * cap.decode_kv_tokens)
-    policy = cost_model_split()
+    policy = cost_model_split(no_writeback)
     back = policy.decide(outgrown, fleet(pd))
-    assert {c.role for c in back} == {C} and "outgrew 4 decode engines" in policy.last_reason
+    assert {c.role for c in back} == {C} and "working set" in policy.last_reason and "outgrew 4 decode engines" in policy.last_reason
+
+
+def test_with_write_back_a_split_goes_back_only_when_its_decoding_sequences_outgrow_it():
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    assert not cap.decode_holds_histories  # the default fleet writes each turn's KV back to the prefill side
+    pd = [P] * 4 + [D] * 4
+    # a working set beyond the decode side: the histories live on the prefill side, so the split holds
+    outgrown = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=1.2 * 4 * cap.decode_kv_tokens)
+    policy = cost_model_split()
+    assert policy.decide(outgrown, fleet(pd)) == [] and "outgrew" not in policy.last_reason
+    # ... but not into one: entering, the histories on the new decode engines stay there for a turn
+    entering = cost_model_split()
+    assert entering.decide(outgrown, fleet([C] * 8)) == [] and "would not fit" in entering.last_reason
+    # the sequences it decodes, at their contexts, no longer fit 4 decode engines: back to colocated
+    decoding = replace(outgrown, decode_seqs=1.2 * 4 * cap.decode_kv_tokens / 4096)
+    policy = cost_model_split()
+    back = policy.decide(decoding, fleet(pd))
+    assert {c.role for c in back} == {C} and "decoding sequences' KV" in policy.last_reason

@@ -34,6 +34,10 @@ class Capacity:
     # rank's chunk holds every rank's decodes for the chunk's whole step (1: no lockstep)
     colocated_lockstep_ranks: int = 1
     colocated_switch_s: float = 0.0  # reconfiguration of a colocated <-> prefill or decode switch
+    # without KV write-back the decode engines keep every trajectory's history between turns
+    # (the next turn reuses it there or recomputes it); with write-back it goes back to the
+    # prefill side, and the decode side holds only the sequences it decodes
+    decode_holds_histories: bool = True
 
 
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
@@ -100,6 +104,7 @@ class CapacityModel:
             colocated_kv_tokens=colocated.kv_capacity_tokens,
             colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
             colocated_lockstep_ranks=colocated.dp_ranks if lockstep and colocated.dp_sync == "sglang" else 1,
+            decode_holds_histories=engines.kv_writeback == "none",
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
             ),

@@ -41,10 +41,21 @@ def kv_tokens(demand: Demand) -> float:
     return max(demand.decode_seqs * demand.decode_context_tokens, working_set_tokens(demand))
 
 
-def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int) -> bool:
-    """Whether `decode_engines` decode engines hold the KV the decode side must (at the 90%
-    pool occupancy the decode load is sized to)."""
-    return kv_tokens(demand) <= 0.9 * decode_engines * cap.decode_kv_tokens
+def decode_side_kv_tokens(demand: Demand, cap: Capacity, entering: bool = False) -> float:
+    """KV a split's decode side must keep to run without thrashing. Entering a split it must
+    hold the working set: the histories on the engines becoming decode engines stay there until
+    their next turn. Once split, with KV write-back each finished turn's KV goes back to the
+    prefill side, so the decode side holds only the sequences it decodes; without, the whole
+    working set (`kv_tokens`)."""
+    if entering or cap.decode_holds_histories:
+        return kv_tokens(demand)
+    return demand.decode_seqs * demand.decode_context_tokens
+
+
+def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int, entering: bool = False) -> bool:
+    """Whether `decode_engines` decode engines hold the KV the decode side must
+    (`decode_side_kv_tokens`, at the 90% pool occupancy the decode load is sized to)."""
+    return decode_side_kv_tokens(demand, cap, entering) <= 0.9 * decode_engines * cap.decode_kv_tokens
 
 
 def working_set_tokens(demand: Demand) -> float:

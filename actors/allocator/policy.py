@@ -29,7 +29,9 @@ Colocation is one of the choices (`allocator.colocation`):
     not save may be saved over several: ski rental, the split is bought once the
     engine-seconds colocation has lost since a split started paying cover its cost.
   - Never into a split whose decode side cannot hold the working set (it would preempt and
-    recompute without end); a split whose working set outgrows its decode side goes back.
+    recompute without end); a split goes back when what its decode side must keep outgrows it:
+    the working set, or with KV write-back only the decoding sequences' KV
+    (`loads.decode_side_kv_tokens`).
   - While a split recomputes the KV it relocated (a transient already charged), and for
     `SETTLE_HORIZONS` after any change, the arrangement is judged at its settled prefill
     work per new token, and that ratio is not learned.
@@ -47,7 +49,16 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
-from actors.allocator.loads import bottleneck, colocated_load, decode_side_holds, relocation_s, stage_loads, target_prefill_engines, working_set_tokens
+from actors.allocator.loads import (
+    bottleneck,
+    colocated_load,
+    decode_side_holds,
+    decode_side_kv_tokens,
+    relocation_s,
+    stage_loads,
+    target_prefill_engines,
+    working_set_tokens,
+)
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -327,7 +338,7 @@ class Split:
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
         horizon_s = self.config.horizon_s
-        if colocated_now and not decode_side_holds(demand, cap, n - target):
+        if colocated_now and not decode_side_holds(demand, cap, n - target, entering=True):
             # a decode side that cannot hold the working set preempts and recomputes without end
             return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) would not fit {n - target} decode engines {where}"
         if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
@@ -341,7 +352,8 @@ class Split:
                 return ""
             return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
         if current and not decode_side_holds(demand, cap, n - current):
-            return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
+            what = "the working set" if cap.decode_holds_histories else "the decoding sequences' KV"
+            return f"colocated: {what} ({decode_side_kv_tokens(demand, cap) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
         gain_s = (pd_load - coloc_load) * horizon_s
         if gain_s - cost_s >= self._required_gain_s("colocate"):

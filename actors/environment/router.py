@@ -8,9 +8,14 @@ Every policy but plain `colocated` routes a turn to an engine's own queue:
   decoded its last turn, a decode engine included — so only the append is computed and
   nothing moves; the other turns (a first prompt, a long append on a short context) go to a
   prefill engine, or a colocated one;
-* either way the engine holding the prefix is chosen unless its queue is longer than the
-  least loaded candidate's by more than the prefix a miss would recompute; a new trajectory
-  goes to the least loaded.
+* either way the engines holding the trajectory's KV are tried in order (a short append: the
+  engine that decoded its last turn, then the one that prefilled it; a long turn: the
+  prefix holder first) before the least loaded candidate. A holder keeps the turn unless its
+  queue is longer than the least loaded's by more than the prefix a miss would recompute; a
+  prefill engine keeps it as long as the least loaded has at least that miss queued itself
+  (moving would recompute the prefix and keep no engine from running dry). So a short append
+  leaving a busy decode engine goes to its prefix holder, not to a prefill engine that would
+  recompute it all. A new trajectory goes to the least loaded.
 
 With KV write-back (`engines.kv_writeback`, `writeback`), the engine that prefilled the last
 turn holds the trajectory's whole context once the decode engine's output is written back
@@ -121,9 +126,9 @@ class Router:
             return None
         least = min(candidates, key=lambda e: (candidates[e].load_tokens, e))
         homes = (kv_engine_id, prefix_engine_id) if short else (prefix_engine_id, kv_engine_id)
-        home_id = next((e for e in homes if e in candidates), "")
         miss_tokens = context_tokens * self.miss_share  # what sending it elsewhere costs (recompute or store load)
-        if home_id and candidates[home_id].load_tokens <= candidates[least].load_tokens + miss_tokens:
+        home_id = next((e for e in homes if e in candidates and self._stays_home(candidates[e], candidates[least], miss_tokens)), "")
+        if home_id:
             chosen = home_id
             if short and home_id == kv_engine_id:
                 self.routed_local += 1
@@ -134,6 +139,17 @@ class Router:
             chosen, self.routed_balance = least, self.routed_balance + 1
             candidates[chosen].routed_tokens += round(miss_tokens) + new_tokens
         return chosen
+
+    @staticmethod
+    def _stays_home(home: _Engine, least: _Engine, miss_tokens: float) -> bool:
+        """Whether a turn stays on an engine holding its KV rather than go to the least loaded.
+        A prefill engine keeps it while the least loaded has at least the miss queued: moving
+        would only recompute the prefix and no engine would run dry without it (work
+        conserving). Otherwise it stays while its load exceeds the least loaded's by no more
+        than the prefix a miss would recompute."""
+        if home.role is Role.PREFILL and least.load_tokens >= miss_tokens:
+            return True
+        return home.load_tokens <= least.load_tokens + miss_tokens
 
     def _expired(self, engine: _Engine, now_s: float | None) -> bool:
         if now_s is None or engine.seen_at_s is None or now_s - engine.seen_at_s <= self.lease_s:
