@@ -21,6 +21,7 @@ class SetRole(msgspec.Struct, frozen=True, kw_only=True, tag="set_role"):
     role: Role
     epoch: int  # allocator's decision counter; strictly increasing per engine
     drain_deadline_s: float = 30.0  # model seconds allowed to finish in-flight work
+    reason: str = ""  # why the allocator switched it (its decision, for the log: role_switched's detail)
 
 
 class LoadPolicy(msgspec.Struct, frozen=True, kw_only=True, tag="load_policy"):

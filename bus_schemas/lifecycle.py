@@ -35,7 +35,7 @@ class EventKind(str, enum.Enum):
     KV_WRITEBACK_DONE = "kv_writeback_done"
     KV_STORE_LOADED = "kv_store_loaded"  # a prefill loaded the trajectory's prefix from the store tier
     # fleet and RL
-    ROLE_SWITCHED = "role_switched"
+    ROLE_SWITCHED = "role_switched"  # detail: the allocator's reason (SetRole.reason)
     POLICY_LOADED = "policy_loaded"
     STEP_STARTED = "step_started"
     ROLLOUT_DONE = "rollout_done"

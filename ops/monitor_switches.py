@@ -84,6 +84,7 @@ class Switches:
                 "role": ev.role,
                 "cost_s": rounded(ev.duration_s),
                 "epoch": cmd.epoch if cmd is not None else None,
+                "why": ev.detail,  # the allocator's reason (SetRole.reason)
                 "wall_s": wall_s,
             }
         )

@@ -169,18 +169,18 @@ def _demand(s: dict, width: int) -> Panel:
 def _switches(s: dict) -> Panel:
     sw = s["switches"]
     table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False)
-    for col in ("model s", "engine", "switch", "epoch", "cost"):
-        table.add_column(col, no_wrap=True, justify="right" if col in ("model s", "epoch", "cost") else "left")
+    for col in ("model s", "engine", "switch", "epoch", "cost", "why"):
+        table.add_column(col, no_wrap=col != "why", justify="right" if col in ("model s", "epoch", "cost") else "left")
     for r in list(reversed(sw["recent"]))[:8]:
         switch = Text()
         switch.append(r["from_role"] or "?", style=ROLE_STYLE.get(r["from_role"], ""))
         switch.append(" → ")
         switch.append(r["role"], style=ROLE_STYLE.get(r["role"], ""))
-        table.add_row(f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}")
+        table.add_row(f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}", r.get("why", ""))
     for c in sw["commands"]["pending"]:
-        table.add_row("pending", c["engine_id"], f"→ {c['role']}", str(c["epoch"]), Text(f"{c['age_s']:.1f} s wall", style="red" if c["overdue"] else "yellow"))
+        table.add_row("pending", c["engine_id"], f"→ {c['role']}", str(c["epoch"]), Text(f"{c['age_s']:.1f} s wall", style="red" if c["overdue"] else "yellow"), "")
     if not sw["recent"] and not sw["commands"]["pending"]:
-        table.add_row("", "(none yet)", "", "", "")
+        table.add_row("", "(none yet)", "", "", "", "")
     cmd = sw["commands"]
     foot = Text(f"{sw['total']} switches, cost {sw['cost_s_total']:.1f} model s (drain + reconfig)\nSetRole: {cmd['sent']} seen, {cmd['acked']} acked, {cmd['refused']} refused", style="dim")
     return Panel(Group(table, foot), title="Role switches", title_align="left")

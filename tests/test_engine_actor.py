@@ -62,7 +62,7 @@ async def test_commands_epochs_and_a_malformed_command(bus, tiny_config):
         assert not bad.ok and "malformed" in bad.error
         assert (await command(bus, "e0", LoadPolicy(version=2))).policy_version == 2
         assert not (await command(bus, "e0", LoadPolicy(version=1))).ok  # never go back
-        switched = await command(bus, "e0", SetRole(role=Role.DECODE, epoch=1, drain_deadline_s=5))
+        switched = await command(bus, "e0", SetRole(role=Role.DECODE, epoch=1, drain_deadline_s=5, reason="0:1 -> 0:1 (test)"))
         assert switched.ok and switched.role is Role.DECODE and switched.epoch == 1
         again = await command(bus, "e0", SetRole(role=Role.DECODE, epoch=1))
         assert again.ok and again.role is Role.DECODE  # idempotent
@@ -79,7 +79,7 @@ async def test_commands_epochs_and_a_malformed_command(bus, tiny_config):
         e0.request_stop("test over")
         await asyncio.wait_for(running, timeout=15)
     switches = [e for e in await events(bus) if e.kind is EventKind.ROLE_SWITCHED]
-    assert [(s.engine_id, s.role) for s in switches] == [("e0", "decode")]
+    assert [(s.engine_id, s.role, s.detail) for s in switches] == [("e0", "decode", "0:1 -> 0:1 (test)")]  # the reason, logged
 
 
 async def test_prefill_to_decode_hand_off_between_two_engines(bus, tiny_config):

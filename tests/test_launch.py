@@ -175,5 +175,6 @@ def test_prorsa_switches_roles_on_a_real_bus_and_loses_nothing(tmp_path: Path):
     events = pl.read_parquet(out / "events.parquet")
     switched = events.filter(pl.col("kind") == "role_switched")
     assert {"prefill", "decode"} <= set(switched["role"])
+    assert all("->" in why for why in switched["detail"])  # each switch logs the allocator's decision ("1:1 -> ..." here)
     assert events.filter(pl.col("kind") == "kv_transfer_done").height > 0  # turns crossed engines after the split
     assert summary["actors"]["forecaster"]["ticks"] > 0

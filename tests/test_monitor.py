@@ -127,13 +127,13 @@ def test_a_role_switch_shows_with_its_cost_epoch_and_ack():
     state.on_engine_status(status("e0", "colocated", at_s=5.0), wall_s=10.0)
     state.ingest(subjects.ctl_engine("e0"), encode(SetRole(role=Role.PREFILL, epoch=1, drain_deadline_s=3.0)), wall_s=10.5)
     assert state.snapshot(10.6)["switches"]["commands"]["pending"][0]["role"] == "prefill"
-    state.on_lifecycle(event(EventKind.ROLE_SWITCHED, 6.0, "", engine_id="e0", role="prefill", duration_s=1.25), wall_s=11.0)
+    state.on_lifecycle(event(EventKind.ROLE_SWITCHED, 6.0, "", engine_id="e0", role="prefill", duration_s=1.25, detail="0:1 -> 1:0 (forecast)"), wall_s=11.0)
     state.ingest_ack("_INBOX.x.1", encode(CommandAck(engine_id="e0", command="set_role", ok=True, role=Role.PREFILL, epoch=1, policy_version=0, drain_s=1.0)), 11.0)
     state.on_engine_status(status("e0", "prefill", at_s=6.5, epoch=1), wall_s=11.2)
     snap = state.snapshot(11.5)
     sw = snap["switches"]
     assert sw["total"] == 1 and sw["cost_s_total"] == 1.25
-    assert sw["recent"] == [{"at_s": 6.0, "engine_id": "e0", "from_role": "colocated", "role": "prefill", "cost_s": 1.25, "epoch": 1}]
+    assert sw["recent"] == [{"at_s": 6.0, "engine_id": "e0", "from_role": "colocated", "role": "prefill", "cost_s": 1.25, "epoch": 1, "why": "0:1 -> 1:0 (forecast)"}]
     assert sw["commands"]["acked"] == 1 and sw["commands"]["pending"] == []
     assert not [a for a in snap["alerts"] if a["kind"] == "switch_not_acked"]
 
@@ -400,7 +400,7 @@ async def test_the_monitor_on_a_real_bus_reflects_every_kind_of_message(bus, nat
         await item.term()
         reply = await bus.request(subjects.ctl_engine("e1"), encode(SetRole(role=Role.DECODE, epoch=3)), timeout=5)
         assert msgspec.msgpack.decode(reply.data)["ok"]
-        await _publish_events(js, [event(EventKind.ROLE_SWITCHED, 2.5, "", engine_id="e1", role="decode", duration_s=0.4), event(EventKind.PREFILL_STARTED, 2.6, "old", engine_id="e0", role="prefill")])
+        await _publish_events(js, [event(EventKind.ROLE_SWITCHED, 2.5, "", engine_id="e1", role="decode", duration_s=0.4, detail="2:0 -> 1:1 (forecast)"), event(EventKind.PREFILL_STARTED, 2.6, "old", engine_id="e0", role="prefill")])
         await bus.flush()
         await monitor.poll_streams_once()
         snap = await _until(
@@ -411,7 +411,7 @@ async def test_the_monitor_on_a_real_bus_reflects_every_kind_of_message(bus, nat
         await monitor.close()
     assert {e["engine_id"]: e["role"] for e in snap["engines"]} == {"e0": "prefill", "e1": "colocated"}
     assert snap["trajectories"]["prefill"] == 1 and snap["trajectories"]["started"] == 1
-    assert snap["switches"]["recent"][0] | {"at_s": 0} == {"at_s": 0, "engine_id": "e1", "from_role": "colocated", "role": "decode", "cost_s": 0.4, "epoch": 3}
+    assert snap["switches"]["recent"][0] | {"at_s": 0} == {"at_s": 0, "engine_id": "e1", "from_role": "colocated", "role": "decode", "cost_s": 0.4, "epoch": 3, "why": "2:0 -> 1:1 (forecast)"}
     assert snap["switches"]["commands"]["acked"] == 1  # from the ack on the allocator's inbox, or the role_switched event
     assert snap["invalid"]["by_subject"] == {"prorsa.lc": 1, "prorsa.status.engine": 1}
     assert snap["invalid"]["reported_by_actors"] == {"env0": 2}

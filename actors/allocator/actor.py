@@ -197,7 +197,7 @@ class AllocatorActor(Actor):
         old = self.statuses[change.engine_id].role
         model_s = ac.drain_deadline_s + switch_reconfig_s(engines, old, change.role)
         timeout_s = self.clock.loop_s(ac.ack_timeout_wall_s) + self.clock.to_wall_s(model_s)  # loop seconds
-        command = SetRole(role=change.role, epoch=epoch, drain_deadline_s=ac.drain_deadline_s)
+        command = SetRole(role=change.role, epoch=epoch, drain_deadline_s=ac.drain_deadline_s, reason=change.why)
         try:
             reply = await self.nc.request(subjects.ctl_engine(change.engine_id), encode(command), timeout=timeout_s)
             ack = decode(CommandAck, reply.data)

@@ -212,7 +212,9 @@ class EngineCommands:
         self.role_since_s = self.clock.now_s()
         self.switching = False
         self._resume_pulling()
-        self.event(EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s)
+        self.event(
+            EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s, detail=command.reason
+        )
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
         await self.publish_heartbeat()  # the fleet view sees the new role now, not a period later
 
