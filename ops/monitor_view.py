@@ -176,7 +176,7 @@ def _switches(s: dict) -> Panel:
         switch.append(r["from_role"] or "?", style=ROLE_STYLE.get(r["from_role"], ""))
         switch.append(" → ")
         switch.append(r["role"], style=ROLE_STYLE.get(r["role"], ""))
-        table.add_row(f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}", r.get("why", ""))
+        table.add_row(f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}", r["why"])
     for c in sw["commands"]["pending"]:
         table.add_row("pending", c["engine_id"], f"→ {c['role']}", str(c["epoch"]), Text(f"{c['age_s']:.1f} s wall", style="red" if c["overdue"] else "yellow"), "")
     if not sw["recent"] and not sw["commands"]["pending"]:
