@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from nats.js import api
 from nats.js.client import JetStreamContext
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from bus_schemas import subjects
 
@@ -141,13 +141,14 @@ async def ensure_streams(js: JetStreamContext, limits: LifecycleLimits | None = 
 
 
 async def answered(call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`'s result, asking again while the JetStream API does not answer (a cluster
-    electing a leader after a server died or started: a timeout or a 503), up to
-    JETSTREAM_READY_TRIES times."""
+    """`call()`'s result, asking again while JetStream does not answer, up to
+    JETSTREAM_READY_TRIES times: a cluster electing a leader after a server died or started
+    (a timeout or a 503), or a stream created a moment ago whose leader is not elected yet
+    (a publish gets no response from the stream)."""
     for attempt in range(1, JETSTREAM_READY_TRIES + 1):
         try:
             return await call()
-        except (TimeoutError, ServiceUnavailableError):
+        except (TimeoutError, ServiceUnavailableError, NoStreamResponseError):
             if attempt == JETSTREAM_READY_TRIES:
                 raise
             await asyncio.sleep(JETSTREAM_RETRY_WALL_S)

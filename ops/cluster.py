@@ -29,18 +29,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import re
 import secrets
 import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
+from nats.js import api
 from nats.js.client import JetStreamContext
 
-from actors.base.connection import BUS_ERRORS
+from actors.base.connection import BUS_ERRORS, close, connect
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
@@ -48,6 +51,8 @@ from ops.access import User, write_credentials
 from ops.natsserver import EmbeddedNats, free_port
 
 CLUSTER_NAME = "prorsa"
+READY_STREAM = "CLUSTER_READY"  # created on every server, then deleted, before start() returns
+LOG = logging.getLogger("prorsa.cluster")
 MIN_SERVERS = 3  # JetStream keeps a quorum (and its R3 streams) through the loss of one server
 META_LEADER_TIMEOUT_WALL_S = 30.0
 META_LEADER_LINES = (b"Self is new JetStream cluster metadata leader", b"JetStream cluster new metadata leader")
@@ -100,6 +105,8 @@ class LocalCluster:
             for server in self.servers:
                 server.start()
             self._wait_meta_leader(offsets)
+            with ThreadPoolExecutor(1) as pool:  # its own event loop: a caller may be inside one
+                pool.submit(asyncio.run, self._wait_replicated_stream()).result()
         except BaseException:
             self.stop()
             raise
@@ -150,6 +157,28 @@ class LocalCluster:
         if waiting:
             names = ", ".join(f"n{i}" for i in sorted(waiting))
             raise RuntimeError(f"no JetStream metadata leader seen by {names} after {META_LEADER_TIMEOUT_WALL_S} s; see {self.root}/n*/nats-server.log")
+
+    async def _wait_replicated_stream(self) -> None:
+        """Until a stream replicated on every server can be created (and is deleted again):
+        a known metadata leader is not yet a cluster whose peers all answer, and a run
+        started earlier finds its R3 streams waiting on a peer."""
+        user = next(iter(self.accounts.values()), None)
+        nc = await connect(self.seed_url, "cluster-ready", LOG, user=user and user.name, password=user and user.password)
+        js = nc.jetstream(timeout=5)
+        probe = api.StreamConfig(name=READY_STREAM, subjects=[f"_prorsa.{READY_STREAM}"], num_replicas=len(self.servers), storage=api.StorageType.MEMORY)
+        deadline = time.monotonic() + META_LEADER_TIMEOUT_WALL_S
+        try:
+            while True:
+                try:
+                    await js.add_stream(probe)
+                    await js.delete_stream(READY_STREAM)
+                    return
+                except BUS_ERRORS as err:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no stream on all {len(self.servers)} servers after {META_LEADER_TIMEOUT_WALL_S} s ({err!r}); see {self.root}/n*/nats-server.log") from err
+                    await asyncio.sleep(POLL_WALL_S)
+        finally:
+            await close(nc)
 
 
 # --- one run, launchers on several hosts ---------------------------------------------------

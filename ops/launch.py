@@ -44,7 +44,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from actors.base.connection import close, connect, publish_origin
+from actors.base.connection import BUS_ERRORS, close, connect, publish_origin
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from bus_schemas import streams
 from ops import access
@@ -287,7 +287,11 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
             console.print(f"started nats-server pid {server.proc.pid} at {bus.url}", highlight=False)
         join = await bus.connect("launcher-join") if only else None
         if control:
-            origin = await prepare_bus(bus, config, shared_server=nats_url is not None)
+            try:
+                origin = await prepare_bus(bus, config, shared_server=nats_url is not None)
+            except BUS_ERRORS as err:  # the other hosts keep waiting for the run: say so
+                console.print(f"error: could not create run {config.run.name!r} on {bus.url} (no actor started): {err!r}", highlight=False)
+                return 1
         else:
             console.print(f"waiting for run {config.run.name!r} on {bus.url}", highlight=False)
             origin = await wait_for_run(join.jetstream(), config.run.name, stop)

@@ -3,7 +3,9 @@ when one dies (`Supervision`)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import subprocess
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +20,18 @@ def die_with_parent() -> None:
     except OSError:  # not Linux: the launcher's own cleanup still stops children
         return
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+EXIT_POLL_WALL_S = 0.2
+
+
+async def exited(proc: subprocess.Popen) -> int:
+    """`proc`'s exit code, once it has exited. Polled, not `asyncio.to_thread(proc.wait)`: a
+    thread blocked in `wait()` outlives a cancelled task, and `asyncio.run` waits for it at
+    exit, so a launcher would hang on a server that something else stopped or restarted."""
+    while (code := proc.poll()) is None:
+        await asyncio.sleep(EXIT_POLL_WALL_S)
+    return code
 
 
 @dataclass(slots=True)

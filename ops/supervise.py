@@ -23,7 +23,7 @@ from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
 from ops.bus_guard import DeadLetters, LifecycleFill
 from ops.natsserver import EmbeddedNats
-from ops.procs import Supervision
+from ops.procs import Supervision, exited
 
 if TYPE_CHECKING:
     from ops.launch import ActorSpec, Bus
@@ -82,7 +82,7 @@ async def supervise(
     notes["lifecycle_alerts"] = fill.alerts
     watchers = [asyncio.create_task(fill.watch(), name="lifecycle-fill")]
     fatal_wait = asyncio.create_task(dead.fatal.wait())
-    server_wait = asyncio.create_task(asyncio.to_thread(server.proc.wait)) if server is not None else None
+    server_wait = asyncio.create_task(exited(server.proc)) if server is not None else None
     try:
         with progress:
             while True:
@@ -104,7 +104,7 @@ async def supervise(
                         return "interrupted"
                     await asyncio.to_thread(server.start)
                     console.print(f"restarted nats-server pid {server.proc.pid} at {server.url}", highlight=False)
-                    server_wait = asyncio.create_task(asyncio.to_thread(server.proc.wait))
+                    server_wait = asyncio.create_task(exited(server.proc))
                     continue  # any other task done meanwhile is returned again by the next wait
                 for task in done:
                     if task in restarting:  # a restart's new process is up

@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +44,10 @@ REPO = Path(__file__).resolve().parent.parent
 LOG = logging.getLogger("prorsa.cluster_check")
 FIRST_FINISH_TIMEOUT_WALL_S = 120.0
 RUN_TIMEOUT_WALL_S = 300.0
+# a launcher past its deadline: SIGTERM, then this long before SIGKILL (its own stop: 15 s for
+# its actors, up to 45 s for the other host's final reports, then the export)
+STOP_GRACE_WALL_S = 90.0
+LOG_TAIL_LINES = 25
 KILLED = 1  # the engines' server
 
 CONFIG = """
@@ -112,15 +117,37 @@ async def first_finish(url: str, timeout_wall_s: float) -> None:
         await close(nc)
 
 
-def wait(proc: subprocess.Popen, deadline: float) -> int:
-    try:
-        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+def wait_all(launchers: dict[str, subprocess.Popen], deadline: float) -> dict[str, int]:
+    """Each launcher's exit code by `deadline`. Those still running then get SIGTERM together
+    (each stops its actors, waits for the other host's reports and exports), and SIGKILL to
+    their whole session STOP_GRACE_WALL_S later."""
+    codes: dict[str, int] = {}
+    for name, proc in launchers.items():
+        try:
+            codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    late = {name: proc for name, proc in launchers.items() if name not in codes}
+    for proc in late.values():
         proc.terminate()
-        return proc.wait(timeout=30)
+    grace_deadline = time.monotonic() + STOP_GRACE_WALL_S
+    for name, proc in late.items():
+        try:
+            codes[name] = proc.wait(timeout=max(0.1, grace_deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            codes[name] = proc.wait()
+    return {name: codes[name] for name in launchers}
 
 
-def run_check(out: Path, steps: int, time_scale: float, kill: bool, policy: str = "colocated") -> dict:
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no log)"]
+
+
+def run_check(
+    out: Path, steps: int, time_scale: float, kill: bool, policy: str = "colocated",
+    first_finish_timeout_wall_s: float = FIRST_FINISH_TIMEOUT_WALL_S, run_timeout_wall_s: float = RUN_TIMEOUT_WALL_S,
+) -> dict:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     config = out / "cluster-check.toml"
     config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps, policy=policy))
@@ -130,15 +157,19 @@ def run_check(out: Path, steps: int, time_scale: float, kill: bool, policy: str 
         engines = start_launcher(config, out / "engines", cluster.urls[KILLED], ["engines"])
         control = start_launcher(config, out / "control", cluster.urls[0], ["control", "environments"])
         killed: list[str] = []
+        stalled = False
         try:
-            asyncio.run(first_finish(cluster.urls[2], FIRST_FINISH_TIMEOUT_WALL_S))
+            asyncio.run(first_finish(cluster.urls[2], first_finish_timeout_wall_s))
             if kill:
                 pid = cluster.kill(KILLED)
                 killed.append(f"n{KILLED}")
                 print(f"killed server n{KILLED} (pid {pid}) at {time.monotonic() - started:.1f} s", flush=True)
+        except TimeoutError:
+            stalled = True
+            print(f"no trajectory finished within {first_finish_timeout_wall_s} s: stopping both launchers", flush=True)
         finally:
-            deadline = time.monotonic() + RUN_TIMEOUT_WALL_S
-            codes = {"control": wait(control, deadline), "engines": wait(engines, deadline)}
+            deadline = time.monotonic() + (0.0 if stalled else run_timeout_wall_s)
+            codes = wait_all({"control": control, "engines": engines}, deadline)
     summary_path = out / "control" / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
     engines_path = out / "engines" / "summary.json"
@@ -152,6 +183,11 @@ def run_check(out: Path, steps: int, time_scale: float, kill: bool, policy: str 
         "lifecycle_events_missing": max(0, emitted - summary.get("events", 0)),
         "check_wall_s": round(time.monotonic() - started, 2),
     }
+    if stalled:
+        summary["status"] = f"no trajectory finished within {first_finish_timeout_wall_s} s"
+    if not passed(summary):  # what each host printed, so a failure explains itself
+        summary["launcher_log_tails"] = {name: tail(out / f"{name}.log") for name in ("control", "engines")}
+        summary["actor_log_tails"] = {f"{log.parent.parent.name}/{log.name}": tail(log, 10) for log in sorted(out.glob("*/logs/*.log"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

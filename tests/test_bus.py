@@ -5,6 +5,7 @@ from __future__ import annotations
 import nats
 import pytest
 from nats.js import api
+from nats.js.errors import BadRequestError
 
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode, encode
@@ -41,6 +42,32 @@ async def test_work_goes_to_one_consumer_only(bus):
     got2 = await sub2.fetch(2, timeout=2)
     ids = [decode(PrefillWork, m.data).trajectory_id for m in got1 + got2]
     assert sorted(ids) == list("abcd")  # shared durable consumer: each item to exactly one puller
+
+
+async def test_a_publish_no_stream_answers_is_asked_again_and_a_bad_request_is_not(bus):
+    """What a launcher meets on a new replicated bucket whose leader is not elected yet: the
+    server has no stream to answer the publish. `streams.answered` asks again."""
+    js = bus.jetstream()
+    attempts = []
+
+    async def publish():
+        attempts.append(len(attempts))
+        if len(attempts) == 2:  # the stream appears between the first try and the second
+            await js.add_stream(api.StreamConfig(name="LATE", subjects=["late.>"]))
+        return await js.publish("late.x", b"1")
+
+    ack = await streams.answered(publish)
+    assert len(attempts) == 2 and ack.stream == "LATE" and ack.seq == 1
+    attempts.clear()
+
+    async def bad_request():  # the server refuses: another stream holds these subjects
+        attempts.append(len(attempts))
+        return await js.add_stream(api.StreamConfig(name="OVERLAP", subjects=["late.>"]))
+
+    with pytest.raises(BadRequestError):
+        await streams.answered(bad_request)
+    assert len(attempts) == 1
+    await js.delete_stream("LATE")
 
 
 async def test_retried_publish_with_the_same_id_is_stored_once(bus):

@@ -4,6 +4,7 @@ the engines' host waits for it and stops at its end (runners/cluster_check.py)."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -42,8 +43,9 @@ def test_only_needs_an_external_cluster(tmp_path, capsys):
 
 @pytest.mark.e2e
 def test_two_launchers_on_two_servers_serve_one_run(tmp_path):
-    summary = run_check(tmp_path, steps=1, time_scale=50.0, kill=False)
-    assert passed(summary), summary
+    # bounded well inside pytest's timeout, so a stalled run fails with its hosts' logs
+    summary = run_check(tmp_path, steps=1, time_scale=50.0, kill=False, first_finish_timeout_wall_s=90.0, run_timeout_wall_s=120.0)
+    assert passed(summary), json.dumps(summary, indent=1)
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == 4
     assert set(summary["actors"]) == {"trainer", "env0", "e0", "e1"}  # final reports from both hosts
     assert summary["lifecycle_events_emitted"] == summary["events"] > 0

@@ -16,6 +16,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors.base.clock import wall_now_s
+from bus_schemas import streams
 from bus_schemas.codec import decode, encode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 
@@ -115,7 +116,7 @@ async def publish_origin(js: JetStreamContext, run_name: str, origin_wall_s: flo
     """Set model time 0 for a new run (the launcher does this before starting actors)."""
     origin = RunOrigin(origin_wall_s=wall_now_s() if origin_wall_s is None else origin_wall_s, run_name=run_name)
     kv = await run_bucket(js, replicas)
-    await kv.put(ORIGIN_KEY, encode(origin))
+    await streams.answered(lambda: kv.put(ORIGIN_KEY, encode(origin)))  # a new R3 bucket may not have a leader yet
     return origin
 
 
