@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from actors.base.connection import BUS_ERRORS
+from actors.base.tasks import stop_if_cancelled
 from bus_schemas import streams, subjects
 
 REASON_HEADER = "Prorsa-Dead-Reason"
@@ -126,4 +127,5 @@ class LifecycleFill:
                 await self.check()
             except BUS_ERRORS as err:
                 LOG.warning("could not read the LIFECYCLE stream's fill: %r", err)
+            stop_if_cancelled()  # a cancel the request swallowed (actors/base/tasks.py)
             await asyncio.sleep(period_wall_s)

@@ -279,6 +279,7 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: (interrupted.set(), stop.set()))
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # `kill -USR1 <launcher>`: what is it waiting for?
     status = "interrupted"
     join = ender = None  # a host of a run over several hosts: its connection, the watch for the end
     try:
@@ -343,6 +344,13 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
     if status == "interrupted":
         return 130
     return 0 if status == "completed" and not killed else 1
+
+
+def dump_tasks() -> None:
+    """Every asyncio task's stack, on stderr: what a launcher that seems stuck awaits."""
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}", file=sys.stderr, flush=True)
+        task.print_stack(file=sys.stderr)
 
 
 def write_host_summary(out: Path, status: str, mine: list[ActorSpec], killed: list[str], supervision: Supervision) -> None:

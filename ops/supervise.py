@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.base.connection import close
+from actors.base.tasks import cancel_and_wait
 from bus_schemas import subjects
 from bus_schemas.codec import decode
 from bus_schemas.lifecycle import LifecycleEvent
@@ -128,9 +129,9 @@ async def supervise(
         fatal_wait.cancel()
         if server_wait is not None:
             server_wait.cancel()
-        for task in [*waits, *restarting, *watchers]:
+        for task in waits:
             task.cancel()
-        await asyncio.gather(*restarting, *watchers, return_exceptions=True)
+        await cancel_and_wait([*restarting, *watchers], LOG)
         notes["dead_letter_errors"] = dead.errors
         await close(nc)
 

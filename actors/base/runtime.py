@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 
 from actors.base.clock import Clock, ScaledClock
 from actors.base.connection import BUS_ERRORS, close, connect, read_origin
+from actors.base.tasks import CANCEL_WAIT_S, cancel_and_wait
 from actors.base.lifecycle import LifecyclePublisher
 from actors.config import Config, ConfigError, load_config
 from bus_schemas import subjects
@@ -126,10 +127,9 @@ class Actor:
         self.stopping.set()
 
     async def _shutdown_tasks(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        left = await cancel_and_wait(list(self._tasks), self.log, self.clock.loop_s(CANCEL_WAIT_S))
+        if left:
+            self.counters["tasks_left_running"] += len(left)
 
     @contextlib.contextmanager
     def counting_bus_errors(self, counter: str) -> Iterator[None]:
