@@ -61,3 +61,24 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int  # epoch after the command
     policy_version: int  # policy loaded after the command
     drain_s: float = 0.0  # model seconds spent finishing in-flight work (the switch's cost)
+
+
+class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """One allocator tick (`subjects.allocation()`): what it saw, what it did, why. The demand
+    fields are the policy's estimate (`actors/allocator/policy.py` Demand); with no estimate
+    yet, `demand_source` is empty and they are 0."""
+
+    at_s: float  # model time of the tick
+    policy: str
+    epoch: int  # the fleet epoch after this tick's changes
+    roles: dict[str, str]  # engine id -> role it reported (or was last told)
+    changes: dict[str, str] = {}  # engine id -> role it is told now (empty: no change)
+    reason: str = ""  # the policy's last_reason: why this (or why nothing)
+    demand_source: str = ""  # "queues", "forecast@<as_of>s", "oracle"; "" : no estimate
+    prefill_tokens_per_s: float = 0.0  # cache-missed prefill tokens, backlog of now included
+    prefill_new_tokens_per_s: float = 0.0
+    decode_seqs: float = 0.0
+    decode_context_tokens: float = 0.0
+    kv_working_set_tokens: float = 0.0
+    live_trajectories: float = 0.0
+    remote_share: float = 1.0

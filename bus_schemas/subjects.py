@@ -91,6 +91,12 @@ def forecast() -> str:
     return f"{PREFIX}.forecast"
 
 
+def allocation() -> str:
+    """The allocator's decision at every tick (AllocationDecision): the demand it judged by,
+    the roles it saw, what it changed and why. Not stored: watch it, or a simulation records it."""
+    return f"{PREFIX}.allocation"
+
+
 # --- status and reports -----------------------------------------------------------------
 def status(actor_kind: str, actor_id: str) -> str:
     """Heartbeats of one actor, e.g. ``prorsa.status.engine.e3``."""

@@ -11,7 +11,7 @@ credentials may publish and subscribe only where its role needs:
 | engine `<id>` | work (prefill, decode), results, KV requests, weight requests | its own control and KV subjects, the prefill and decode queues |
 | environment | prefill work, finished trajectories | engine heartbeats, dead letters, the task queue, its own results |
 | trainer | task assignments, policy versions, step reports, policy loads to engines (`prorsa.ctl.policy.<id>`) | heartbeats, finished trajectories, weight and model requests |
-| allocator | role commands to engines (`prorsa.ctl.engine.<id>`) | heartbeats, forecasts |
+| allocator | role commands to engines (`prorsa.ctl.engine.<id>`), its decisions (`prorsa.allocation`) | heartbeats, forecasts |
 | forecaster | forecasts | the lifecycle log |
 | monitor | nothing | everything (read-only) |
 | launcher | everything (it creates the streams, moves dead letters, exports the log) | everything |
@@ -101,7 +101,7 @@ def role_permissions(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
             publish += _consume(streams.TRAIN)
             subscribe += [subjects.train_model(), subjects.train_weights()]
         case "allocator":
-            publish += ["prorsa.ctl.engine.*"]
+            publish += ["prorsa.ctl.engine.*", subjects.allocation()]
             subscribe += [subjects.forecast()]
         case "forecaster":
             publish += [subjects.forecast()] + _consume(streams.LIFECYCLE)

@@ -81,6 +81,21 @@ async def _read_by_sequence(js: JetStreamContext, stream: streams.StreamDef, sub
         seq = raw.seq + 1
 
 
+def decisions_frame(decisions: list) -> pl.DataFrame:
+    """One row per allocator tick: its demand figures, the roles it saw and changed (as
+    'e0=prefill,e1=decode'), the fleet's P:D:C counts, and its reason."""
+
+    def listed(roles: dict[str, str]) -> str:
+        return ",".join(f"{e}={r}" for e, r in sorted(roles.items()))
+
+    rows = []
+    for d in decisions:
+        row = {f: getattr(d, f) for f in d.__struct_fields__ if f not in ("roles", "changes")}
+        counts = {role: sum(r == role for r in d.roles.values()) for role in ("prefill", "decode", "colocated")}
+        rows.append(row | {f"{role}_engines": n for role, n in counts.items()} | {"roles": listed(d.roles), "changes": listed(d.changes)})
+    return pl.DataFrame(rows)
+
+
 def forecasts_frame(forecasts: list) -> pl.DataFrame:
     """DemandForecasts as rows: as_of_s, horizon_s, target, bin_s, and the mean, lowest and highest
     quantile per bin (flows: tokens in the bin; levels: the bin's mean)."""

@@ -59,6 +59,25 @@ def test_simulated_run_finishes_every_trajectory_with_every_transition(tmp_path:
     assert summary["incomplete_trajectories"] == 0
 
 
+def test_every_allocator_tick_is_recorded_with_the_reason_each_switch_logged(tmp_path: Path):
+    """`allocations.parquet`: one row per tick of the allocator (`subjects.allocation()`), with
+    the demand it judged by; a tick that changed roles names the same reason the engines logged."""
+    path = write_tiny_config(tmp_path / "p.toml", policy="prorsa", steps=2)
+    with path.open("a") as f:  # always a PD split: the fleet starts colocated, so it switches
+        f.write('\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
+    config = load_config(path)
+    out = tmp_path / "prorsa"
+    assert run(config, out, show_progress=False)["status"] == "completed"
+    ticks = pl.read_parquet(out / "allocations.parquet")
+    assert ticks.height > 10 and ticks["at_s"].is_sorted() and set(ticks["policy"]) == {"prorsa"}
+    assert (ticks["prefill_engines"] + ticks["decode_engines"] + ticks["colocated_engines"] == 2).all()
+    assert (ticks.filter(pl.col("demand_source") != "")["decode_context_tokens"] > 0).all()
+    changed = ticks.filter(pl.col("changes") != "")
+    events = pl.read_parquet(out / "events.parquet").filter(pl.col("kind") == "role_switched")
+    assert changed.height > 0 and set(changed["reason"]) == set(events["detail"])
+    assert changed["epoch"].to_list() == list(range(1, changed.height + 1))  # one epoch per tick that changed roles
+
+
 @pytest.mark.e2e
 def test_simulation_matches_a_live_run(tmp_path: Path):
     """Live (real NATS, emulated engines, 5x) vs virtual time: the same lifecycle event

@@ -30,7 +30,7 @@ from actors.config import Config, initial_roles
 from actors.engine.emulated.costmodel import switch_reconfig_s
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
-from bus_schemas.control import CommandAck, Role, SetRole
+from bus_schemas.control import AllocationDecision, CommandAck, Role, SetRole
 from bus_schemas.eventlog import load_events
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.status import ActorStatus, EngineStatus
@@ -43,6 +43,12 @@ def make_policy(config: Config) -> Policy:
     if config.runs_allocator:  # the dynamic policies resize the split; the others hold their roles
         return Split(policy, config.engines, config.allocator, weigh_cost=policy != "reactive")
     return Fixed(policy, initial_roles(config))
+
+
+DECISION_DEMAND_FIELDS = (
+    "prefill_tokens_per_s", "prefill_new_tokens_per_s", "decode_seqs", "decode_context_tokens",
+    "kv_working_set_tokens", "live_trajectories", "remote_share",
+)  # fmt: skip
 
 
 class AllocatorActor(Actor):
@@ -189,7 +195,23 @@ class AllocatorActor(Actor):
             for change in changes:
                 self.pending[change.engine_id] = change.role
                 self.spawn(self._command(change, self.epoch), f"set-role-{change.engine_id}-{self.epoch}")
+        await self._publish_decision(fleet, demand, changes)
         return changes
+
+    async def _publish_decision(self, fleet: Fleet, demand: Demand | None, changes: list[RoleChange]) -> None:
+        """This tick's AllocationDecision, for watchers and the simulation's record."""
+        figures = {}
+        if demand is not None:
+            figures = {name: float(getattr(demand, name)) for name in DECISION_DEMAND_FIELDS}
+            figures["demand_source"] = demand.source
+        decision = AllocationDecision(
+            at_s=fleet.now_s, policy=self.policy.name, epoch=self.epoch,
+            roles={e.engine_id: e.role.value for e in fleet.engines},
+            changes={c.engine_id: c.role.value for c in changes},
+            reason=getattr(self.policy, "last_reason", ""), **figures,
+        )  # fmt: skip
+        with self.counting_bus_errors("decision_publish_failures"):
+            await self.nc.publish(subjects.allocation(), encode(decision))
 
     async def _command(self, change: RoleChange, epoch: int) -> None:
         ac = self.config.allocator
