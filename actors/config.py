@@ -397,8 +397,8 @@ class Config(_Section):
             raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
         if self.run.mode == "async" and self.engines.backend == "vllm":
             raise ValueError('run.mode = "async" runs the emulated and torch backends (vllm: not yet)')
-        if self.engines.inflight_on_update == "interrupt" and self.engines.backend != "emulated":
-            raise ValueError('engines.inflight_on_update = "interrupt" is modelled by the emulated backend only; torch has "finish"')
+        if self.engines.inflight_on_update == "interrupt" and self.engines.backend == "vllm":
+            raise ValueError('engines.inflight_on_update = "interrupt" runs on the emulated and torch backends; vLLM has "finish"')
 
     @property
     def affinity_routing(self) -> bool:

@@ -99,3 +99,54 @@ async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp
         gap = {v: (reported - e).abs().max().item() for v, e in expected.items()}
         assert gap[r.policy_version] < LOGPROB_ATOL, (traj, r.policy_version, gap)
         assert gap[1 - r.policy_version] > 100 * LOGPROB_ATOL, (traj, gap)  # the other version's would not pass
+
+
+async def test_an_interrupting_update_resumes_each_cut_turn_on_the_new_weights_with_its_tokens(bus, tmp_path, checkpoint):
+    """engines.inflight_on_update = "interrupt": turns decoding when version 1 lands are cut,
+    recomputed under version 1 with their tokens so far, and decode on. Each token's logprob
+    is that of the weights it was sampled under: a prefix of version 0's, the rest version 1's."""
+    config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
+    config = msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, mode="async"), engines=msgspec.structs.replace(config.engines, inflight_on_update="interrupt")
+    )
+    models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
+    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
+    payload = weights_to_bytes(models[1])
+    trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
+    await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+
+    watch = TurnWatch(TURNS, decoding_on="e1")
+    await watch.subscribe(bus, subjects.result("env0"))
+    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
+    prompts = {f"cut{i}": prompt_ids(200 + i, 20 + 7 * i) for i in range(TURNS)}
+    js = bus.jetstream()
+    try:
+        await asyncio.wait_for(asyncio.gather(prefill.ready.wait(), decode_.ready.wait()), timeout=30)
+        for traj, prompt in prompts.items():
+            await js.publish(subjects.work_prefill(), encode(real_work(traj, prompt, out=4 * OUT)))
+        await asyncio.wait_for(watch.decoding.wait(), timeout=30)
+        acks = await asyncio.gather(*(
+            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+        ))  # fmt: skip
+        assert all(decode(CommandAck, a.data).ok for a in acks)
+        await asyncio.wait_for(watch.all_in.wait(), timeout=120)
+    finally:
+        for engine in (prefill, decode_):
+            engine.request_stop("test over")
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+
+    assert decode_.counters["turns_interrupted"] > 0
+    cut = 0
+    for traj, r in watch.got.items():
+        assert len(r.token_ids) == len(r.logprobs) == 4 * OUT, traj  # no token lost to the cut
+        reported = torch.tensor(r.logprobs)
+        matches = {v: (reported - forward_logprobs(lm, prompts[traj], list(r.token_ids))).abs() < LOGPROB_ATOL for v, lm in models.items()}
+        if r.oldest_policy_version == 0 and r.policy_version == 1:  # cut mid-decode: version 0's tokens, then 1's
+            k = int(matches[1].long().argmax())  # the first token sampled under version 1
+            assert 0 < k and bool(matches[0][:k].all()) and bool(matches[1][k:].all()), (traj, k, matches)
+            cut += 1
+        else:  # finished before the update, or started after it
+            assert bool(matches[r.policy_version].all()), (traj, r.policy_version, r.oldest_policy_version)
+    assert cut > 0

@@ -155,12 +155,18 @@ class EngineCommands:
         version, done = self._interrupt_for
         self._interrupt_for = None
         old, now_s = self.policy_version, self.clock.now_s()
-        for seq in self.core.interrupt(version):
+        cut = self.core.interrupt(version)
+        for seq in cut:
             self._turn_event(EventKind.TURN_INTERRUPTED, seq, now_s, detail=f"policy {old} -> {version}", generated_tokens=seq.generated)
             self.counters["turns_interrupted"] += 1
+        self.on_interrupted(cut, version)
         error = await self._take_weights(version)
         if not done.done():
             done.set_result(error)
+
+    def on_interrupted(self, cut: list, version: int) -> None:
+        """A real backend drops the KV of the sequences `core.interrupt` cut (the emulated one
+        has none to drop)."""
 
     async def _switch(self, command: SetRole, msg: Msg) -> None:
         if command.epoch < self.epoch or (command.epoch == self.epoch and command.role is not self.target_role):

@@ -102,6 +102,16 @@ class TorchEngineActor(EngineActor):
         self._kv_slots = asyncio.Semaphore(KV_FETCHES_IN_FLIGHT)
         self._landed_events: list[partial] = []  # KV_TRANSFER_DONE events not yet emitted (`_emit_landed`)
 
+    def on_interrupted(self, cut: list, version: int) -> None:
+        """engines.inflight_on_update = "interrupt": every cut turn loses its KV of the old
+        weights and keeps its tokens; waiting turns take the new version."""
+        for seq in cut:
+            self.torch.cut(seq.key, version)
+        for seq in self.core.waiting:
+            state = self.torch.states.get(seq.key)
+            if state is not None and state.kv is None:
+                state.version = seq.work.policy_version
+
     # --- start: same model as the trainer -----------------------------------------------------
     async def setup(self) -> None:
         if self.config.model.verify_trainer:

@@ -136,12 +136,18 @@ class TorchBackend:
     def _prefill_chunk(self, seq: Seq, n: int) -> None:
         state = self.states[seq.key]
         start = kv_len(state.kv)
-        chunk = torch.tensor([state.ids[start : start + n]], device=self.device)
+        # a turn cut by a weight update recomputes its tokens so far but the last (the next
+        # decode step feeds that one), and samples nothing here: it decodes on from where it was
+        resumed = seq.generated_before_prefill > 0
+        end = min(start + n, len(state.ids) - 1) if resumed else start + n
+        if end <= start:
+            return
+        chunk = torch.tensor([state.ids[start:end]], device=self.device)
         cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in state.kv]) if start else None
-        positions = torch.arange(start, start + n, device=self.device)[None]
+        positions = torch.arange(start, end, device=self.device)[None]
         out = self.lm(input_ids=chunk, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         state.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        if kv_len(state.kv) < len(state.ids):
+        if resumed or kv_len(state.kv) < len(state.ids):
             return
         token, logprob = self._sample(out.logits[:, -1], [seq.key])
         state.ids.append(token[0])
@@ -281,6 +287,15 @@ class TorchBackend:
             prefix = kv_slice(entry[1], 0, have)
         self.cache.put(trajectory_id, version, list(ids), kv_cat(prefix, received))
         return self.cache.entry(trajectory_id, version) is not None
+
+    def cut(self, key: str, version: int) -> None:
+        """A weight update interrupts the sequence (engines.inflight_on_update = "interrupt"):
+        its KV, computed by the old weights, goes; its tokens and logprobs so far stay, and it
+        is recomputed under `version` before it decodes on."""
+        self.batch.remove({key}, self.states)
+        state = self.states.get(key)
+        if state is not None:
+            state.kv, state.version = None, version
 
     def drop(self, key: str) -> None:
         """Forget a sequence (expired hand-off, re-prefilled turn)."""
