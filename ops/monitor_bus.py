@@ -7,6 +7,7 @@ Read-only: it publishes nothing. What it subscribes to:
 | `prorsa.status.>` | engine heartbeats (role, epoch, queues, KV), other actors' counters |
 | `prorsa.lc.*`, through an ordered JetStream consumer from the start of LIFECYCLE | trajectories by phase, event rate, role switches, measured demand |
 | `prorsa.forecast` | the forecaster's DemandForecast each tick |
+| `prorsa.allocation` | the allocator's AllocationDecision each tick: why it holds or changes the split |
 | `prorsa.ctl.engine.*` and the commander's reply inbox | SetRole commands and their acks |
 | `prorsa.train.step`, `prorsa.report.*` | RL step reports, actors' final counters |
 | `prorsa.dead.*` | dead letters as they are moved (the DEAD stream's count comes from stream info) |
@@ -219,7 +220,7 @@ class BusMonitor:
         )  # fmt: skip
         state.on_bus(url=self.target.url, source=self.target.source, connected=True, error="")
         nc = self.nc
-        for subject in (subjects.status_all(), subjects.forecast(), subjects.train_step(), subjects.report_all()):
+        for subject in (subjects.status_all(), subjects.forecast(), subjects.allocation(), subjects.train_step(), subjects.report_all()):
             await nc.subscribe(subject, cb=self._on_msg)
         await nc.subscribe(subjects.dead_letter_all(), cb=self._on_dead_letter)
         if self.commands:

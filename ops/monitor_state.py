@@ -29,7 +29,7 @@ import msgspec
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode
-from bus_schemas.control import Command, CommandAck, SetRole
+from bus_schemas.control import AllocationDecision, Command, CommandAck, SetRole
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.status import ActorReport, ActorStatus, EngineStatus
@@ -111,6 +111,8 @@ class MonitorState:
                 self.on_lifecycle(decode(LifecycleEvent, data), wall_s)
             elif subject == subjects.forecast():
                 self.on_forecast(decode(DemandForecast, data), wall_s)
+            elif subject == subjects.allocation():
+                self.switches.on_decision(decode(AllocationDecision, data))
             elif subjects.matches(CTL_ENGINE_ALL, subject):
                 command = decode(Command, data)
                 if isinstance(command, SetRole):

@@ -12,7 +12,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bus_schemas.control import CommandAck, SetRole
+from bus_schemas.control import AllocationDecision, CommandAck, SetRole
 from bus_schemas.lifecycle import LifecycleEvent
 from bus_schemas.status import EngineStatus
 from ops.monitor_common import rounded
@@ -39,6 +39,7 @@ class Switches:
         self.cost_s_total = 0.0
         self.commands: dict[tuple[str, int], _Command] = {}  # (engine_id, epoch) -> command
         self.by_state: Counter[str] = Counter()
+        self.decision: dict | None = None  # the allocator's latest tick (AllocationDecision)
 
     # --- feeding ---------------------------------------------------------------------------
     def on_set_role(self, engine_id: str, c: SetRole, wall_s: float) -> None:
@@ -104,6 +105,14 @@ class Switches:
                 sw["epoch"] = cmd.epoch
                 break
 
+    def on_decision(self, d: AllocationDecision) -> None:
+        """The allocator's latest tick (`prorsa.allocation`): why the fleet holds or changes."""
+        if self.decision is not None and d.at_s < self.decision["at_s"]:
+            return  # an older tick, late
+        roles = list(d.roles.values())
+        split = f"{roles.count('prefill')}:{roles.count('decode')}" + (f" +{roles.count('colocated')} colocated" if "colocated" in roles else "")
+        self.decision = {"at_s": rounded(d.at_s), "policy": d.policy, "split": split, "changes": len(d.changes), "reason": d.reason, "demand": d.demand_source}
+
     # --- reading out -----------------------------------------------------------------------
     def view(self, wall_s: float, scale: float | None) -> dict:
         """`scale`: model seconds per wall second (None: 1), to put drain deadlines in wall seconds."""
@@ -112,6 +121,7 @@ class Switches:
             "cost_s_total": rounded(self.cost_s_total),
             "recent": [{k: v for k, v in s.items() if k != "wall_s"} for s in list(self.recent)[-20:]],
             "commands": self._commands_view(wall_s, scale or 1.0),
+            "allocator": self.decision,
         }
 
     def _commands_view(self, wall_s: float, scale: float) -> dict:

@@ -183,6 +183,8 @@ def _switches(s: dict) -> Panel:
         table.add_row("", "(none yet)", "", "", "", "")
     cmd = sw["commands"]
     foot = Text(f"{sw['total']} switches, cost {sw['cost_s_total']:.1f} model s (drain + reconfig)\nSetRole: {cmd['sent']} seen, {cmd['acked']} acked, {cmd['refused']} refused", style="dim")
+    if (d := sw.get("allocator")) is not None:
+        foot.append(f"\nallocator @ {d['at_s']:.0f} s ({d['policy']}, {d['split']}): {d['reason']}")
     return Panel(Group(table, foot), title="Role switches", title_align="left")
 
 

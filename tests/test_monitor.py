@@ -138,6 +138,23 @@ def test_a_role_switch_shows_with_its_cost_epoch_and_ack():
     assert not [a for a in snap["alerts"] if a["kind"] == "switch_not_acked"]
 
 
+def test_the_allocators_latest_decision_shows_why_the_fleet_holds():
+    from bus_schemas.control import AllocationDecision
+
+    state = MonitorState()
+    assert state.snapshot(0.0)["switches"]["allocator"] is None
+    def tick(at_s: float, reason: str) -> bytes:
+        return encode(AllocationDecision(at_s=at_s, policy="prorsa", epoch=2, roles={"e0": "prefill", "e1": "decode", "e2": "decode"}, reason=reason, demand_source="forecast@9s"))
+
+    state.ingest(subjects.allocation(), tick(10.0, "hold 1:2"), wall_s=1.0)
+    state.ingest(subjects.allocation(), tick(8.0, "an older tick, late"), wall_s=1.1)
+    state.ingest(subjects.allocation(), b"junk", wall_s=1.2)
+    d = state.snapshot(1.5)["switches"]["allocator"]
+    assert d == {"at_s": 10.0, "policy": "prorsa", "split": "1:2", "changes": 0, "reason": "hold 1:2", "demand": "forecast@9s"}
+    assert state.snapshot(1.5)["invalid"]  # the malformed one is counted, not taken
+    assert "allocator @ 10 s (prorsa, 1:2): hold 1:2" in render_text(state.snapshot(1.5))
+
+
 def test_a_switch_not_acked_past_its_deadline_and_an_engine_silent_past_its_lease_are_alerts():
     state = MonitorState(lease_wall_s=3.0, time_scale=10.0, ack_grace_wall_s=2.0)
     state.on_engine_status(status("e0", "colocated"), wall_s=100.0)
