@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from actors.base.tasks import cancel_and_wait
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
@@ -233,9 +234,7 @@ class BusMonitor:
         self._tasks.append(asyncio.create_task(self._poll_streams(), name="monitor-streams"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, LOG)  # its stream polls are requests: a cancel may be swallowed
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.close()

@@ -39,6 +39,7 @@ from nats.js.client import JetStreamContext
 from actors.base.clock import Clock
 from actors.base.connection import BUS_ERRORS
 from actors.base.publish import ACK_TIMEOUT_WALL_S, GIVE_UP_WALL_S, PublishFailed
+from actors.base.tasks import CANCEL_WAIT_S, cancel_and_wait
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
@@ -215,8 +216,7 @@ class LifecyclePublisher:
         """Flush (events given up are counted and logged, not raised) and stop."""
         if self._task is not None:
             await self._wait_idle()
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], self._log, self._clock.loop_s(CANCEL_WAIT_S))
         if self._timer is not None:
             self._timer.cancel()
         try:

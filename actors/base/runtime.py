@@ -94,8 +94,7 @@ class Actor:
             except TimeoutError:  # still hand back work and report: never hang the launcher
                 self.counters["slow_stops"] += 1
                 self.log.error("serve loop still running %.0f s after the stop request; cancelling it", SERVE_STOP_WALL_S)
-                serving.cancel()
-                await asyncio.gather(serving, return_exceptions=True)
+                await cancel_and_wait([serving], self.log, self.clock.loop_s(CANCEL_WAIT_S))
         finally:
             stopped.cancel()
             await self._shutdown_tasks()
