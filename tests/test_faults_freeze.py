@@ -31,18 +31,20 @@ def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp
     config.write_text(text + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
 
-    def freeze(pids: dict[str, int]) -> None:
-        os.kill(pids["engine e1"], signal.SIGSTOP)
-        time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # barrier-ok: the fault's length (past lease and ack wait), not a barrier
-        os.kill(pids["engine e1"], signal.SIGCONT)
+    victim: list[str] = []  # the first engine seen decoding: which one depends on the allocator's first split
 
-    async def moment(bus: Path) -> None:  # e1 decoding, and the allocator watching its lease
-        await wait_for_event(bus, "decode_started", "e1", 0, timeout_wall_s=60)
+    def freeze(pids: dict[str, int]) -> None:
+        os.kill(pids[f"engine {victim[0]}"], signal.SIGSTOP)
+        time.sleep(LEASE_WALL_S + ACK_WAIT_WALL_S + 1.0)  # barrier-ok: the fault's length (past lease and ack wait), not a barrier
+        os.kill(pids[f"engine {victim[0]}"], signal.SIGCONT)
+
+    async def moment(bus: Path) -> None:  # an engine decoding, and the allocator watching its lease
+        victim.append((await wait_for_event(bus, "decode_started", "*", 0, timeout_wall_s=60)).actor_id)
         await wait_for_allocator_deciding(bus, timeout_wall_s=120)
 
     pids, output, returncode = launch_with_fault(
         config, out, moment, freeze,
-        undo=lambda pids: os.kill(pids["engine e1"], signal.SIGCONT),
+        undo=lambda pids: victim and os.kill(pids[f"engine {victim[0]}"], signal.SIGCONT),
     )  # fmt: skip
     assert returncode == 0, output
     assert_all_gone(pids)
@@ -52,7 +54,7 @@ def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp
     assert summary["status"] == "completed" and summary["restarts"] == {}  # frozen, not dead
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == len(ASSIGNED)
     assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0 and summary["dead_letters"] == 0
-    assert actors["e1"]["lease_lapses"] == 1  # it noticed its own lapse ...
+    assert actors[victim[0]]["lease_lapses"] == 1  # it noticed its own lapse ...
     assert actors["allocator"]["lease_expiries"] >= 1  # ... the allocator counted it out ...
     assert actors["allocator"]["reregistrations"] >= 1  # ... and took it back under its new incarnation
     assert actors["trainer"].get("duplicate_finished", 0) == 0
