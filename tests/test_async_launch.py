@@ -4,14 +4,13 @@ and no training batch holds a trajectory staler than `trainer.max_staleness`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import polars as pl
 import pytest
 
 from tests.conftest import write_tiny_config
-from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+from tests.test_launch import launch_to_completion
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
@@ -24,14 +23,7 @@ def test_a_launched_async_run_keeps_every_batch_within_the_staleness_bound(tmp_p
     text = text.replace("train_s = 2.0", f'train_s = 2.0\nmax_staleness = 1\nstale_policy = "{stale_policy}"', 1)
     config.write_text(text)
     out = tmp_path / "run"
-    proc = start_launcher(config, out)
-    pids, lines = read_until_started(proc)
-    rest, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, "".join(lines) + rest
-    assert_all_gone(pids)
-
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    summary = launch_to_completion(config, out)
     steps = summary["steps"]
     assert len(steps) == STEPS and all(step["trajectories"] == 2 * 2 for step in steps)  # B x G each
     for step in steps:  # trained trajectories per staleness 0, 1, ...: none beyond the bound

@@ -7,14 +7,13 @@ by the old ones."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import polars as pl
 import pytest
 
 from tests.conftest import REPO
-from tests.test_launch import assert_all_gone, read_until_started, start_launcher
+from tests.test_launch import launch_to_completion
 
 pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 pytestmark = pytest.mark.e2e
@@ -39,13 +38,7 @@ def partial_config(path: Path) -> Path:
 
 def test_partial_moves_remaining_turns_to_new_weights_with_the_history_intact(tmp_path: Path):
     out = tmp_path / "run"
-    proc = start_launcher(partial_config(tmp_path / "torch-partial.toml"), out)
-    pids, lines = read_until_started(proc)
-    rest, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, "".join(lines) + rest
-    assert_all_gone(pids)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    summary = launch_to_completion(partial_config(tmp_path / "torch-partial.toml"), out)
     assert sum(step["masked_turns"] for step in summary["steps"]) > 0  # older-version turns masked out of training
 
     events = pl.read_parquet(out / "events.parquet")

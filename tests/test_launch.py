@@ -52,6 +52,19 @@ def assert_all_gone(pids: dict[str, int]) -> None:
     assert not alive, f"left behind: {alive}"
 
 
+def launch_to_completion(config: Path, out: Path, timeout_wall_s: float = 240) -> dict:
+    """Launch, wait for the end, and check it ended cleanly (exit 0, no process left, run
+    completed, nothing lost or incomplete); the run's summary."""
+    proc = start_launcher(config, out)
+    pids, lines = read_until_started(proc)
+    rest, _ = proc.communicate(timeout=timeout_wall_s)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert_all_gone(pids)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    return summary
+
+
 @pytest.mark.parametrize("policy", ["colocated", "static-1:1"])
 def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path: Path, policy: str):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=2)
