@@ -119,6 +119,11 @@ class EngineSection(_Section):
     # trajectory's prefix, off the critical path; "store" — written to a shared KV store tier
     # any prefill engine loads from (`kv_store_*`).
     kv_writeback: Literal["none", "to-prefill", "store"] = "to-prefill"
+    # How an engine admits work into its KV pool (actors/engine/admission.py): "sglang" — a new
+    # request starts only if the free KV also holds the expected growth of the running decodes
+    # (new_token_ratio), and a PD decode engine keeps 512 tokens per request in reserve;
+    # "vllm" — whatever fits now starts, and the newest sequence is preempted when KV runs out
+    admission: Literal["sglang", "vllm"] = "sglang"
     kv_store_link: str = "remote-store"  # link between engines and the store tier
     kv_store_capacity_tokens: int = 50_000_000  # store tier capacity (LRU eviction beyond it)
 

@@ -319,6 +319,7 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "policy": policy,
         "dp_sync": config.engines.dp_sync,
         "kv_writeback": config.engines.kv_writeback,
+        "admission": config.engines.admission,
         "lockstep_constants": config.engines.lockstep_constants,
         "stage_layouts": config.engines.prefill_layout is not None or config.engines.decode_layout is not None,
         "max_staleness": config.trainer.max_staleness if config.run.mode == "async" else None,

@@ -123,9 +123,10 @@ def test_iteration_time_grows_with_work():
 
 
 def test_a_full_kv_pool_preempts_the_newest_sequence_and_recomputes_it():
+    """Greedy admission (vLLM's): both start, and the pool runs out as they grow."""
     from dataclasses import replace
 
-    small = EngineCore("e0", Role.COLOCATED, replace(PRESET, kv_capacity_tokens=2_100), 8192, 16, 8)
+    small = EngineCore("e0", Role.COLOCATED, replace(PRESET, kv_capacity_tokens=2_100), 8192, 16, 8, admission="vllm")
     small.admit_prefill(work("old", new=1000, out=200))
     small.admit_prefill(work("new", new=1000, out=200))
     small.complete(small.plan(1.0))  # both prefilled: 2002 of 2100 tokens in use
@@ -150,12 +151,13 @@ from hypothesis import strategies as st  # noqa: E402
     st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 400)), min_size=1, max_size=12),
     st.integers(3_500, 12_000),
     st.sampled_from([1, 2, 4]),
+    st.sampled_from(["sglang", "vllm"]),
 )
-def test_any_workload_finishes_without_overflowing_the_kv_pool(turns, capacity, dp):
+def test_any_workload_finishes_without_overflowing_the_kv_pool(turns, capacity, dp, admission):
     from dataclasses import replace
 
     preset = replace(PRESET, kv_capacity_tokens=capacity, dp_ranks=dp)
-    c = EngineCore("e0", Role.COLOCATED, preset, 1024, 16, 16)
+    c = EngineCore("e0", Role.COLOCATED, preset, 1024, 16, 16, admission=admission)
     for i, (new, out) in enumerate(turns):
         c.admit_prefill(work(f"t{i}", new=min(new, capacity // 2), out=out))
     decoded: dict[str, int] = {}

@@ -47,7 +47,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         super().__init__(actor_id, config, nc, clock)
         ec = config.engines
         self.link = LINKS[ec.link]
-        self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting)
+        self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting, ec.admission)
         self._wake = Flag()  # new work admitted (or a stop requested)
         self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it
         self.epoch = 0

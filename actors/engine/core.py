@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from actors.engine.admission import RESERVED_DECODE_TOKENS, NewTokenRatio, growth_tokens
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
@@ -61,6 +62,10 @@ class Seq:
         """KV this sequence occupies once its prefill is through (admission reserves it)."""
         return self.cached_prefix_tokens + self.prefill_tokens + self.generated - self.generated_before_prefill
 
+    @property
+    def max_new_tokens(self) -> int:
+        """The turn's output cap (admission reserves growth up to it)."""
+        return self.work.max_output_tokens or self.target_tokens
 
     @property
     def prefill_left(self) -> int:
@@ -100,8 +105,11 @@ class EngineCore:
         max_batch_tokens: int,
         max_decode_seqs: int,
         max_waiting: int,
+        admission: str = "sglang",
     ) -> None:
         self.engine_id = engine_id
+        self.admission = admission  # "sglang": reserve KV for decode growth (actors/engine/admission.py); "vllm": greedy
+        self.new_token_ratio = NewTokenRatio()
         self.role = role
         self.preset = preset
         self.max_batch_tokens = max_batch_tokens
@@ -154,8 +162,16 @@ class EngineCore:
         if self.role is Role.PREFILL:
             return max_waiting - len(self.waiting) - pending
         if self.role is Role.DECODE:  # prefills here are short local appends (per-turn placement)
+            if self.admission == "sglang" and self._decode_reserve_full(pending):
+                return 0
             return min(max_decode - len(self.running) - len(self.waiting), max_waiting - len(self.waiting)) - pending
         return min(max_waiting - len(self.waiting), max_decode - len(self.running) - len(self.waiting)) - pending
+
+    def _decode_reserve_full(self, pending: int) -> bool:
+        """SGLang's PD decode engine: no room once the free KV is down to its reservation
+        for every request running, waiting or on its way here."""
+        requests = len(self.running) + len(self.waiting) + pending
+        return self.kv_used_tokens + RESERVED_DECODE_TOKENS * requests >= self.kv_capacity_tokens
 
     @property
     def idle(self) -> bool:
@@ -224,10 +240,17 @@ class EngineCore:
         for seq in decode:
             budget[seq.rank] -= 1
         free = self.kv_capacity_tokens - self.kv_resident_tokens - len(decode)  # prefill only into free KV
+        room_for_new = self._room_for_new(free)
         chunks: list[tuple[Seq, int]] = []
         for seq in self.waiting:
             if seq.preempted and seq.prefill_done_tokens == 0 and seq.prefill_left > free:
                 continue  # recompute a preempted sequence only once all of it fits again
+            if seq.prefill_done_tokens == 0 and room_for_new is not None:  # SGLang: a new request fits with its growth
+                need = seq.prefill_left + self._growth(seq)
+                if need > room_for_new and (self.running or chunks):  # alone, it starts whatever its growth
+                    room_for_new = -1.0  # first come, first served: nothing after it starts either
+                    continue
+                room_for_new -= need
             n = min(budget[seq.rank], seq.prefill_left, free)
             if n == seq.prefill_left and n + 1 > free:
                 n -= 1  # finishing also samples a token, whose KV needs a slot too
@@ -239,6 +262,8 @@ class EngineCore:
             prefilling = {seq.rank for seq, _ in chunks}
             decode = [s for s in decode if s.rank not in prefilling]
         if not chunks and not decode:
+            if not self.waiting and not self.running:
+                self.new_token_ratio.reset()  # SGLang: an idle scheduler starts again from INIT
             partial = [s for s in self.waiting if s.prefill_done_tokens > 0]
             if len(partial) > 1 and self.allow_preemption:  # part-filled prefills block each other
                 self._evict(max(partial, key=lambda s: self._order.get(s.key, 0)))
@@ -272,6 +297,18 @@ class EngineCore:
                 started.append(("decode_started", seq))
         return Batch(chunks, decode, iterations, duration_s, started, ends_s)
 
+    def _growth(self, seq: Seq) -> float:
+        """KV a sequence is expected to still need for its output (none: it hands off)."""
+        return 0.0 if seq.handoff else growth_tokens(seq.max_new_tokens, seq.generated, self.new_token_ratio.current)
+
+    def _room_for_new(self, free: int) -> float | None:
+        """SGLang: the free KV less the expected growth of every sequence that decodes here
+        (running, or part-way through its prefill); None: greedy admission (vLLM)."""
+        if self.admission != "sglang":
+            return None
+        started = [s for s in self.waiting if s.prefill_done_tokens > 0]
+        return free - sum(self._growth(s) for s in [*self.running.values(), *started])
+
     def _repeatable(self, chunks: list[tuple[Seq, int]], decode: list[Seq], budget: list[int], free: int) -> int:
         """How many iterations would plan exactly these chunks again: none finishes its prefill,
         each took its rank's whole budget (not one limited by free KV), no decode finishes
@@ -302,6 +339,8 @@ class EngineCore:
                 return
             holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
             self._evict(max(holders, key=lambda s: self._order.get(s.key, 0)))
+            stay = list(self.running.values())
+            self.new_token_ratio.after_preemption([s.generated for s in stay], [s.max_new_tokens for s in stay])
 
     def _evict(self, victim: Seq) -> None:
         """Drop a sequence's KV; it is recomputed once all of it fits again."""
@@ -320,6 +359,8 @@ class EngineCore:
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
         """Apply a planned step; return ("prefill_done" | "decode_done", seq) in order."""
         self.busy_s += batch.duration_s
+        if batch.decode:
+            self.new_token_ratio.decay(batch.iterations)
         done: list[tuple[str, Seq]] = []
         for seq in batch.decode:
             if self.running.get(seq.key) is not seq:

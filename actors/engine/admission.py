@@ -1,0 +1,65 @@
+"""Admission that reserves KV for the growth of running decodes (`engines.admission`).
+
+An engine that admits whatever KV fits now fills its pool, then preempts (recomputes)
+sequences as they grow: fed as fast as it drains, it thrashes. SGLang reserves room instead
+(`engines.admission = "sglang"`, the default); vLLM v1 admits greedily and preempts the
+newest request when a block cannot be allocated (`"vllm"`, the engine core's behaviour
+before this module).
+
+SGLang, two rules (python/sglang/srt/environ.py for the constants; docs/calibration.md
+"Admission" for the sources):
+
+* **Engines that prefill** (colocated; a decode engine's local appends): the scheduler's
+  PrefillAdder starts from the free KV minus, for every running request, its remaining
+  output (max_new_tokens − output so far, clipped at `CLIP_MAX_NEW_TOKENS`) times the
+  `new_token_ratio`; a new request needs its uncached input plus its clipped max_new_tokens
+  times the ratio, and the first that does not fit stops admission (first come, first
+  served). The ratio starts at `INIT`, falls by (INIT − MIN) / `DECAY_STEPS` per decode step
+  to MIN = INIT × `MIN_FACTOR`, goes back to INIT when the engine is idle, and after a
+  retraction (KV ran out) is reset to (tokens generated + `RETRACT_DECODE_STEPS` per request)
+  / max_new_tokens, summed over the batch that stays (`NewTokenRatio.after_preemption`).
+* **PD decode engines** (disaggregation/decode.py, `_allocatable_tokens`): a transferred
+  request is pre-allocated only into the free KV minus `RESERVED_DECODE_TOKENS` for every
+  request running, transferring or waiting there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR: the floor is INIT × this
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS: decode steps from INIT to the floor
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: tokens per request the ratio assumes after a retraction
+CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: a request's growth is counted up to this
+RESERVED_DECODE_TOKENS = 512  # SGLANG_NUM_RESERVED_DECODE_TOKENS: a PD decode engine's reservation per request
+
+
+@dataclass(slots=True)
+class NewTokenRatio:
+    """The share of its remaining max_new_tokens a running request is expected to still
+    generate (SGLang's NewTokenRatioTracker)."""
+
+    current: float = INIT_NEW_TOKEN_RATIO
+
+    @property
+    def floor(self) -> float:
+        return INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
+
+    def decay(self, decode_steps: int = 1) -> None:
+        step = (INIT_NEW_TOKEN_RATIO - self.floor) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.current = max(self.floor, self.current - step * decode_steps)
+
+    def reset(self) -> None:
+        self.current = INIT_NEW_TOKEN_RATIO
+
+    def after_preemption(self, generated: list[int], max_new: list[int]) -> None:
+        """The batch that stays after a retraction: its tokens so far and caps."""
+        if generated:
+            estimate = (sum(generated) + RETRACT_DECODE_STEPS * len(generated)) / (sum(max_new) + 1)
+            self.current = min(1.0, estimate)  # the next decode steps decay it from there, not below the floor
+
+
+def growth_tokens(max_new_tokens: int, generated: int, ratio: float) -> float:
+    """KV a request is expected to still need for its output."""
+    return min(max(max_new_tokens - generated, 0), CLIP_MAX_NEW_TOKENS) * ratio
