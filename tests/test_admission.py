@@ -5,7 +5,10 @@ decode engine keeps a fixed reservation per request. `admission = "vllm"` stays 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+
+import msgspec
 
 import pytest
 
@@ -120,3 +123,65 @@ def test_reserving_growth_preempts_less_than_greedy_admission_on_a_tight_pool():
         results[mode] = (c.preemptions, sorted(done))
     assert results["sglang"][1] == results["vllm"][1] == sorted((f"t{i}", 2500) for i in range(12))
     assert results["sglang"][0] < results["vllm"][0] / 2
+
+
+# --- SGLang's PD gate on the real bus: a prefill engine computes a turn only while the decode side asks for work
+@pytest.mark.bus
+async def test_a_prefill_engine_starts_no_handoff_while_the_decode_side_takes_no_work(bus, tiny_config):
+    from actors.engine.actor import EngineActor
+    from bus_schemas import streams, subjects
+    from bus_schemas.codec import decode, encode
+    from tests.actor_helpers import at_scale, build
+    from tests.test_switch_protocol import until
+
+    js = bus.jetstream()
+    stale = DecodeWork(prefill=work("waiting"), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
+    await js.publish(subjects.work_decode(), encode(stale))  # a prefilled turn no decode engine has taken
+    p0 = build(EngineActor, "p0", at_scale(tiny_config, 100.0), bus, Role.PREFILL)
+    running = asyncio.create_task(p0.run())
+    try:
+        await asyncio.wait_for(p0.ready.wait(), timeout=10)
+        await js.publish(subjects.work_prefill(), encode(work("new", new=300, out=12)))
+        await until(lambda: p0.counters["prefill_gated"] >= 3 and p0.core.waiting)
+        assert [s.work.trajectory_id for s in p0.core.waiting] == ["new"] and p0.core.waiting[0].prefill_done_tokens == 0
+        decode_side = await streams.pull_subscription(js, streams.decode_consumer(), 30.0)
+        [taken] = await decode_side.fetch(1, timeout=5)  # a decode engine takes the waiting turn ...
+        assert decode(DecodeWork, taken.data).prefill.trajectory_id == "waiting"
+        await taken.ack()
+        gated = p0.counters["prefill_gated"]
+        await until(lambda: p0.counters["prefill_gated"] >= gated + 3)  # ... but asks for no more: still held back
+        assert p0.core.waiting and p0.core.waiting[0].prefill_done_tokens == 0
+        [handed] = await decode_side.fetch(1, timeout=10)  # now it asks: the turn is prefilled and handed over
+        assert decode(DecodeWork, handed.data).prefill.trajectory_id == "new"
+        await handed.ack()
+    finally:
+        p0.request_stop("test over")
+        await asyncio.wait_for(running, timeout=15)
+
+
+@pytest.mark.bus
+async def test_greedy_admission_prefills_whatever_the_decode_side_does(bus, tiny_config):
+    from actors.engine.actor import EngineActor
+    from bus_schemas import streams, subjects
+    from bus_schemas.codec import decode, encode
+    from tests.actor_helpers import at_scale, build
+
+    js = bus.jetstream()  # other work ids than the test above: JetStream drops a repeated message id for a while
+    stale = DecodeWork(prefill=work("stale"), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
+    await js.publish(subjects.work_decode(), encode(stale))
+    greedy = msgspec.structs.replace(tiny_config, engines=msgspec.structs.replace(tiny_config.engines, admission="vllm"))
+    p0 = build(EngineActor, "p0", at_scale(greedy, 100.0), bus, Role.PREFILL)
+    running = asyncio.create_task(p0.run())
+    try:
+        await asyncio.wait_for(p0.ready.wait(), timeout=10)
+        await js.publish(subjects.work_prefill(), encode(work("other", new=300, out=12)))
+        decode_side = await streams.pull_subscription(js, streams.decode_consumer(), 30.0)
+        got = []
+        while "other" not in got:  # the turn is prefilled and handed over with "stale" still untaken
+            [msg] = await decode_side.fetch(1, timeout=10)
+            got.append(decode(DecodeWork, msg.data).prefill.trajectory_id)
+            await msg.ack()
+        assert got == ["stale", "other"] and p0.counters["prefill_gated"] == 0
+    finally:
+        p0.request_stop("test over")
+        await asyncio.wait_for(running, timeout=15)

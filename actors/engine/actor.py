@@ -34,6 +34,7 @@ from bus_schemas.work import DecodeWork, PrefillWork
 
 FETCH_WAIT_WALL_S = 0.2  # a pull request lasts this long (it returns as soon as a message is there)
 IDLE_WAKE_WALL_S = 0.1  # a full engine looks for room again after this at the latest
+GATE_POLL_S = 0.1  # model s: a prefill engine held back by a full decode side looks again after this (a few decode steps)
 IDLE_SAFETY_WALL_S = 1.0  # an idle scheduler looks again after this even if nothing woke it
 EXPIRY_SLACK_S = 1e-3  # held KV counts as expired once past its time: look just after it
 MAX_LAG_WALL_S = 0.02  # the engine's model-time cursor may trail the clock by this much
@@ -193,6 +194,23 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
                 await self._publish(subjects.work_prefill(), msg.data, f"{work.work_id}/fwd")
                 await msg.ack()
 
+    async def _decode_side_full(self) -> bool:
+        """engines.admission = "sglang": SGLang's PD prefill engine computes a turn only once a
+        decode engine has pre-allocated its KV (the bootstrap handshake). Here: no new hand-off
+        prefill starts while the decode side asks for no work — no decode engine has a pull
+        request waiting (one pulls only while it has room) or prefilled turns wait that none
+        has taken. Those turns wait in this engine's queue (`EngineCore.hold_new_handoffs`,
+        SGLang's bootstrap queue), and it looks again after GATE_POLL_S. Without it, KV the
+        decode side cannot take sits held until `kv_ttl_s`, expires, and is computed again."""
+        if self.core.role is not Role.PREFILL or self.core.admission != "sglang" or not self.core.waiting:
+            return False
+        with self.counting_bus_errors("gate_check_failures"):
+            info = await self._subs["decode"].consumer_info()
+            if (info.num_pending or 0) > 0 or (info.num_waiting or 0) == 0:
+                self.counters["prefill_gated"] += 1
+                return True
+        return False
+
     async def _admit(self, msg: Msg, queue: str) -> None:
         if queue in ("prefill", "affinity"):
             work = await self.decode_work(PrefillWork, msg)
@@ -293,6 +311,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             if await self._before_step():  # waited on purpose: not lag
                 cursor_s = max(cursor_s, self.clock.now_s())
             self._wake.clear()  # from here on, new work interrupts the step being planned
+            self.core.hold_new_handoffs = await self._decode_side_full()
             batch = self.core.plan(max_advance_s=quantum_s, repeat_prefill=repeat_prefill)
             if batch is None:
                 if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held and not self._writebacks:
@@ -318,6 +337,8 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         """How long an idle scheduler sleeps unless new work wakes it: until the next held KV
         expires (a burst run also watches for the queues to run dry)."""
         wait_s = self.clock.loop_s(IDLE_WAKE_WALL_S if burst else IDLE_SAFETY_WALL_S)
+        if self.core.hold_new_handoffs:  # turns wait for the decode side: look again soon
+            wait_s = min(wait_s, self.clock.to_wall_s(GATE_POLL_S))
         if self.core.held:
             expires_s = min(held.expires_at_s for held in self.core.held.values()) + EXPIRY_SLACK_S
             wait_s = min(wait_s, self.clock.to_wall_s(max(0.0, expires_s - self.clock.now_s())))

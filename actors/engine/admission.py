@@ -21,6 +21,9 @@ SGLang, two rules (python/sglang/srt/environ.py for the constants; docs/calibrat
 * **PD decode engines** (disaggregation/decode.py, `_allocatable_tokens`): a transferred
   request is pre-allocated only into the free KV minus `RESERVED_DECODE_TOKENS` for every
   request running, transferring or waiting there.
+* **PD prefill engines** compute a request only once a decode engine has pre-allocated its
+  KV; the engine actor approximates that from the decode queue (`_decode_side_full` in
+  actors/engine/actor.py, `EngineCore.hold_new_handoffs`).
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ class EngineCore:
         self.engine_id = engine_id
         self.admission = admission  # "sglang": reserve KV for decode growth (actors/engine/admission.py); "vllm": greedy
         self.new_token_ratio = NewTokenRatio()
+        self.hold_new_handoffs = False  # sglang PD: the decode side takes no work now, start no new hand-off prefill (the actor sets it)
         self.role = role
         self.preset = preset
         self.max_batch_tokens = max_batch_tokens
@@ -245,6 +246,8 @@ class EngineCore:
         for seq in self.waiting:
             if seq.preempted and seq.prefill_done_tokens == 0 and seq.prefill_left > free:
                 continue  # recompute a preempted sequence only once all of it fits again
+            if seq.handoff and seq.prefill_done_tokens == 0 and self.hold_new_handoffs:
+                continue  # no decode engine could take its KV yet
             if seq.prefill_done_tokens == 0 and room_for_new is not None:  # SGLang: a new request fits with its growth
                 need = seq.prefill_left + self._growth(seq)
                 if need > room_for_new and (self.running or chunks):  # alone, it starts whatever its growth
