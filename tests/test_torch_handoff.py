@@ -163,7 +163,9 @@ async def test_unknown_handle_and_checksum_mismatch_send_the_turn_back_to_prefil
 
 
 async def test_kv_prepared_at_hand_off_goes_when_the_handle_expires_unfetched(bus, tmp_path, checkpoint):
-    config = torch_config(tmp_path, checkpoint, kv_ttl_s=0.5)
+    # vLLM's PD prefills before a decode engine asks; under sglang's gate the turn would wait
+    # for one unstarted (tests/test_admission.py)
+    config = torch_config(tmp_path, checkpoint, kv_ttl_s=0.5, admission="vllm")
     a = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL)  # no decode engine fetches
     running = asyncio.create_task(a.run())
     try:

@@ -27,6 +27,7 @@ backend = "torch"
 prefill_engines = 1
 kv_ttl_s = {kv_ttl_s}
 kv_writeback = "{kv_writeback}"
+admission = "{admission}"
 
 [environments]
 count = 1
@@ -53,12 +54,13 @@ learning_rate = 0.01
 
 def write_torch_config(path: Path, checkpoint: str = "", policy: str = "static", steps: int = 1, hidden: int = 64,
                        stop_at_eos: bool = False, kv_chunk_bytes: int = 4096, verify: bool = False,
-                       kv_ttl_s: float = 60.0, kv_writeback: str = "none") -> Path:  # fmt: skip
+                       kv_ttl_s: float = 60.0, kv_writeback: str = "none", admission: str = "sglang") -> Path:  # fmt: skip
     """The tiny torch run; hand-off tests keep write-back off (tests/test_torch_writeback.py turns it on)."""
     path.write_text(
         TORCH_CONFIG.format(
             policy=policy, steps=steps, checkpoint=checkpoint, hidden=hidden, stop_at_eos=str(stop_at_eos).lower(),
             kv_chunk_bytes=kv_chunk_bytes, verify=str(verify).lower(), kv_ttl_s=kv_ttl_s, kv_writeback=kv_writeback,
+            admission=admission,
         )  # fmt: skip
     )
     return path
