@@ -179,6 +179,7 @@ SUITES = {
             (*_ABLATE, "kv_writeback=none", {"kv_writeback": "none"}),
             (*_ABLATE, "kv_writeback=store", {"kv_writeback": "store"}),
             (*_ABLATE, "stage layouts off", {"layout": _DP4_EP4, "prefill_layout": None, "decode_layout": None}),
+            (*_ABLATE, "admission=vllm", {"admission": "vllm"}),
         ),
         sensitivity=(
             (*_ABLATE, "lockstep constants low", {"lockstep_constants": "low"}),

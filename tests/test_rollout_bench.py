@@ -119,6 +119,8 @@ def test_paper_suite_plans_the_pd_tables_with_their_settings():
     ideal = run_config(suite, by_variant["dp_sync=ideal"], "prorsa")
     assert ideal.engines.dp_sync == "ideal"
     assert run_config(suite, by_variant["kv_writeback=none"], "prorsa").engines.kv_writeback == "none"
+    assert run_config(suite, by_variant["admission=vllm"], "prorsa").engines.admission == "vllm"
+    assert ideal.engines.admission == "sglang"  # the other rows keep the default
     off = run_config(suite, by_variant["stage layouts off"], "prorsa").engines
     assert off.prefill_layout is None and off.decode_layout is None and off.layout.dp == 4
     assert run_config(suite, by_variant["lockstep constants high"], "prorsa").engines.lockstep_constants == "high"
