@@ -6,7 +6,7 @@ sequences as they grow: fed as fast as it drains, it thrashes. SGLang reserves r
 newest request when a block cannot be allocated (`"vllm"`, the engine core's behaviour
 before this module).
 
-SGLang, two rules (python/sglang/srt/environ.py for the constants; docs/calibration.md
+SGLang, three rules (python/sglang/srt/environ.py for the constants; docs/calibration.md
 "Admission" for the sources):
 
 * **Engines that prefill** (colocated; a decode engine's local appends): the scheduler's
