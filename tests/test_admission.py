@@ -1,31 +1,32 @@
 """SGLang's admission in the scheduler core (actors/engine/admission.py): a new request
 starts only if the free KV also holds the expected growth of what runs; the ratio that
 estimates that growth decays, jumps back after a preemption and resets when idle; a PD
-decode engine keeps a fixed reservation per request. `admission = "vllm"` stays greedy."""
+decode engine keeps a fixed reservation per request; a PD prefill engine starts a hand-off
+only while the decode side asks for work (on a real nats-server). `admission = "vllm"`
+stays greedy."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import msgspec
-
 import pytest
 
 from actors.engine import admission
+from actors.engine.actor import EngineActor
 from actors.engine.core import EngineCore
 from actors.engine.emulated.costmodel import PRESETS
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode, encode
 from bus_schemas.control import Role
-from bus_schemas.work import DecodeWork, KvHandle, PrefillWork
+from bus_schemas.work import DecodeWork, KvHandle
+from tests.actor_helpers import at_scale, build
+from tests.test_engine_core import work
+from tests.test_switch_protocol import until
 
 PRESET = PRESETS["h100-qwen3-8b"]
-
-
-def work(traj: str, new: int = 1000, out: int = 50, cap: int = 4096, context: int = 0) -> PrefillWork:
-    return PrefillWork(
-        work_id=f"{traj}/n/t0/a0", trajectory_id=traj, turn=0, env_id="env0", task_family="swe", policy_version=0,
-        context_tokens=context, new_tokens=new, max_output_tokens=cap, target_output_tokens=out, queued_at_s=0.0,
-    )  # fmt: skip
 
 
 def engine(capacity: int, mode: str, role: Role = Role.COLOCATED, max_decode: int = 64) -> EngineCore:
@@ -126,21 +127,27 @@ def test_reserving_growth_preempts_less_than_greedy_admission_on_a_tight_pool():
 
 
 # --- SGLang's PD gate on the real bus: a prefill engine computes a turn only while the decode side asks for work
-@pytest.mark.bus
-async def test_a_prefill_engine_starts_no_handoff_while_the_decode_side_takes_no_work(bus, tiny_config):
-    from actors.engine.actor import EngineActor
-    from bus_schemas import streams, subjects
-    from bus_schemas.codec import decode, encode
-    from tests.actor_helpers import at_scale, build
-    from tests.test_switch_protocol import until
-
-    js = bus.jetstream()
-    stale = DecodeWork(prefill=work("waiting"), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
-    await js.publish(subjects.work_decode(), encode(stale))  # a prefilled turn no decode engine has taken
-    p0 = build(EngineActor, "p0", at_scale(tiny_config, 100.0), bus, Role.PREFILL)
+@contextlib.asynccontextmanager
+async def prefill_engine_beside_an_untaken_turn(bus, config, untaken: str):
+    """A prefill engine p0, started with a prefilled turn `untaken` already in the decode
+    queue that no decode engine has taken; stopped on the way out. (Each test uses its own
+    work ids: JetStream drops a repeated message id for a while.)"""
+    stale = DecodeWork(prefill=work(untaken), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
+    await bus.jetstream().publish(subjects.work_decode(), encode(stale))
+    p0 = build(EngineActor, "p0", at_scale(config, 100.0), bus, Role.PREFILL)
     running = asyncio.create_task(p0.run())
     try:
         await asyncio.wait_for(p0.ready.wait(), timeout=10)
+        yield p0
+    finally:
+        p0.request_stop("test over")
+        await asyncio.wait_for(running, timeout=15)
+
+
+@pytest.mark.bus
+async def test_a_prefill_engine_starts_no_handoff_while_the_decode_side_takes_no_work(bus, tiny_config):
+    js = bus.jetstream()
+    async with prefill_engine_beside_an_untaken_turn(bus, tiny_config, "waiting") as p0:
         await js.publish(subjects.work_prefill(), encode(work("new", new=300, out=12)))
         await until(lambda: p0.counters["prefill_gated"] >= 3 and p0.core.waiting)
         assert [s.work.trajectory_id for s in p0.core.waiting] == ["new"] and p0.core.waiting[0].prefill_done_tokens == 0
@@ -154,26 +161,13 @@ async def test_a_prefill_engine_starts_no_handoff_while_the_decode_side_takes_no
         [handed] = await decode_side.fetch(1, timeout=10)  # now it asks: the turn is prefilled and handed over
         assert decode(DecodeWork, handed.data).prefill.trajectory_id == "new"
         await handed.ack()
-    finally:
-        p0.request_stop("test over")
-        await asyncio.wait_for(running, timeout=15)
 
 
 @pytest.mark.bus
 async def test_greedy_admission_prefills_whatever_the_decode_side_does(bus, tiny_config):
-    from actors.engine.actor import EngineActor
-    from bus_schemas import streams, subjects
-    from bus_schemas.codec import decode, encode
-    from tests.actor_helpers import at_scale, build
-
-    js = bus.jetstream()  # other work ids than the test above: JetStream drops a repeated message id for a while
-    stale = DecodeWork(prefill=work("stale"), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
-    await js.publish(subjects.work_decode(), encode(stale))
+    js = bus.jetstream()
     greedy = msgspec.structs.replace(tiny_config, engines=msgspec.structs.replace(tiny_config.engines, admission="vllm"))
-    p0 = build(EngineActor, "p0", at_scale(greedy, 100.0), bus, Role.PREFILL)
-    running = asyncio.create_task(p0.run())
-    try:
-        await asyncio.wait_for(p0.ready.wait(), timeout=10)
+    async with prefill_engine_beside_an_untaken_turn(bus, greedy, "stale") as p0:
         await js.publish(subjects.work_prefill(), encode(work("other", new=300, out=12)))
         decode_side = await streams.pull_subscription(js, streams.decode_consumer(), 30.0)
         got = []
@@ -182,6 +176,3 @@ async def test_greedy_admission_prefills_whatever_the_decode_side_does(bus, tiny
             got.append(decode(DecodeWork, msg.data).prefill.trajectory_id)
             await msg.ack()
         assert got == ["stale", "other"] and p0.counters["prefill_gated"] == 0
-    finally:
-        p0.request_stop("test over")
-        await asyncio.wait_for(running, timeout=15)

@@ -12,10 +12,10 @@ from bus_schemas.work import DecodeWork, KvHandle, PrefillWork
 PRESET = PRESETS["h100-qwen3-8b"]
 
 
-def work(traj="t0", turn=0, context=0, new=1000, out=50, version=0) -> PrefillWork:
+def work(traj="t0", turn=0, context=0, new=1000, out=50, version=0, cap=4096) -> PrefillWork:
     return PrefillWork(
         work_id=f"{traj}/n/t{turn}/a0", trajectory_id=traj, turn=turn, env_id="env0", task_family="swe",
-        policy_version=version, context_tokens=context, new_tokens=new, max_output_tokens=4096,
+        policy_version=version, context_tokens=context, new_tokens=new, max_output_tokens=cap,
         target_output_tokens=out, queued_at_s=0.0,
     )  # fmt: skip
 

@@ -60,7 +60,7 @@ class NewTokenRatio:
         """The batch that stays after a retraction: its tokens so far and caps."""
         if generated:
             estimate = (sum(generated) + RETRACT_DECODE_STEPS * len(generated)) / (sum(max_new) + 1)
-            self.current = min(1.0, estimate)  # the next decode steps decay it from there, not below the floor
+            self.current = min(1.0, estimate)  # as SGLang: not clamped here; the next decay lifts it to the floor if below
 
 
 def growth_tokens(max_new_tokens: int, generated: int, ratio: float) -> float:
