@@ -400,10 +400,6 @@ class Config(_Section):
     def __post_init__(self) -> None:
         if self.run.policy == "oracle" and not self.allocator.oracle_log:
             raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
-        if self.run.mode == "async" and self.engines.backend == "vllm":
-            raise ValueError('run.mode = "async" runs the emulated and torch backends (vllm: not yet)')
-        if self.engines.inflight_on_update == "interrupt" and self.engines.backend == "vllm":
-            raise ValueError('engines.inflight_on_update = "interrupt" runs on the emulated and torch backends; vLLM has "finish"')
 
     @property
     def affinity_routing(self) -> bool:

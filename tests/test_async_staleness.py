@@ -193,10 +193,3 @@ def test_a_batch_that_cannot_fill_is_an_error_not_a_hang(tmp_path: Path):
     with pytest.raises(BatchCannotFill, match="batch 0 cannot fill"):
         loop._check_can_fill()
     assert loop.counters["batch_cannot_fill"] == 1
-
-
-def test_async_mode_needs_a_backend_that_supports_it(tmp_path: Path):
-    path = write_tiny_config(tmp_path / "v.toml")
-    path.write_text(path.read_text().replace("[run]\n", '[run]\nmode = "async"\n').replace("count = 2\nprefill", 'count = 2\nbackend = "vllm"\nprefill'))
-    with pytest.raises(ConfigError, match="async"):
-        load_config(path)

@@ -17,12 +17,19 @@ scheduler core: each pulled work item becomes one vLLM request, run as its own t
 
 * `LoadPolicy(v)`: the trainer's weights of v fetched in checksummed chunks and loaded into
   vLLM in place (`VllmEngine.load_weights`); requests are then salted with v, so no KV of
-  an older policy is reused.
+  an older policy is reused. Mid-rollout (run.mode = "async"), `engines.inflight_on_update`:
+  "finish" lets the running requests end on the old weights first; "interrupt" aborts them
+  (`VllmEngine.cut_all`), loads, and resumes each turn on the new weights with its tokens
+  so far (their KV recomputed; each token keeps the logprob of the weights that sampled it).
+  A prefilled turn whose KV is of an older version than the decode engine's is prefilled
+  again, never decoded on old KV.
 
 Not here yet (docs/vllm.md): KV write-back of decoded tokens, migrating a decode mid-turn.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 from nats.aio.msg import Msg
@@ -30,7 +37,7 @@ from nats.errors import NoRespondersError
 
 from actors.engine.actor import IDLE_WAKE_WALL_S, EngineActor
 from actors.engine.torch.model import checksum
-from actors.engine.vllm.engine import BadInput, Generated, KvSource, VllmEngine, WeightsUnsupported
+from actors.engine.vllm.engine import BadInput, Generated, Interrupted, KvSource, VllmEngine, WeightsUnsupported
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Role
@@ -41,6 +48,7 @@ from bus_schemas.work import DecodeWork, KvHandle, PrefillWork, TurnResult
 
 
 WEIGHTS_TIMEOUT_WALL_S = 30.0
+MAX_CUTS_PER_TURN = 8  # weight updates one turn may span before it is failed (a runaway trainer)
 MIN_TEMPERATURE = 0.01  # vLLM's floor for sampling; model.temperature below it decodes greedily
 
 
@@ -56,6 +64,25 @@ def bus_url(nc) -> str:
     return f"{url.scheme}://{url.hostname}:{url.port}"
 
 
+def replace_version(gen: Generated, version: int) -> Generated:
+    gen.policy_version = version
+    return gen
+
+
+def joined(first: Generated, rest: Generated, rest_version: int | None = None) -> Generated:
+    """`first`'s tokens then `rest`'s, each with its logprobs; the version of the newest, and
+    the oldest version of any token if they differ (a turn a weight update cut)."""
+    rest_version = rest.policy_version if rest_version is None else rest_version
+    versions = [v for v, g in ((first.policy_version, first), (rest_version, rest)) if g.token_ids]
+    versions += [g.oldest_version for g in (first, rest) if g.oldest_version >= 0]
+    newest = max(versions, default=rest_version)
+    oldest = min(versions, default=newest)
+    return Generated(
+        first.token_ids + rest.token_ids, first.logprobs + rest.logprobs, first.cached_tokens, rest.finish_reason,
+        kv_handle=rest.kv_handle or first.kv_handle, policy_version=newest, oldest_version=oldest if oldest < newest else -1,
+    )  # fmt: skip
+
+
 class VllmEngineActor(EngineActor):
     migrates_decodes = False  # a turn runs to its end inside vLLM; a switch waits for it
 
@@ -66,6 +93,8 @@ class VllmEngineActor(EngineActor):
         self._owns_engine = engine is None  # a given engine (tests) outlives the actor
         self.vllm = engine or VllmEngine(actor_id, config.vllm, model_dir(config), bus_url(nc), role)
         self._running = {"prefill": 0, "decode": 0}
+        self._weights_taken = asyncio.Event()  # cleared while an interrupting update loads
+        self._weights_taken.set()
 
     async def setup(self) -> None:
         if self.vllm.llm is None:
@@ -111,6 +140,20 @@ class VllmEngineActor(EngineActor):
         self.log.info("loaded policy %d into vLLM (%d bytes)", version, len(payload))
         return None
 
+    async def _interrupting_update(self) -> None:
+        """inflight_on_update = "interrupt": abort every running request (each turn keeps its
+        tokens and waits, `_generate`), load the new weights, let the turns resume."""
+        version, done = self._interrupt_for
+        self._interrupt_for = None
+        self._weights_taken.clear()
+        try:
+            await self.vllm.cut_all()
+            error = await self._take_weights(version)
+        finally:
+            self._weights_taken.set()
+        if not done.done():
+            done.set_result(error)
+
     # --- work --------------------------------------------------------------------------------
     async def _admit(self, msg: Msg, queue: str) -> None:
         if queue == "decode":
@@ -127,11 +170,11 @@ class VllmEngineActor(EngineActor):
         work = await self.decode_work(PrefillWork, msg)
         if work is None:
             return
-        if work.policy_version > self.policy_version or not self._pulling or not self._takes_prefill(queue):
+        if work.policy_version > self.policy_version or not self._pulling or self._updating or not self._takes_prefill(queue):
             self.counters["returned_not_ready"] += 1
             await msg.nak(delay=0.1)
             return
-        self._start(work.work_id, msg, "prefill", self._prefill(work))
+        self._start(work.work_id, msg, "prefill", self._prefill(self._stamp(work)))
 
     def _start(self, key: str, msg: Msg, stage: str, coro) -> None:
         if key in self._msgs:  # redelivered while still running here: ack the newest delivery
@@ -173,12 +216,14 @@ class VllmEngineActor(EngineActor):
         ids = list(work.context_token_ids) + list(work.token_ids)
         self._event(EventKind.PREFILL_STARTED, work)
         if self.core.role is Role.COLOCATED or self.core.role is Role.DECODE:  # the whole turn here
-            gen = await self.vllm.generate(work.work_id, ids, work.max_output_tokens, **self._sampling())
+            gen = await self._generate(work, work.work_id, ids, work.max_output_tokens)
             self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
             self._event(EventKind.DECODE_STARTED, work)
             await self._finish(work, work.work_id, self.actor_id, gen.cached_tokens, gen)
             return
-        gen = await self.vllm.prefill(work.work_id, ids, hold=work.work_id, **self._sampling())
+        gen = await self._generate(work, work.work_id, ids, 1, hold=work.work_id)
+        if gen.policy_version != work.policy_version:  # an update cut the prefill: its KV is of the new weights
+            work = msgspec.structs.replace(work, policy_version=gen.policy_version)
         now_s = self.clock.now_s()
         self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
         handle = KvHandle(
@@ -195,17 +240,54 @@ class VllmEngineActor(EngineActor):
 
     async def _decode(self, item: DecodeWork, key: str) -> None:
         work = item.prefill
+        if work.policy_version < max(self.policy_version, self._interrupting_to):  # KV of an older policy: never reused
+            self.counters["kv_stale_version"] += 1
+            await self._reprefill(work, f"KV of policy {work.policy_version} on an engine at {max(self.policy_version, self._interrupting_to)}")
+            await self._ack(key)
+            return
         ids = list(work.context_token_ids) + list(work.token_ids) + [item.first_token_id]
-        first = Generated([item.first_token_id], [item.first_logprob], item.cached_prefix_tokens, None)
+        first = Generated([item.first_token_id], [item.first_logprob], item.cached_prefix_tokens, None, policy_version=work.policy_version)
         self._event(EventKind.KV_TRANSFER_DONE, work, detail=item.kv.engine_id)
         self._event(EventKind.DECODE_STARTED, work)
         left_tokens = work.max_output_tokens - item.generated_tokens
         if left_tokens > 0 and not self._ends_turn(item.first_token_id):
             source = KvSource(item.kv.engine_id, item.kv.handle_id, item.kv.tokens)
-            rest = await self.vllm.decode(key, ids, left_tokens, source, **self._sampling())
-            first.token_ids += rest.token_ids
-            first.logprobs += rest.logprobs
+            rest = await self._generate(work, key, ids, left_tokens, source=source)
+            first = joined(first, rest)
         await self._finish(work, key, item.kv.engine_id, item.cached_prefix_tokens, first)
+
+    async def _generate(
+        self, work: PrefillWork, key: str, ids: list[int], n: int, source: KvSource | None = None, hold: str = "",
+    ) -> Generated:  # fmt: skip
+        """`n` tokens after `ids` (the KV of `ids` loaded from `source`, or held as `hold` for a
+        decode engine). A weight update that cuts in (inflight_on_update = "interrupt") keeps
+        the tokens so far, waits for the new weights and asks for the rest on them, the KV
+        recomputed (`ids` plus the tokens so far; a hold is made again)."""
+        done = Generated([], [], 0, None, policy_version=self.vllm.policy_version)
+        for attempt in range(MAX_CUTS_PER_TURN + 1):
+            await self._weights_taken.wait()  # a request never starts during a reload
+            request_id = key if attempt == 0 else f"{key}~{attempt}"
+            if source is not None and work.policy_version < self.vllm.policy_version:  # an update cut in before it started
+                source = None  # the prompt's KV is of the old weights: recomputed below, never loaded
+                self.counters["kv_stale_version"] += 1
+            try:
+                if hold:
+                    gen = await self.vllm.prefill(request_id, ids, hold=hold, **self._sampling())
+                elif source is not None and attempt == 0:
+                    gen = await self.vllm.decode(request_id, ids, n, source, **self._sampling())
+                else:
+                    gen = await self.vllm.generate(request_id, ids + done.token_ids, n - len(done.token_ids), **self._sampling())
+                return joined(done, gen) if attempt else gen
+            except Interrupted as cut:
+                done = joined(done, cut.partial, cut.policy_version) if attempt else replace_version(cut.partial, cut.policy_version)
+                self.counters["turns_interrupted"] += 1
+                self._event(
+                    EventKind.TURN_INTERRUPTED, work, generated_tokens=len(done.token_ids),
+                    detail=f"policy {cut.policy_version} -> {max(self._interrupting_to, self.policy_version)}",
+                )  # fmt: skip
+                if len(done.token_ids) >= n:  # cut after its last token: nothing left to ask for
+                    return done
+        raise RuntimeError(f"engine {self.actor_id}: turn {key} cut by {MAX_CUTS_PER_TURN} weight updates in a row")
 
     def _ends_turn(self, token_id: int) -> bool:
         eos = self.vllm.eos_token_id
@@ -215,9 +297,10 @@ class VllmEngineActor(EngineActor):
         now_s = self.clock.now_s()
         self._event(EventKind.DECODE_DONE, work, generated_tokens=len(gen.token_ids), cached_prefix_tokens=cached_tokens)
         result = TurnResult(
-            work_id=work.work_id, trajectory_id=work.trajectory_id, turn=work.turn, policy_version=work.policy_version,
+            work_id=work.work_id, trajectory_id=work.trajectory_id, turn=work.turn, policy_version=max(work.policy_version, gen.policy_version),
             prefill_engine_id=prefill_engine_id, decode_engine_id=self.actor_id, output_tokens=len(gen.token_ids),
             cached_prefix_tokens=cached_tokens, token_ids=gen.token_ids, logprobs=gen.logprobs, finished_at_s=now_s,
+            oldest_policy_version=gen.oldest_version,
         )  # fmt: skip
         await self._publish(subjects.result(work.env_id), encode(result), work.work_id)
         await self._ack(key)

@@ -8,6 +8,8 @@ from others' KV, or do both, and its role is only which of these its actor asks 
     prefill(rid, ids, hold=H)                -> first token + logprob; the prompt's KV held as H
     decode(rid, ids + [first], n, load=src)  -> the next n tokens; the KV of ids fetched from src
     generate(rid, ids, n)                    -> both on this engine (colocated)
+    cut_all()                                -> every running request aborted: each call
+                                                raises `Interrupted` with its tokens so far
 
 Input that cannot run (a token id outside the vocabulary, a sequence longer than
 `vllm.max_model_len_tokens`, no tokens) raises `BadInput` with one line before it reaches
@@ -45,6 +47,17 @@ class BadInput(ValueError):
 
 class WeightsUnsupported(RuntimeError):
     """vLLM cannot load these weights in place exactly; the message is one line."""
+
+
+class Interrupted(Exception):
+    """`cut_all` aborted the request (a weight update, `engines.inflight_on_update =
+    "interrupt"`): `partial` holds the tokens it had generated and their logprobs, under
+    `policy_version`."""
+
+    def __init__(self, request_id: str, partial: "Generated", policy_version: int) -> None:
+        super().__init__(f"request {request_id} cut after {len(partial.token_ids)} tokens of policy {policy_version}")
+        self.partial = partial
+        self.policy_version = policy_version
 
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -147,6 +160,8 @@ class Generated:
     finish_reason: str | None
     counters: dict[str, int] = field(default_factory=dict)
     kv_handle: str = ""  # prefill: the handle a decode engine loads this prompt's KV by
+    policy_version: int = 0  # the weights that generated the tokens (the newest, if a cut turn resumed)
+    oldest_version: int = -1  # a weight update cut the turn: the version of its first tokens; -1: not cut
 
 
 def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, overrides: dict | None = None):
@@ -209,6 +224,9 @@ class VllmEngine:
         self.policy_version = 0  # salts the prefix cache: KV of an older policy is never reused
         self._weights_dir: Path | None = None
         self._reloading = asyncio.Lock()  # one reload at a time (two at once kill vLLM's worker)
+        self._live: dict[str, asyncio.Task] = {}  # request id -> the task reading its outputs
+        self._latest: dict[str, list] = {}  # request id -> [its latest (cumulative) output]
+        self._cut: set[str] = set()  # requests `cut_all` aborted
 
     async def start(self) -> None:
         guard_child_processes()
@@ -287,17 +305,54 @@ class VllmEngine:
             max_tokens=max_tokens, temperature=temperature, logprobs=0, ignore_eos=ignore_eos, detokenize=False,
             stop_token_ids=stop, extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )  # fmt: skip
-        final = None
         tokens = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"policy-{self.policy_version}")
-        async for out in self.llm.generate(tokens, params, request_id):
-            final = out
-        done = final.outputs[0]
+        version, latest = self.policy_version, []
+
+        async def read() -> None:  # cumulative outputs: the latest holds every token so far
+            async for out in self.llm.generate(tokens, params, request_id):
+                latest[:] = [out]
+
+        task = asyncio.ensure_future(read())
+        self._live[request_id], self._latest[request_id] = task, latest  # before any await: `cut_all` sees every request
+        try:
+            await task
+        except asyncio.CancelledError:
+            if request_id not in self._cut or asyncio.current_task().cancelling():
+                raise  # not a cut: the caller was cancelled
+            partial = self._generated(latest[0]) if latest else Generated([], [], 0, None)
+            raise Interrupted(request_id, partial, version) from None
+        finally:
+            self._live.pop(request_id, None)
+            self._latest.pop(request_id, None)
+            self._cut.discard(request_id)
+        gen = self._generated(latest[0])
+        gen.policy_version = version
+        if self.cfg.kv_connector == "nixl" and latest[0].kv_transfer_params:
+            gen.kv_handle = NIXL_PREFIX + json.dumps(latest[0].kv_transfer_params)
+        return gen
+
+    @staticmethod
+    def _generated(out) -> Generated:
+        done = out.outputs[0]
         ids = list(done.token_ids)
         logprobs = [float(done.logprobs[i][t].logprob) for i, t in enumerate(ids)] if done.logprobs is not None else []
-        gen = Generated(ids, logprobs, int(final.num_cached_tokens or 0), done.finish_reason)
-        if self.cfg.kv_connector == "nixl" and final.kv_transfer_params:
-            gen.kv_handle = NIXL_PREFIX + json.dumps(final.kv_transfer_params)
-        return gen
+        return Generated(ids, logprobs, int(out.num_cached_tokens or 0), done.finish_reason)
+
+    def tokens_so_far(self, request_id: str) -> int:
+        """Tokens a running request has generated (0 once it ended, or before its first)."""
+        latest = self._latest.get(request_id)
+        return len(latest[0].outputs[0].token_ids) if latest else 0
+
+    async def cut_all(self) -> int:
+        """Abort every running request (a weight update cutting in): each caller gets
+        `Interrupted` with the tokens generated so far. Returns once vLLM has been told, so a
+        reload after it runs on an engine with no request left. Returns how many were cut."""
+        cut = list(self._live.items())
+        self._cut.update(rid for rid, _ in cut)
+        for _, task in cut:
+            task.cancel()  # vLLM's generate aborts its request when cancelled
+        await asyncio.gather(*(task for _, task in cut), return_exceptions=True)
+        return len(cut)
 
     async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0, ignore_eos: bool = True) -> Generated:
         """Compute the prompt's KV, sample the first token, hold the KV for a decode engine:
