@@ -18,14 +18,15 @@ from ops.launch import main as launch_main  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
 DEMO = REPO / "configs" / "vllm-demo.toml"
+ASYNC = REPO / "configs" / "vllm-async.toml"
 
 
-def demo_config(path: Path, **replace: str) -> Path:
-    """configs/vllm-demo.toml with whole lines replaced (`key = value` lines, each must exist once)."""
-    text = DEMO.read_text()
+def demo_config(path: Path, source: Path = DEMO, **replace: str) -> Path:
+    """`source` (configs/vllm-demo.toml) with whole lines replaced (`key = value` lines, each must exist once)."""
+    text = source.read_text()
     for key, value in replace.items():
         lines = [line for line in text.splitlines() if line.split("=")[0].strip() == key]
-        assert len(lines) == 1, f"{key} is not one line of {DEMO.name}"
+        assert len(lines) == 1, f"{key} is not one line of {source.name}"
         text = text.replace(lines[0], f"{key} = {value}")
     path.write_text(text)
     return path
@@ -78,3 +79,34 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     assert prefiller in by_engine("prefill_done") and decoder in by_engine("decode_done")
     loaded = events.filter(pl.col("kind") == "policy_loaded")
     assert sorted(loaded["policy_version"].to_list()) == [1, 1, 2, 2]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(960)
+def test_an_async_vllm_run_cuts_turns_at_each_update_and_loses_none(tmp_path: Path):
+    """configs/vllm-async.toml cut to 2 batches of 2 x 4: rollout never pauses, each policy
+    lands mid-rollout, the turns in flight are cut and resume on the new weights; every
+    trajectory finishes, and a turn's recorded versions never go back."""
+    config = demo_config(tmp_path / "vllm-async.toml", ASYNC, steps="2", tasks_per_step="2", samples_per_task="4")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["mode"] == "async"
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] == 16
+    assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0 and summary["incomplete_trajectories"] == 0
+    assert summary["actor_deaths"] == [], summary["actor_deaths"]
+
+    events = pl.read_parquet(out / "events.parquet")
+    loaded = events.filter(pl.col("kind") == "policy_loaded")
+    assert sorted(loaded["policy_version"].to_list()) == [1, 1, 2, 2] and set(loaded["detail"]) == {"interrupt"}
+    cut = events.filter(pl.col("kind") == "turn_interrupted")
+    decoded = events.filter(pl.col("kind") == "decode_done").unique(["trajectory_id", "turn"], keep="last")
+    print(f"\n{cut.height} turns cut by an update; {decoded.height} turns decoded")
+    assert cut.height > 0, "no turn was in flight at an update: nothing was cut"  # 8 of 32 in a trial
+    for (trajectory,), rows in decoded.sort("turn").group_by(["trajectory_id"]):
+        versions = rows["policy_version"].to_list()
+        assert versions == sorted(versions), (trajectory, versions)  # a trajectory's turns move forward only

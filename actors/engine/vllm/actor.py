@@ -279,6 +279,7 @@ class VllmEngineActor(EngineActor):
                     gen = await self.vllm.generate(request_id, ids + done.token_ids, n - len(done.token_ids), **self._sampling())
                 return joined(done, gen) if attempt else gen
             except Interrupted as cut:
+                source = None  # what is left runs on the new weights, its KV recomputed here
                 done = joined(done, cut.partial, cut.policy_version) if attempt else replace_version(cut.partial, cut.policy_version)
                 self.counters["turns_interrupted"] += 1
                 self._event(
