@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import msgspec
+import pytest
 
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import from_forecast, from_queues
@@ -292,6 +293,23 @@ def test_a_split_pays_for_recomputing_the_kv_its_decode_engines_hold():
     policy = cost_model_split()
     assert policy.decide(held, fleet(colocated)) == []  # the KV on the 4 engines going decode costs more than the gain
     assert f"costs {4 * AllocatorSection().drain_deadline_s + relocation_s(held, cap, 4, 8):.1f}" in policy.last_reason
+
+
+def test_kv_that_no_longer_exists_costs_a_split_nothing_to_relocate():
+    """Right after a weight update the engines have dropped the older policy's KV (and at a
+    step's start no turn has prefilled yet): the live trajectories' histories must be
+    recomputed under any arrangement, so the split that the held KV priced out above is bought
+    at once, for its switches alone."""
+    from actors.allocator.loads import relocation_s, working_set_tokens
+
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    held = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=0.2 * 8 * cap.decode_kv_tokens)
+    assert cost_model_split().decide(held, fleet([C] * 8)) == []  # as above: relocating the held KV costs too much
+    updated = replace(held, kv_working_set_tokens=0.0, live_trajectories=held.kv_working_set_tokens / 4096)
+    assert working_set_tokens(updated) == pytest.approx(held.kv_working_set_tokens)  # the same histories, live
+    assert relocation_s(updated, cap, 4, 8) == 0.0  # ... but none of their KV is held anywhere
+    split_now = cost_model_split().decide(updated, fleet([C] * 8))
+    assert {c.role for c in split_now} == {P, D}
 
 
 def test_the_prefill_work_of_an_arrangement_is_learned_only_once_it_has_settled():

@@ -5,7 +5,7 @@
                                  fastest step,  decode KV / a decode engine's KV pool)
     colocated load         = the same work on colocated engines, plus what DP-attention
                              lockstep costs their decodes while a rank prefills
-    a split's relocation   = the working set on the engines that become decode engines,
+    a split's relocation   = the KV held on the engines that become decode engines,
                              recomputed by the prefill side
 
 Units: loads in engines (engine-seconds per second), costs in engine-seconds.
@@ -105,9 +105,12 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
 def relocation_s(demand: Demand, cap: Capacity, target: int, n: int) -> float:
     """Engine-seconds a split from colocation spends recomputing the KV in the wrong place: the
     live trajectories whose history sits on the engines that become decode engines prefill
-    their next turn on a prefill engine that holds none of it (the working set's share on those
-    engines, at the prefill side's cost per token)."""
-    return working_set_tokens(demand) * (n - target) / n * cap.prefill_s_per_token
+    their next turn on a prefill engine that holds none of it (the share on those engines of
+    the KV the fleet holds now, at the prefill side's cost per token). Only KV that exists
+    counts: what eviction dropped, what no turn has prefilled yet, and what a weight update
+    made stale (engines drop an older policy's KV) are recomputed under any arrangement, so
+    right after an update (async) or at a step's start a split relocates almost nothing."""
+    return demand.kv_working_set_tokens * (n - target) / n * cap.prefill_s_per_token
 
 
 def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:
