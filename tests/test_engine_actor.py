@@ -82,6 +82,35 @@ async def test_commands_epochs_and_a_malformed_command(bus, tiny_config):
     assert [(s.engine_id, s.role, s.detail) for s in switches] == [("e0", "decode", "0:1 -> 0:1 (test)")]  # the reason, logged
 
 
+async def test_a_new_policy_drops_the_older_policys_cached_prefixes(bus, tiny_config):
+    """Sync RL: KV of an older policy is never reused, so loading a new one drops it. It must not
+    stay in the heartbeat's cached prefix either: the allocator reads that as KV the fleet holds
+    (a working set the decode side would have to take), and step 1 of a run looked full of
+    step 0's histories."""
+    done = asyncio.get_running_loop().create_future()
+
+    async def on_result(msg) -> None:
+        if not done.done():
+            done.set_result(decode(TurnResult, msg.data))
+
+    sub = await bus.subscribe(subjects.result_all(), cb=on_result)
+    e0 = engine(bus, tiny_config)
+    running = asyncio.create_task(e0.run())
+    try:
+        await asyncio.wait_for(e0.ready.wait(), timeout=10)
+        await bus.jetstream().publish(subjects.work_prefill(), encode(work("kept", new=300, out=12)))
+        await asyncio.wait_for(done, timeout=30)
+        cached_before = e0.heartbeat().cached_prefix_tokens
+        ack = await command(bus, "e0", LoadPolicy(version=1))
+        cached_after = e0.heartbeat().cached_prefix_tokens
+    finally:
+        e0.request_stop("test over")
+        await asyncio.wait_for(running, timeout=15)
+        await sub.unsubscribe()
+    assert cached_before == 312  # the finished turn's history, kept for its next turn under policy 0
+    assert ack.ok and ack.policy_version == 1 and cached_after == 0
+
+
 async def test_prefill_to_decode_hand_off_between_two_engines(bus, tiny_config):
     js = bus.jetstream()
     for i in range(3):

@@ -60,6 +60,7 @@ class EngineCommands:
                         await self._reply(msg, "load_policy", ok=False, error=error)
                         return
                     self.policy_version = version
+                    self.core.drop_cache_below(version)  # never reused (the KV of older weights): not held either
                     self.event(EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id)
                 await self._reply(msg, "load_policy", ok=True)
             case SetRole():
