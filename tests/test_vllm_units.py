@@ -189,3 +189,19 @@ def test_the_launcher_refuses_nixl_here_before_starting_anything(tmp_path):
     )
     assert proc.returncode == 2 and 'vllm.kv_connector = "nixl"' in proc.stderr and "needs a CUDA machine" in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no actor was started
+
+
+def test_a_turn_joined_across_weight_updates_keeps_each_tokens_logprob_and_both_versions():
+    from actors.engine.vllm.actor import joined
+    from actors.engine.vllm.engine import Generated
+
+    before = Generated([1, 2], [-0.1, -0.2], 40, None, policy_version=0)
+    after = Generated([3], [-0.3], 0, "length", policy_version=1)
+    turn = joined(before, after)
+    assert (turn.token_ids, turn.logprobs, turn.cached_tokens) == ([1, 2, 3], [-0.1, -0.2, -0.3], 40)
+    assert (turn.policy_version, turn.oldest_version, turn.finish_reason) == (1, 0, "length")
+    assert joined(turn, Generated([4], [-0.4], 0, None, policy_version=2)).oldest_version == 0  # the oldest stays
+    cut_before_any = joined(Generated([], [], 0, None, policy_version=0), after)  # a cut prefill: nothing of v0 in it
+    assert (cut_before_any.policy_version, cut_before_any.oldest_version) == (1, -1)
+    same = joined(Generated([7], [-1.0], 0, None, policy_version=1), after)  # a decode at the prefill's version
+    assert (same.policy_version, same.oldest_version) == (1, -1)

@@ -30,6 +30,7 @@ Not here yet (docs/vllm.md): KV write-back of decoded tokens, migrating a decode
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgspec
 from nats.aio.msg import Msg
@@ -64,18 +65,12 @@ def bus_url(nc) -> str:
     return f"{url.scheme}://{url.hostname}:{url.port}"
 
 
-def replace_version(gen: Generated, version: int) -> Generated:
-    gen.policy_version = version
-    return gen
-
-
-def joined(first: Generated, rest: Generated, rest_version: int | None = None) -> Generated:
+def joined(first: Generated, rest: Generated) -> Generated:
     """`first`'s tokens then `rest`'s, each with its logprobs; the version of the newest, and
     the oldest version of any token if they differ (a turn a weight update cut)."""
-    rest_version = rest.policy_version if rest_version is None else rest_version
-    versions = [v for v, g in ((first.policy_version, first), (rest_version, rest)) if g.token_ids]
+    versions = [g.policy_version for g in (first, rest) if g.token_ids]
     versions += [g.oldest_version for g in (first, rest) if g.oldest_version >= 0]
-    newest = max(versions, default=rest_version)
+    newest = max(versions, default=rest.policy_version)
     oldest = min(versions, default=newest)
     return Generated(
         first.token_ids + rest.token_ids, first.logprobs + rest.logprobs, first.cached_tokens, rest.finish_reason,
@@ -263,7 +258,7 @@ class VllmEngineActor(EngineActor):
         decode engine). A weight update that cuts in (inflight_on_update = "interrupt") keeps
         the tokens so far, waits for the new weights and asks for the rest on them, the KV
         recomputed (`ids` plus the tokens so far; a hold is made again)."""
-        done = Generated([], [], 0, None, policy_version=self.vllm.policy_version)
+        done: Generated | None = None  # what earlier attempts generated before an update cut them
         for attempt in range(MAX_CUTS_PER_TURN + 1):
             await self._weights_taken.wait()  # a request never starts during a reload
             request_id = key if attempt == 0 else f"{key}~{attempt}"
@@ -276,11 +271,13 @@ class VllmEngineActor(EngineActor):
                 elif source is not None and attempt == 0:
                     gen = await self.vllm.decode(request_id, ids, n, source, **self._sampling())
                 else:
-                    gen = await self.vllm.generate(request_id, ids + done.token_ids, n - len(done.token_ids), **self._sampling())
-                return joined(done, gen) if attempt else gen
+                    so_far = done.token_ids if done else []
+                    gen = await self.vllm.generate(request_id, ids + so_far, n - len(so_far), **self._sampling())
+                return gen if done is None else joined(done, gen)
             except Interrupted as cut:
                 source = None  # what is left runs on the new weights, its KV recomputed here
-                done = joined(done, cut.partial, cut.policy_version) if attempt else replace_version(cut.partial, cut.policy_version)
+                partial = dataclasses.replace(cut.partial, policy_version=cut.policy_version)
+                done = partial if done is None else joined(done, partial)
                 self.counters["turns_interrupted"] += 1
                 self._event(
                     EventKind.TURN_INTERRUPTED, work, generated_tokens=len(done.token_ids),
