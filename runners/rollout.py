@@ -166,7 +166,7 @@ SUITES = {
         fleets=(
             Fleet("moe", _MOE, 4, (1, 2, 3, 4)),
             Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=(_DP4_EP4,), side_static_splits=(2, 3, 4)),
-            Fleet("deepseek", _DEEPSEEK, 8, (1, 2, 3), side_static_splits=(1, 2)),
+            Fleet("deepseek", _DEEPSEEK, 8, (1, 2, 3), side_static_splits=(1, 2, 3)),
             Fleet("dense", {"count": 8, "preset": "h200-qwen3-8b"}, 1, (1, 2, 3, 4)),
         ),
         workloads=_WORKLOADS,
