@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument("--fleets", default="", help="only these fleets (comma-separated; default every fleet of the suite)")
     roll.add_argument("--workloads", default="", help="only these workloads (comma-separated; default every workload)")
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
+    roll.add_argument(
+        "--policies", default="",
+        help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; oracle without prorsa needs prorsa's runs in --out)",
+    )  # fmt: skip
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         per_gpu = tuple(int(n) for n in args.per_gpu.split(",") if n.strip())
         modes = ("sync", "async") if args.mode == "both" else (args.mode,)
         only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only)
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies)
     return 2
 
 
@@ -128,6 +133,7 @@ def rollout(
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = ("sync", "async"),
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    policies: tuple[str, ...] = (),
 ) -> int:
     from runners.rollout import SUITES, run_suite
 
@@ -143,7 +149,15 @@ def rollout(
     if unknown:
         print(f"error: suite {suite_name!r} has no fleet or workload {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only)
+    known = {p for case in suite.cases(tables) for p in suite.policies(case.fleet, case.table)}
+    if set(policies) - known:
+        print(f"error: the tables asked for run no policy {', '.join(sorted(set(policies) - known))} (they run: {', '.join(sorted(known))})", file=sys.stderr)
+        return 2
+    try:
+        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and the timelines in {out}")
     bad = [r for r in results if r["status"] != "completed" or r["trajectories_lost"] or r["incomplete_trajectories"]]

@@ -349,6 +349,11 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
 
 
 # --- the suite ---------------------------------------------------------------------------
+def _run_name(case: Case, policy: str) -> str:
+    """The folder (under out/runs) of one case's run under one policy."""
+    return f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
+
+
 def run_suite(
     suite: Suite,
     out: Path,
@@ -358,9 +363,12 @@ def run_suite(
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = MODES,
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    policies: tuple[str, ...] = (),
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
-    GPU and of the fleets and workloads in `only`, where given)."""
+    GPU, of the fleets and workloads in `only`, and the `policies`, where given). `oracle`
+    replays `prorsa`'s log of the same case: run without `prorsa`, it needs that log in `out`
+    from an earlier run (ValueError, before anything runs, where one is missing)."""
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads = only
     cases = [
@@ -368,7 +376,11 @@ def run_suite(
         if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
     ]  # fmt: skip
-    plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table)]
+    plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table) if not policies or p in policies]
+    if policies and "oracle" in policies and "prorsa" not in policies:
+        missing = [c.key for c, p in plan if p == "oracle" and not (out / "runs" / _run_name(c, "prorsa") / "events.parquet").exists()]
+        if missing:
+            raise ValueError(f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies")
     first = [x for x in plan if x[1] != "oracle"]
     second = [x for x in plan if x[1] == "oracle"]
     results: list[dict] = []
@@ -379,10 +391,8 @@ def run_suite(
         for batch in (first, second):
             configs = []
             for case, policy in batch:
-                run_dir = out / "runs" / f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
-                oracle_log = None
-                if policy == "oracle":
-                    oracle_log = out / "runs" / f"{case.key}-prorsa".replace(" ", "_").replace("=", "-") / "events.parquet"
+                run_dir = out / "runs" / _run_name(case, policy)
+                oracle_log = out / "runs" / _run_name(case, "prorsa") / "events.parquet" if policy == "oracle" else None
                 configs.append((case, policy, run_config(suite, case, policy, oracle_log), run_dir))
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
             for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):

@@ -29,7 +29,9 @@ def plot_timelines(results: list[dict], out: Path) -> list[Path]:
         if r["policy"] != "prorsa" or r["fleet"] != fleets[0]:
             continue
         png = out / f"timeline-{r['fleet']}-{r['workload']}.png"
-        title = f"{r['fleet']} fleet, {r['workload']} workload, prorsa: {r['rollout_s']:.0f} s ({r['speedup_vs_colocated']:.2f}x colocated)"
+        speedup = r["speedup_vs_colocated"]  # None where colocated did not run (`--policies`)
+        versus = f" ({speedup:.2f}x colocated)" if speedup else ""
+        title = f"{r['fleet']} fleet, {r['workload']} workload, prorsa: {r['rollout_s']:.0f} s{versus}"
         plot_run(Path(r["run_dir"]), r["initial_roles"], title, png)
         written.append(png)
     return written

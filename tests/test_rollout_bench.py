@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
 from runners.rollout_tables import mode_comparisons, results_markdown
@@ -133,3 +134,20 @@ def test_paper_suite_plans_the_pd_tables_with_their_settings():
     per_gpu_128 = next(c for c in cases if c.trajectories_per_gpu == 128 and c.fleet.name == "deepseek")
     config = run_config(suite, per_gpu_128, "colocated")
     assert config.trainer.tasks_per_step * config.trainer.samples_per_task == 128 * per_gpu_128.fleet.gpus
+
+
+def test_a_run_of_some_policies_runs_only_those_and_oracle_needs_prorsas_log(tmp_path: Path):
+    """`--policies`: only the named policies run; `oracle` replays `prorsa`'s log of the same
+    case, so without `prorsa` it needs that log from an earlier run in the same folder, and
+    says so before running anything."""
+    from runners.bench import main
+
+    suite = SUITES["smoke"]
+    with pytest.raises(ValueError, match="oracle replays prorsa's log"):
+        run_suite(suite, tmp_path, jobs=1, modes=("sync",), policies=("oracle",))
+    assert not (tmp_path / "runs").exists()  # nothing ran
+    first = run_suite(suite, tmp_path, jobs=1, modes=("sync",), policies=("colocated-sticky", "prorsa"))
+    assert [r["policy"] for r in first] == ["colocated-sticky", "prorsa"]
+    then = run_suite(suite, tmp_path, jobs=1, modes=("sync",), policies=("oracle",))
+    assert [(r["policy"], r["status"]) for r in then] == [("oracle", "completed")]
+    assert main(["rollout", "--suite", "smoke", "--mode", "sync", "--policies", "static-9:9", "--out", str(tmp_path)]) == 2
