@@ -25,7 +25,6 @@ def partial_config(path: Path) -> Path:
     for old, new in (
         ('name = "torch-async"', 'name = "torch-partial"'),
         ("steps = 20", f"steps = {STEPS}"),
-        ("tasks_per_step = 4 ", "tasks_per_step = 2 "),
         ("samples_per_task = 8 ", "samples_per_task = 4 "),
         ("max_staleness = 1 ", "max_staleness = 0 "),
         ('stale_policy = "hold"', 'stale_policy = "partial"'),
