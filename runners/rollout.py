@@ -349,9 +349,9 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
 
 
 # --- the suite ---------------------------------------------------------------------------
-def _run_name(case: Case, policy: str) -> str:
-    """The folder (under out/runs) of one case's run under one policy."""
-    return f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
+def _run_dir(out: Path, case: Case, policy: str) -> Path:
+    """The folder of one case's run under one policy."""
+    return out / "runs" / f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
 
 
 def run_suite(
@@ -377,10 +377,12 @@ def run_suite(
         and (not workloads or c.workload.name in workloads)
     ]  # fmt: skip
     plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table) if not policies or p in policies]
-    if policies and "oracle" in policies and "prorsa" not in policies:
-        missing = [c.key for c, p in plan if p == "oracle" and not (out / "runs" / _run_name(c, "prorsa") / "events.parquet").exists()]
-        if missing:
-            raise ValueError(f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies")
+    missing = [
+        c.key for c, p in plan
+        if p == "oracle" and (c, "prorsa") not in plan and not (_run_dir(out, c, "prorsa") / "events.parquet").exists()
+    ]  # fmt: skip
+    if missing:
+        raise ValueError(f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies")
     first = [x for x in plan if x[1] != "oracle"]
     second = [x for x in plan if x[1] == "oracle"]
     results: list[dict] = []
@@ -391,8 +393,8 @@ def run_suite(
         for batch in (first, second):
             configs = []
             for case, policy in batch:
-                run_dir = out / "runs" / _run_name(case, policy)
-                oracle_log = out / "runs" / _run_name(case, "prorsa") / "events.parquet" if policy == "oracle" else None
+                run_dir = _run_dir(out, case, policy)
+                oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
                 configs.append((case, policy, run_config(suite, case, policy, oracle_log), run_dir))
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
             for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
