@@ -27,6 +27,7 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     switching: bool = False  # a SetRole is being carried out (draining or reconfiguring)
     role_since_s: float = 0.0  # model time the current role began
     prefilled_tokens_total: int = 0  # prefill tokens computed since the engine started (cumulative)
+    decoded_tokens_total: int = 0  # tokens its decodes generated since the engine started (cumulative)
     cached_prefix_tokens: int = 0  # KV of finished turns kept in the prefix cache (trajectories between turns)
     # this engine's registration: new at every start, and after a pause longer than its lease
     # (run.lease_wall_s), so observers tell a restarted or resumed engine from a live one

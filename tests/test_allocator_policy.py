@@ -10,7 +10,8 @@ import pytest
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import from_forecast, from_queues
 from actors.allocator.loads import stage_loads
-from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Split
+from actors.allocator.policy import Fixed, Split
+from actors.allocator.state import Demand, EngineState, Fleet
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from actors.environment.router import Router
 from bus_schemas.control import Role
@@ -179,6 +180,23 @@ def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
     assert router.route("", "", 0, 3000) == "e0"  # a first prompt goes to the prefill engine
     assert router.route("e1", "e0", 2000, 1500) == "e0"  # a long append on a short context too
     assert router.counters()["prefill_short_tokens"] == 3400 and router.counters()["prefill_long_tokens"] == 4500
+
+
+def test_decode_engines_under_prefill_first_lockstep_prefill_no_appends():
+    """One rank's append on a DP-attention decode engine under SGLang's prefill-first lockstep
+    holds every rank's decodes for its chunk: R times a prefill engine's cost. There, short
+    appends go to prefill engines; elsewhere they stay where their KV is."""
+    from actors.config import Config, RunSection
+
+    def threshold(policy: str, **engines) -> int:
+        return Config(run=RunSection(policy=policy), engines=EngineSection(count=4, **engines)).local_prefill_max_tokens
+
+    deepseek = {"preset": "h200-deepseek-v3-fp8", "layout": LayoutSection(dp=8, ep=8)}
+    assert threshold("prorsa", **deepseek) == 0
+    assert threshold("prorsa", **deepseek, dp_sync="vllm") == 1024  # piecewise steps: peers run eager, none stalls
+    assert threshold("prorsa", **deepseek, dp_sync="ideal") == 1024
+    assert threshold("prorsa", preset="h200-qwen3-8b") == 1024  # one rank: nothing to hold
+    assert threshold("static", preset="h200-qwen3-8b") == 0  # static splits never prefill on decode engines
 
 
 def test_a_prefill_engine_turn_moves_only_to_keep_another_from_running_dry():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from actors.allocator.demand import forecast_values, from_forecast
-from actors.allocator.policy import Fleet
+from actors.allocator.state import Fleet
 from actors.config import AllocatorSection
 from bus_schemas.codec import decode
 from bus_schemas.forecast import DemandForecast, TargetForecast

@@ -23,7 +23,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.allocator.demand import RecordedDemand, from_forecast, from_queues
-from actors.allocator.policy import Demand, EngineState, Fixed, Fleet, Policy, RoleChange, Split
+from actors.allocator.policy import Fixed, Policy, Split
+from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
 from actors.base import Actor
 from actors.base.connection import BUS_ERRORS
 from actors.config import Config, initial_roles
@@ -161,11 +162,14 @@ class AllocatorActor(Actor):
                     kv_held_tokens=s.kv_used_tokens + s.cached_prefix_tokens,
                     held_kv_handles=s.held_kv_handles,
                     role_since_s=s.role_since_s,
+                    prefilled_tokens_total=s.prefilled_tokens_total,
+                    decoded_tokens_total=s.decoded_tokens_total,
                     switching=s.switching or pending is not None,
                     responsive=engine_id not in self.unresponsive and not expired,
                 )
             )
-        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines))
+        new_tokens = sum(short + long for short, long in self.env_tokens.values())
+        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines), new_tokens_total=new_tokens)
 
     def demand(self, fleet: Fleet) -> Demand | None:
         horizon_s = self.config.allocator.horizon_s

@@ -38,6 +38,18 @@ class Capacity:
     # (the next turn reuses it there or recomputes it); with write-back it goes back to the
     # prefill side, and the decode side holds only the sequences it decodes
     decode_holds_histories: bool = True
+    # the KV-bound regime (throughput.py): sequences an engine's pool holds at the context and
+    # the step time of that batch at graph speed, colocated and on a decode engine; a decode
+    # engine's own prefill cost and lockstep ranks (short appends prefilled where their KV is)
+    colocated_kv_seqs: int = 1
+    colocated_kv_step_s: float = 1.0
+    decode_kv_seqs: int = 1
+    decode_kv_step_s: float = 1.0
+    decode_prefill_s_per_token: float = 0.0
+    decode_lockstep_ranks: int = 1
+    # engines queue what their KV cannot take instead of admitting it and preempting
+    # (`engines.admission = "sglang"`)
+    admission_queues: bool = False
 
 
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
@@ -90,6 +102,7 @@ class CapacityModel:
         colocated = engines.cost_preset(Role.COLOCATED)
         colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(0.9 * colocated.kv_capacity_tokens / context_tokens)))
         lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
+        decode_lockstep = decode.dp_ranks > 1 and decode.dp_sync == "sglang"
         return Capacity(
             prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),
             decode_full_seqs=decode_full_seqs(decode, context_tokens, self.slack, cap),
@@ -105,6 +118,13 @@ class CapacityModel:
             colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
             colocated_lockstep_ranks=colocated.dp_ranks if lockstep and colocated.dp_sync == "sglang" else 1,
             decode_holds_histories=engines.kv_writeback == "none",
+            colocated_kv_seqs=colocated_cap,
+            colocated_kv_step_s=decode_step_s(colocated, colocated_cap, context_tokens),
+            decode_kv_seqs=cap,
+            decode_kv_step_s=decode_step_s(decode, cap, context_tokens),
+            decode_prefill_s_per_token=prefill_s_per_token(decode, engines.max_batch_tokens, context_tokens),
+            decode_lockstep_ranks=decode.dp_ranks if decode_lockstep else 1,
+            admission_queues=engines.admission == "sglang",
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
             ),

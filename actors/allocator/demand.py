@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from actors.allocator.policy import Demand, Fleet
+from actors.allocator.state import Demand, Fleet
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from forecasting.series import bin_events, totals
 

@@ -13,12 +13,8 @@ Units: loads in engines (engine-seconds per second), costs in engine-seconds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from actors.allocator.capacity import Capacity
-
-if TYPE_CHECKING:
-    from actors.allocator.policy import Demand
+from actors.allocator.state import Demand
 
 # Resize deadband: rounding alone flips between neighbours at x.5; a quarter engine beyond it [A]
 RESIZE_DEADBAND_ENGINES = 0.75
@@ -111,6 +107,16 @@ def relocation_s(demand: Demand, cap: Capacity, target: int, n: int) -> float:
     made stale (engines drop an older policy's KV) are recomputed under any arrangement, so
     right after an update (async) or at a step's start a split relocates almost nothing."""
     return demand.kv_working_set_tokens * (n - target) / n * cap.prefill_s_per_token
+
+
+def resize_cost_s(demand: Demand, cap: Capacity, current: int, target: int, n: int, drain_s: float) -> float:
+    """Engine-seconds resizing a split from `current` to `target` prefill engines costs: drains
+    (only a switch to prefill drains decodes), reconfiguration, and on a shrink the prefixes
+    the leaving prefill engines held for the next turns, recomputed."""
+    cost_s = max(0, target - current) * drain_s + abs(target - current) * cap.switch_s
+    if target < current:
+        cost_s += working_set_tokens(demand) * (current - target) / n * cap.prefill_s_per_token
+    return cost_s
 
 
 def bottleneck(loads: tuple[float, float], n_prefill: int, n: int) -> float:

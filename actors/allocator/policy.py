@@ -36,6 +36,13 @@ Colocation is one of the choices (`allocator.colocation`):
     `SETTLE_HORIZONS` after any change, the arrangement is judged at its settled prefill
     work per new token, and that ratio is not learned.
   - A split goes back when colocation saves more than its switches cost.
+  - Saturated (`throughput.py`): where the live working set is more than the fleet's KV, or
+    a split's decode side cannot hold what it must keep, and engines queue what does not fit
+    (SGLang's admission), the queued demand is whatever the fleet takes and loads built on it
+    cannot tell the arrangements apart. There each is rated by the decode tokens per second
+    it turns over (the lockstep turn-rate model), from the prefill tokens the fleet computes
+    per decode token, measured; the veto and the go-back rule above (whose premise is a
+    decode side that preempts) give way to that rating, bought and undone the same way.
 * "thresholds": the earlier rule — colocated while the long prefills would not keep
   `disaggregate_above_engines` of an engine busy or too little is decoding for them to stall
   (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
@@ -55,14 +62,16 @@ from actors.allocator.loads import (
     decode_side_holds,
     decode_side_kv_tokens,
     relocation_s,
+    resize_cost_s,
     stage_loads,
     target_prefill_engines,
     working_set_tokens,
 )
+from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
+from actors.allocator.throughput import RatioMeter, colocated_rate, fleet_saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
-DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
 DECODE_LOAD_FOR_PD = 2.0  # "thresholds": splitting also needs this many times the prefill threshold of decode load
 MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens per new token
 FLAP_HALF_LIFE_HORIZONS = 6.0  # flap penalty half-life, in decision horizons [A]
@@ -70,77 +79,6 @@ FLAP_HALF_LIFE_HORIZONS = 6.0  # flap penalty half-life, in decision horizons [A
 # after a change, the next turns recompute what the old arrangement held (a transient) [A]
 SETTLE_HORIZONS = 3.0
 REVERSES = {"split": "colocate", "colocate": "split", "grow": "shrink", "shrink": "grow"}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineState:
-    """What the allocator knows of one engine (its last heartbeat, and its own bookkeeping)."""
-
-    engine_id: str
-    role: Role
-    epoch: int = 0
-    waiting_prefill: int = 0
-    waiting_prefill_tokens: int = 0
-    running_decode: int = 0
-    decode_context_tokens: int = 0
-    kv_held_tokens: int = 0  # KV resident or cached (trajectories between turns included)
-    held_kv_handles: int = 0
-    role_since_s: float = 0.0
-    switching: bool = False
-    responsive: bool = True  # False: it missed a SetRole ack; left out until it answers again
-
-    @property
-    def in_flight(self) -> int:
-        return self.waiting_prefill + self.running_decode + self.held_kv_handles
-
-
-@dataclass(frozen=True, slots=True)
-class Fleet:
-    now_s: float
-    engines: tuple[EngineState, ...]
-
-    def count(self, role: Role) -> int:
-        return sum(e.role is role for e in self.engines)
-
-    @property
-    def mean_decode_context_tokens(self) -> float:
-        seqs = sum(e.running_decode for e in self.engines)
-        return sum(e.decode_context_tokens for e in self.engines) / seqs if seqs else DEFAULT_CONTEXT_TOKENS
-
-    @property
-    def kv_working_set_tokens(self) -> int:
-        """KV the fleet holds now, live trajectories between turns included: a lower bound on
-        the working set (what eviction already dropped is not counted)."""
-        return sum(e.kv_held_tokens for e in self.engines)
-
-    @property
-    def waiting_prefill_tokens(self) -> int:
-        return sum(e.waiting_prefill_tokens for e in self.engines)
-
-    @property
-    def running_decode(self) -> int:
-        return sum(e.running_decode for e in self.engines)
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """Demand over the decision horizon."""
-
-    prefill_tokens_per_s: float  # prefill compute asked for (cache-missed tokens)
-    decode_seqs: float  # sequences decoding at once
-    decode_context_tokens: float = DEFAULT_CONTEXT_TOKENS  # their mean context
-    source: str = ""  # "queues", "forecast", "oracle"
-    remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
-    kv_working_set_tokens: float = 0.0  # KV of every live trajectory, between turns included (fleet now)
-    prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
-    live_trajectories: float = 0.0  # trajectories live now (decoding, queued or in a tool call)
-
-
-@dataclass(frozen=True, slots=True)
-class RoleChange:
-    engine_id: str
-    role: Role
-    why: str = ""
 
 
 class Policy(Protocol):
@@ -194,6 +132,10 @@ class Split:
     # the relocation transient of the last split: excess prefill engine-seconds seen since it
     relocated_s: float = 0.0
     relocated_at_s: float | None = None
+    # prefill tokens computed per decode token: what the saturated regime's throughput model
+    # runs on (throughput.py)
+    ratios: RatioMeter = field(default_factory=RatioMeter)
+    q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
@@ -205,6 +147,12 @@ class Split:
         usable = [e for e in fleet.engines if e.responsive]
         n = len(usable)
         self.now_s = fleet.now_s
+        colocated_now = all(e.role is Role.COLOCATED for e in usable)
+        pd_now = all(e.role is not Role.COLOCATED for e in usable)
+        settled = all(fleet.now_s - e.role_since_s >= SETTLE_HORIZONS * self.config.horizon_s for e in usable)
+        q_settled = settled and fleet.now_s >= self.q_settles_at_s and not any(e.switching for e in usable)
+        prefill_engines = sum(e.role is Role.PREFILL for e in usable)
+        self.ratios.observe(*fleet.token_totals, prefill_engines if q_settled and (colocated_now or pd_now) else None)
         if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
             self.last_reason = "a switch is under way or within its dwell"
             return []
@@ -213,10 +161,11 @@ class Split:
         if sum(loads) <= 0:
             self.last_reason = "idle: no demand, no change"
             return []
-        colocated_now = all(e.role is Role.COLOCATED for e in usable)
         current = sum(e.role is Role.PREFILL for e in usable)
-        pd_now = all(e.role is not Role.COLOCATED for e in usable)
-        settled = all(fleet.now_s - e.role_since_s >= SETTLE_HORIZONS * self.config.horizon_s for e in usable)
+        if self.weigh_cost and self.config.colocation == "cost-model" and n >= 2 and fleet_saturated(demand, cap, n, current, pd_now):
+            changes = self._saturated(demand, cap, usable, current, colocated_now)
+            if changes is not None:
+                return changes
         if pd_now and self._recomputing(demand, cap, n, current):
             settled = False  # the split still recomputes the KV it relocated: a cost already charged
         if settled:  # right after a change the turns recompute what the old arrangement held
@@ -227,10 +176,7 @@ class Split:
         colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
         if colocate:
             self.last_reason = colocate
-            changes = [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
-            if changes:
-                self._changed("colocate")
-            return changes
+            return self._colocate_all(usable)
         target = target_prefill_engines(loads, n, current)
         pd_roles = all(e.role is not Role.COLOCATED for e in usable)
         if target == current and pd_roles:
@@ -239,10 +185,7 @@ class Split:
         moves = abs(target - current) if pd_roles else n
         if self.weigh_cost and pd_roles:
             gain_s = (bottleneck(loads, current, n) - bottleneck(loads, target, n)) * n * self.config.horizon_s
-            to_prefill = max(0, target - current)  # only a switch to prefill drains decodes
-            cost_s = to_prefill * self.config.drain_deadline_s + moves * cap.switch_s
-            if target < current:  # the prefixes a prefill engine held for the next turns are recomputed
-                cost_s += working_set_tokens(demand) * (current - target) / n * cap.prefill_s_per_token
+            cost_s = resize_cost_s(demand, cap, current, target, n, self.config.drain_deadline_s)
             if gain_s - cost_s < self._required_gain_s("grow" if target > current else "shrink"):
                 self.last_reason = f"keep {current}:{n - current}: {target}:{n - target} gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
                 return []
@@ -251,6 +194,56 @@ class Split:
         if changes:
             self._changed("split" if not pd_roles else "grow" if target > current else "shrink")
         return changes
+
+    def _colocate_all(self, usable: list[EngineState]) -> list[RoleChange]:
+        changes = [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
+        if changes:
+            self._changed("colocate")
+        return changes
+
+    def _saturated(self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool) -> list[RoleChange] | None:
+        """The choice while the fleet is saturated (`throughput.saturated`): the arrangement
+        that turns over the most decode tokens per second, bought when the share of the fleet
+        it saves over the horizon pays for its switches (ski rental for a split, as below).
+        None where the model does not hold (`throughput.saturated_ratio`)."""
+        n, horizon_s = len(usable), self.config.horizon_s
+        q = saturated_ratio(self.ratios)
+        if q is None:
+            return None
+        coloc = colocated_rate(cap, n, q)
+        rates = {p: split_rate(cap, n, p, q, demand.remote_share) for p in range(1, n)}
+        best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
+        note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
+        if colocated_now:
+            gain_engines = n * (1.0 - coloc / rates[best]) if rates[best] > coloc else 0.0
+            cost_s = n * cap.colocated_switch_s + best * self.config.drain_deadline_s + relocation_s(demand, cap, best, n)
+            gain_s, need_s = gain_engines * horizon_s, self._required_gain_s("split")
+            regret_s = self._regret(gain_engines if gain_s > need_s else 0.0)
+            if gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s):
+                self._buy_split(demand, cap, best, n)
+                self.last_reason = f"0:{n} -> {best}:{n - best}, {note}"
+                changes = self._pick(usable, best, self.now_s)
+                self._changed("split")
+                return changes
+            self.last_reason = f"colocated, {note}: split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f}"
+            return []
+        now_rate = rates.get(current, 0.0)
+        if coloc > max(now_rate, rates[best]):
+            gain_s = n * (1.0 - now_rate / coloc) * horizon_s
+            cost_s = n * cap.colocated_switch_s
+            if gain_s - cost_s >= self._required_gain_s("colocate"):
+                self.last_reason = f"colocated, {note}: gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
+                return self._colocate_all(usable)
+        elif best != current and rates[best] > now_rate:
+            gain_s = n * (1.0 - now_rate / rates[best]) * horizon_s
+            cost_s = resize_cost_s(demand, cap, current, best, n, self.config.drain_deadline_s)
+            if gain_s - cost_s >= self._required_gain_s("grow" if best > current else "shrink"):
+                self.last_reason = f"{current}:{n - current} -> {best}:{n - best}, {note}"
+                changes = self._pick(usable, best, self.now_s)
+                self._changed("grow" if best > current else "shrink")
+                return changes
+        self.last_reason = f"hold {current}:{n - current}, {note} ({current}:{n - current} {now_rate:.0f})"
+        return []
 
     def _penalty_s(self) -> float:
         kind, at_s = self.last_change
@@ -347,8 +340,7 @@ class Split:
             need_s = self._required_gain_s("split")
             regret_s = self._regret(coloc_load - pd_load if gain_s > need_s else 0.0)  # counts while a split pays
             if gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s):
-                self.regret_s, self.regret_at_s = 0.0, None
-                self.relocated_s, self.relocated_at_s = 0.0, self.now_s
+                self._buy_split(demand, cap, target, n)
                 return ""
             return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
         if current and not decode_side_holds(demand, cap, n - current):
@@ -359,6 +351,14 @@ class Split:
         if gain_s - cost_s >= self._required_gain_s("colocate"):
             return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
         return ""
+
+    def _buy_split(self, demand: Demand, cap: Capacity, target: int, n: int) -> None:
+        """A split is bought: the losses that paid for it are spent, its relocation transient
+        starts, and its prefill work per decode token is learned only once its prefill side
+        could have recomputed the KV it relocated."""
+        self.regret_s, self.regret_at_s = 0.0, None
+        self.relocated_s, self.relocated_at_s = 0.0, self.now_s
+        self.q_settles_at_s = self.now_s + relocation_s(demand, cap, target, n) / max(1, target)
 
     def _regret(self, gain_engines: float) -> float:
         """Engine-seconds colocation has lost since the split last stopped paying, with this

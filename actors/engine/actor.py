@@ -68,6 +68,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         # scale); virtual time sets it high, steps then end at the next finish or new work
         self.max_decode_step_s: float | None = None
         self.prefilled_tokens_total = 0
+        self.decoded_tokens_total = 0
         self.target_role = role  # the role the latest accepted SetRole asked for
         self._switched = asyncio.Event()  # set while no switch is under way
         self._switched.set()
@@ -328,6 +329,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
                 self._turn_event(EventKind(kind), seq, cursor_s)
             cursor_s = await self.backend.run(batch, cursor_s)
             self.prefilled_tokens_total += batch.prefill_tokens
+            self.decoded_tokens_total += batch.decode_tokens
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
             self._room.set()
@@ -417,6 +419,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             switching=self.switching,
             role_since_s=self.role_since_s,
             prefilled_tokens_total=self.prefilled_tokens_total,
+            decoded_tokens_total=self.decoded_tokens_total,
             cached_prefix_tokens=self.core.cached_tokens,
             incarnation=self.incarnation,
         )

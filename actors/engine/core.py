@@ -89,6 +89,10 @@ class Batch:
     def prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefill) * self.iterations
 
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.decode) * self.iterations
+
 
 @dataclass(slots=True)
 class Held:

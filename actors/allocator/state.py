@@ -1,0 +1,90 @@
+"""What the allocator's policies read and return (pure data): the fleet as its heartbeats
+show it, the demand over the decision horizon, and a role change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus_schemas.control import Role
+
+DEFAULT_CONTEXT_TOKENS = 4096.0  # typical context before any engine has reported one
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the allocator knows of one engine (its last heartbeat, and its own bookkeeping)."""
+
+    engine_id: str
+    role: Role
+    epoch: int = 0
+    waiting_prefill: int = 0
+    waiting_prefill_tokens: int = 0
+    running_decode: int = 0
+    decode_context_tokens: int = 0
+    kv_held_tokens: int = 0  # KV resident or cached (trajectories between turns included)
+    held_kv_handles: int = 0
+    role_since_s: float = 0.0
+    switching: bool = False
+    responsive: bool = True  # False: it missed a SetRole ack; left out until it answers again
+    prefilled_tokens_total: int = 0  # cumulative counters of its heartbeat
+    decoded_tokens_total: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting_prefill + self.running_decode + self.held_kv_handles
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    now_s: float
+    engines: tuple[EngineState, ...]
+    new_tokens_total: int = 0  # the turns' new tokens the environments routed (cumulative)
+
+    def count(self, role: Role) -> int:
+        return sum(e.role is role for e in self.engines)
+
+    @property
+    def mean_decode_context_tokens(self) -> float:
+        seqs = sum(e.running_decode for e in self.engines)
+        return sum(e.decode_context_tokens for e in self.engines) / seqs if seqs else DEFAULT_CONTEXT_TOKENS
+
+    @property
+    def kv_working_set_tokens(self) -> int:
+        """KV the fleet holds now, live trajectories between turns included: a lower bound on
+        the working set (what eviction already dropped is not counted)."""
+        return sum(e.kv_held_tokens for e in self.engines)
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(e.waiting_prefill_tokens for e in self.engines)
+
+    @property
+    def running_decode(self) -> int:
+        return sum(e.running_decode for e in self.engines)
+
+    @property
+    def token_totals(self) -> tuple[int, int, int]:
+        """(prefill tokens computed, decode tokens generated) by every engine since it started,
+        and the turns' new tokens routed."""
+        return sum(e.prefilled_tokens_total for e in self.engines), sum(e.decoded_tokens_total for e in self.engines), self.new_tokens_total
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Demand over the decision horizon."""
+
+    prefill_tokens_per_s: float  # prefill compute asked for (cache-missed tokens)
+    decode_seqs: float  # sequences decoding at once
+    decode_context_tokens: float = DEFAULT_CONTEXT_TOKENS  # their mean context
+    source: str = ""  # "queues", "forecast", "oracle"
+    remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
+    kv_working_set_tokens: float = 0.0  # KV of every live trajectory, between turns included (fleet now)
+    prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
+    live_trajectories: float = 0.0  # trajectories live now (decoding, queued or in a tool call)
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChange:
+    engine_id: str
+    role: Role
+    why: str = ""

@@ -1,0 +1,156 @@
+"""What each arrangement turns over when the fleet is saturated (pure).
+
+Saturated: the live trajectories' KV is more than the whole fleet holds, and engines queue
+what does not fit (SGLang's admission: `engines.admission = "sglang"`). Every arrangement
+then runs with full KV pools and turns waiting, and the rollout's pace is what the fleet
+turns over, not the demand of the next horizon (queued, that demand is whatever the fleet
+takes). The flows a forecast reads are then the fleet's own throughput, and a comparison of
+loads built on them cannot tell a faster arrangement from a slower one.
+
+So in this regime each arrangement is rated by the decode tokens per second D it sustains,
+given q, the prefill tokens the fleet computes per decode token it generates (measured on
+the fleet: `RatioMeter`). A KV-bound engine decodes B sequences at step time t; under
+SGLang's prefill-first lockstep (R ranks) its decodes advance only in steps in which no rank
+prefills, (1 - p)^R of the time, where p is a rank's prefill share (the turn-rate model of
+docs/allocation.md):
+
+    colocated, n engines:  D = n B_c / t_c x (1 - D q s_c / n)^R_c
+    P:D split:             D = min(P / (q r s_p),
+                                   (n - P) B_d / t_d x (1 - D q (1 - r) s_d / (n - P))^R_d)
+
+s: engine-seconds per prefill token on that engine, r: the share of prefill tokens computed
+on prefill engines (the rest are short appends prefilled where their KV lives, on the decode
+engines). Units: D in decode tokens per second of the whole fleet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.allocator.capacity import Capacity
+from actors.allocator.loads import decode_side_holds, working_set_tokens
+from actors.allocator.state import Demand
+
+# decayed sums behind the measured prefill-per-decode ratio: each tick keeps this share of the
+# old sums, so the ratio reads about the last 1 / (1 - decay) ticks [A]
+RATIO_DECAY = 0.9
+# the saturated regime's model holds where recomputing evicted histories is most of the
+# fleet's prefill work (every arrangement then misses most of them) [A]
+RECOMPUTE_SHARE = 0.5
+BISECTIONS = 60  # the fixed point to well below a token per second
+
+
+def lockstep_rate(decode_rate: float, prefill_per_engine: float, ranks: int) -> float:
+    """The root D of D = decode_rate x (1 - D x prefill_per_engine)^ranks: decode tokens per
+    second of engines that reach `decode_rate` with no prefill, when each decode token brings
+    `prefill_per_engine` engine-seconds of prefill per engine and a step of any rank's prefill
+    holds every rank's decodes. `ranks` 1: plain time sharing."""
+    if decode_rate <= 0.0:
+        return 0.0
+    if prefill_per_engine <= 0.0:
+        return decode_rate
+    lo, hi = 0.0, min(decode_rate, 1.0 / prefill_per_engine)
+    for _ in range(BISECTIONS):  # D - decode_rate (1 - D k)^R increases with D: one root
+        mid = 0.5 * (lo + hi)
+        if mid < decode_rate * (1.0 - mid * prefill_per_engine) ** max(1, ranks):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def colocated_rate(cap: Capacity, n: int, q: float) -> float:
+    """Decode tokens per second a saturated colocated fleet of `n` engines sustains."""
+    if n < 1:
+        return 0.0
+    return lockstep_rate(n * cap.colocated_kv_seqs / cap.colocated_kv_step_s, q * cap.colocated_prefill_s_per_token / n, cap.colocated_lockstep_ranks)
+
+
+def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_share: float) -> float:
+    """Decode tokens per second a saturated `prefill_engines`:(n - prefill_engines) split
+    sustains: its prefill side's bound, or its decode side's (which prefills the local share)."""
+    decode_engines = n - prefill_engines
+    if prefill_engines < 1 or decode_engines < 1:
+        return 0.0
+    remote_tokens_s = q * remote_share * cap.prefill_s_per_token  # prefill engine-s per decode token
+    prefill_bound = prefill_engines / remote_tokens_s if remote_tokens_s > 0 else float("inf")
+    local_s = q * (1.0 - remote_share) * cap.decode_prefill_s_per_token / decode_engines
+    decode_bound = lockstep_rate(decode_engines * cap.decode_kv_seqs / cap.decode_kv_step_s, local_s, cap.decode_lockstep_ranks)
+    return min(prefill_bound, decode_bound)
+
+
+def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
+    """Whether the live trajectories' KV exceeds what the whole fleet holds (at the 90% pool
+    occupancy loads are sized to), with engines that queue what does not fit."""
+    return cap.admission_queues and working_set_tokens > 0.9 * n * cap.colocated_kv_tokens
+
+
+def saturated_ratio(meter: RatioMeter) -> float | None:
+    """q for every arrangement in the saturated regime: the reading of now. Read in a split,
+    it stands as is. Read colocated, only where recomputing evicted histories is at least
+    RECOMPUTE_SHARE of the fleet's prefill work: then every arrangement's caches miss most
+    histories, and q is the workload's, whatever the arrangement (measured on DeepSeek SWE at
+    64 per GPU: 11.8 prefill tokens per new token colocated, 13.3 split). A colocated fleet
+    whose caches keep its histories recomputes little, a split's smaller caches would
+    recompute far more, and this model does not tell how much: None."""
+    reading, q_new = meter.reading(), meter.new_ratio
+    if reading is None or q_new is None or reading[1] <= 0.0:
+        return None
+    prefill_engines, q = reading
+    return q if prefill_engines > 0 or 1.0 - q_new / q >= RECOMPUTE_SHARE else None
+
+
+def fleet_saturated(demand: Demand, cap: Capacity, n: int, prefill_engines: int, split_now: bool) -> bool:
+    """`saturated`, or a split whose decode side cannot hold what it must keep: with admission
+    that queues, that side runs KV-bound, not thrashing, and what each arrangement turns over
+    decides."""
+    if saturated(working_set_tokens(demand), cap, n):
+        return True
+    return cap.admission_queues and split_now and 0 < prefill_engines < n and not decode_side_holds(demand, cap, n - prefill_engines)
+
+
+@dataclass(slots=True)
+class RatioMeter:
+    """q: prefill tokens the fleet computes per decode token it generates, read in the
+    arrangement the fleet runs (by its prefill engines, 0: colocated), and the turns' new
+    tokens per decode token (the workload's, whatever the arrangement), from cumulative
+    counters (decayed sums, so they follow the workload). Only the arrangement of now is
+    read: a figure from an earlier stretch would be of another phase of the step. The caller
+    counts q only in settled stretches (right after a change the prefill side recomputes the
+    KV it relocated); until the new arrangement has a reading, the one before stands. An
+    engine restart, which resets its counters, is skipped."""
+
+    last: tuple[int, int, int] | None = None
+    measured_at: int | None = None  # prefill engines of the arrangement being read
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [prefill, decode] there
+    before: tuple[int, float] | None = None  # (prefill engines, q) of the arrangement before
+    new: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [new, decode]
+
+    def observe(self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None) -> None:
+        """Count the tokens since the last call; q toward the arrangement with
+        `prefill_engines` (None: a change settling, not q)."""
+        last, self.last = self.last, (prefilled_total, decoded_total, new_total)
+        if prefill_engines is not None and prefill_engines != self.measured_at:
+            reading = self.reading()
+            self.before = reading if reading is not None else self.before
+            self.measured_at, self.sums = prefill_engines, [0.0, 0.0]
+        if last is None:
+            return
+        d_prefill, d_decode, d_new = prefilled_total - last[0], decoded_total - last[1], new_total - last[2]
+        if min(d_prefill, d_decode, d_new) < 0:
+            return
+        self.new[0] = RATIO_DECAY * self.new[0] + d_new
+        self.new[1] = RATIO_DECAY * self.new[1] + d_decode
+        if prefill_engines is not None:
+            self.sums[0] = RATIO_DECAY * self.sums[0] + d_prefill
+            self.sums[1] = RATIO_DECAY * self.sums[1] + d_decode
+
+    def reading(self) -> tuple[int, float] | None:
+        """(prefill engines, q) of the arrangement read now, or of the one before while it has none."""
+        if self.measured_at is not None and self.sums[1] > 0:
+            return self.measured_at, self.sums[0] / self.sums[1]
+        return self.before
+
+    @property
+    def new_ratio(self) -> float | None:
+        return self.new[0] / self.new[1] if self.new[1] > 0 else None

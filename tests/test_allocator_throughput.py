@@ -1,0 +1,133 @@
+"""The saturated regime's throughput model (actors/allocator/throughput.py) and the choice the
+cost-model policy makes from it when the live working set exceeds the fleet's KV."""
+
+from __future__ import annotations
+
+from actors.allocator.capacity import CapacityModel
+from actors.allocator.policy import Split
+from actors.allocator.state import Demand, EngineState, Fleet
+from actors.allocator.throughput import RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
+from actors.config import AllocatorSection, EngineSection, LayoutSection
+from bus_schemas.control import Role
+
+P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
+
+
+def deepseek(**engines) -> EngineSection:
+    """The bench's DeepSeek-V3 fleet: 4 engines of 8 GPUs, DP attention + EP8."""
+    return EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8), **engines)
+
+
+DEEPSEEK = deepseek()
+CONTEXT_TOKENS = 16384
+
+
+def test_lockstep_rate_is_time_sharing_for_one_rank_and_slower_for_more():
+    a, k = 1000.0, 0.002  # 1,000 tokens/s with no prefill; 2 ms of prefill per engine per decode token
+    assert abs(lockstep_rate(a, k, 1) - a / (1 + a * k)) < 1e-6  # D = a (1 - D k)
+    assert lockstep_rate(a, 0.0, 8) == a
+    eight = lockstep_rate(a, k, 8)
+    assert abs(eight - a * (1 - eight * k) ** 8) < 1e-6  # the fixed point holds
+    assert eight < lockstep_rate(a, k, 4) < lockstep_rate(a, k, 1)  # each rank's prefill stalls the group
+
+
+def test_a_split_is_bound_by_its_prefill_side_or_by_its_decode_side():
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    q = 10.0  # prefill tokens per decode token
+    one, three = split_rate(cap, 4, 1, q, 1.0), split_rate(cap, 4, 3, q, 1.0)
+    assert abs(one - 1 / (q * cap.prefill_s_per_token)) < 1e-6  # one prefill engine, flat out
+    decode_only = cap.decode_kv_seqs / cap.decode_kv_step_s  # one decode engine, never stalled
+    assert abs(three - min(3 / (q * cap.prefill_s_per_token), decode_only)) < 1e-6
+    # short appends prefilled on the decode engines stall their lockstep groups
+    assert split_rate(cap, 4, 2, q, 0.5) < split_rate(cap, 4, 2, q, 1.0)
+    assert split_rate(cap, 4, 0, q, 1.0) == split_rate(cap, 4, 4, q, 1.0) == 0.0
+
+
+def test_colocation_loses_to_a_split_only_where_lockstep_stalls_it():
+    q = 10.0
+    sglang = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    best_split = max(split_rate(sglang, 4, p, q, 1.0) for p in (1, 2, 3))
+    assert colocated_rate(sglang, 4, q) < best_split  # eight ranks' prefills out of step hold the decodes
+    ideal = CapacityModel(deepseek(dp_sync="ideal"), 2.0).at(CONTEXT_TOKENS)
+    assert ideal.colocated_lockstep_ranks == 1
+    assert colocated_rate(ideal, 4, q) > max(split_rate(ideal, 4, p, q, 1.0) for p in (1, 2, 3))
+
+
+def test_saturated_needs_a_working_set_past_the_fleets_kv_and_queueing_admission():
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    fleet_kv = 4 * cap.colocated_kv_tokens
+    assert not saturated(0.8 * fleet_kv, cap, 4) and saturated(1.2 * fleet_kv, cap, 4)
+    greedy = CapacityModel(deepseek(admission="vllm"), 2.0).at(CONTEXT_TOKENS)
+    assert not saturated(1.2 * fleet_kv, greedy, 4)  # admitted and preempted: the KV-fit rules hold
+
+
+def test_the_ratio_meter_reads_the_arrangement_of_now_and_keeps_the_one_before_until_then():
+    meter = RatioMeter()
+    meter.observe(0, 0, 0, 0)
+    assert meter.reading() is None and meter.new_ratio is None
+    meter.observe(1000, 100, 50, 0)  # colocated
+    assert meter.reading() == (0, 10.0) and meter.new_ratio == 0.5
+    meter.observe(5000, 200, 100, None)  # a change settling: new tokens count, q does not
+    assert meter.reading() == (0, 10.0) and meter.new_ratio == 0.5
+    meter.observe(100, 210, 105, None)  # an engine restarted: its counters fell, skipped
+    meter.observe(100, 210, 105, 3)  # settled as 3:1: no reading of its own yet, colocation's stands
+    assert meter.reading() == (0, 10.0)
+    meter.observe(400, 310, 155, 3)
+    assert meter.reading() == (3, 3.0)
+    meter.observe(900, 410, 205, 3)  # 5 per decode token now, over the decayed 3
+    assert meter.reading() == (3, (0.9 * 300 + 500) / (0.9 * 100 + 100))
+    meter.observe(1900, 510, 255, 0)  # back to colocated, read afresh
+    assert meter.reading() == (0, 10.0)
+
+
+def _fleet(roles: list[Role], now_s: float, prefilled: int, decoded: int, held_tokens: int) -> Fleet:
+    n = len(roles)
+    engines = tuple(
+        EngineState(f"e{i}", role, kv_held_tokens=held_tokens // n, prefilled_tokens_total=prefilled // n, decoded_tokens_total=decoded // n)
+        for i, role in enumerate(roles)
+    )
+    return Fleet(now_s, engines, new_tokens_total=decoded // 2)  # half a new token per decode token
+
+
+def _run_colocated(policy: Split, demand: Demand, held: int, q: float = 10.0, ticks: int = 400) -> list:
+    """Ticks of a colocated fleet computing q prefill tokens per decode token (half a new
+    token), to the first change."""
+    changes: list = []
+    for tick in range(ticks):
+        changes = policy.decide(demand, _fleet([C] * 4, 100.0 + 2 * tick, int(q * 1_000_000) * tick, 1_000_000 * tick, held))
+        if changes:
+            break
+    return changes
+
+
+def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
+    """Working set past the fleet's KV: the demand's flows no longer tell the arrangements
+    apart, and the KV-fit veto (a split's decode side cannot hold it) would keep colocation;
+    the throughput model splits, once the saving pays for the switches."""
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    held = int(1.5 * 4 * cap.colocated_kv_tokens)
+    demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection())
+    assert policy.decide(demand, _fleet([C] * 4, 100.0, 0, 0, held)) == []  # nothing measured yet
+    assert "would not fit" in policy.last_reason
+    changes = _run_colocated(policy, demand, held)
+    assert changes and {c.role for c in changes} == {P, D}, policy.last_reason
+    assert "saturated" in policy.last_reason
+    p = sum(c.role is P for c in changes)
+    assert abs(saturated_ratio(policy.ratios) - 10.0) < 1e-9  # 95% of it recomputed: every arrangement's q
+    rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
+    assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
+    # greedy admission: a decode side past its KV preempts without end, the veto stands
+    assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection()), demand, held) == []
+
+
+def test_a_fleet_whose_caches_keep_its_histories_is_not_judged_by_the_saturated_model():
+    """Past its KV on paper, but recomputing little (0.6 prefill tokens per decode token for
+    0.5 new): a split's smaller caches would recompute far more, which the model cannot
+    tell, so the KV-fit veto stands."""
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    held = int(1.5 * 4 * cap.colocated_kv_tokens)
+    demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection())
+    assert _run_colocated(policy, demand, held, q=0.6) == [] and "would not fit" in policy.last_reason
+    assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios) is None
