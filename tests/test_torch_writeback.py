@@ -78,6 +78,10 @@ async def test_the_next_prefill_computes_only_the_new_tokens_and_matches_one_for
     assert a.prefilled_tokens_total - prefilled_before == 1 + len(obs)
     assert a.counters["kv_writeback_landed"] >= 1 and a.counters["kv_writeback_failed"] == 0
     assert b.counters["reprefills"] == 0 and a.counters["kv_checksum_mismatch"] == 0
+    # the decode engine counts the tokens its decodes generated (the first of each turn was
+    # sampled at the end of the prefill, on A): the allocator's prefill-per-decode-token reading
+    assert b.decoded_tokens_total == len(turn0.token_ids) - 1 + len(turn1.token_ids) - 1 == 9 + 5
+    assert a.decoded_tokens_total == 0
 
     reference = load_model(checkpoint)
     with torch.inference_mode():
