@@ -144,6 +144,13 @@ class EngineSection(_Section):
         for role in Role:
             self.cost_preset(role)  # a layout the model does not fit raises here, naming it
 
+    @property
+    def decode_lockstep(self) -> bool:
+        """Decode engines run SGLang's prefill-first lockstep over several DP-attention ranks:
+        one rank's prefill chunk holds every rank's decodes for its step."""
+        decode = self.cost_preset(Role.DECODE)
+        return decode.dp_ranks > 1 and decode.dp_sync == "sglang"
+
     def layout_for(self, role: Role) -> LayoutSection:
         if role is Role.PREFILL and self.prefill_layout is not None:
             return self.prefill_layout
@@ -409,16 +416,8 @@ class Config(_Section):
 
     @property
     def local_prefill_max_tokens(self) -> int:
-        """Per-turn placement's threshold under this policy (0: decode engines never prefill).
-        0 where decode engines run SGLang's prefill-first lockstep over several DP-attention
-        ranks: there one rank's append holds every rank's decodes for its chunk, R times the
-        engine-seconds a prefill engine spends on it (docs/allocation.md)."""
-        if self.run.policy not in DYNAMIC_POLICIES:
-            return 0
-        decode = self.engines.cost_preset(Role.DECODE)
-        if decode.dp_ranks > 1 and decode.dp_sync == "sglang":
-            return 0
-        return self.engines.local_prefill_max_tokens
+        """Per-turn placement's threshold under this policy (0: decode engines never prefill)."""
+        return self.engines.local_prefill_max_tokens if self.run.policy in DYNAMIC_POLICIES else 0
 
     @property
     def runs_allocator(self) -> bool:

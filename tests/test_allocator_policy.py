@@ -182,21 +182,25 @@ def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
     assert router.counters()["prefill_short_tokens"] == 3400 and router.counters()["prefill_long_tokens"] == 4500
 
 
-def test_decode_engines_under_prefill_first_lockstep_prefill_no_appends():
+def test_a_full_decode_engine_under_prefill_first_lockstep_gets_no_appends():
     """One rank's append on a DP-attention decode engine under SGLang's prefill-first lockstep
-    holds every rank's decodes for its chunk: R times a prefill engine's cost. There, short
-    appends go to prefill engines; elsewhere they stay where their KV is."""
-    from actors.config import Config, RunSection
+    holds every rank's decodes for its chunk: R times a prefill engine's cost. Where that
+    engine's KV is full (a whole batch to stall), a short append goes to a prefill engine;
+    elsewhere it stays where its KV is."""
+    deepseek = EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8))
+    assert deepseek.decode_lockstep
+    assert not EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8), dp_sync="vllm").decode_lockstep
+    assert not EngineSection(count=4, preset="h200-qwen3-8b").decode_lockstep  # one rank: nothing to hold
 
-    def threshold(policy: str, **engines) -> int:
-        return Config(run=RunSection(policy=policy), engines=EngineSection(count=4, **engines)).local_prefill_max_tokens
+    def routed(lockstep: bool, used_tokens: int) -> str | None:
+        router = Router(["e0", "e1"], local_prefill_max_tokens=1024, decode_lockstep=lockstep)
+        router.observe(_status("e0", P, 0))
+        router.observe(msgspec.structs.replace(_status("e1", D, 0, running_decode=2), kv_used_tokens=used_tokens, kv_capacity_tokens=1000))
+        return router.route("e1", "e0", 6000, 400)
 
-    deepseek = {"preset": "h200-deepseek-v3-fp8", "layout": LayoutSection(dp=8, ep=8)}
-    assert threshold("prorsa", **deepseek) == 0
-    assert threshold("prorsa", **deepseek, dp_sync="vllm") == 1024  # piecewise steps: peers run eager, none stalls
-    assert threshold("prorsa", **deepseek, dp_sync="ideal") == 1024
-    assert threshold("prorsa", preset="h200-qwen3-8b") == 1024  # one rank: nothing to hold
-    assert threshold("static", preset="h200-qwen3-8b") == 0  # static splits never prefill on decode engines
+    assert routed(lockstep=True, used_tokens=950) == "e0"  # full lockstep decode engine: to the prefill engine
+    assert routed(lockstep=True, used_tokens=500) == "e1"  # room left: the append stays where its KV is
+    assert routed(lockstep=False, used_tokens=950) == "e1"  # no lockstep: nothing stalls
 
 
 def test_a_prefill_engine_turn_moves_only_to_keep_another_from_running_dry():

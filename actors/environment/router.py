@@ -44,6 +44,9 @@ from bus_schemas.status import EngineStatus
 
 
 SEQ_LOAD_TOKENS = 1024  # a decoding sequence weighs like this many queued prefill tokens
+# a decode engine this full of KV decodes all the batch it can hold (the 90% occupancy the
+# allocator sizes pools to) [A]
+KV_FULL_SHARE = 0.9
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class _Engine:
     waiting_tokens: int = 0  # admitted, not yet prefilled (its last heartbeat)
     running_decode: int = 0  # sequences decoding (its last heartbeat)
     routed_tokens: int = 0  # sent by this router since that heartbeat
+    kv_full: bool = False  # its KV at least KV_FULL_SHARE used (its last heartbeat)
 
     @property
     def load_tokens(self) -> int:
@@ -78,14 +82,23 @@ TYPICAL_PREFIX_TOKENS = 8192  # the prefix a typical agentic turn's prefill runs
 
 class Router:
     def __init__(
-        self, engine_ids: list[str], local_prefill_max_tokens: int = 0, writeback: str = "none", miss_share: float = 1.0, lease_s: float = float("inf")
+        self,
+        engine_ids: list[str],
+        local_prefill_max_tokens: int = 0,
+        writeback: str = "none",
+        miss_share: float = 1.0,
+        lease_s: float = float("inf"),
+        decode_lockstep: bool = False,
     ) -> None:
         """`writeback`: the fleet's `engines.kv_writeback`; `miss_share`: with "store", what a
         context token costs an engine that loads it from the store, against prefilling it;
-        `lease_s`: model seconds after its last heartbeat that an engine stops being a candidate."""
+        `lease_s`: model seconds after its last heartbeat that an engine stops being a candidate;
+        `decode_lockstep`: decode engines run SGLang's prefill-first lockstep over several
+        DP-attention ranks (`EngineSection.decode_lockstep`): a full one gets no appends."""
         self.lease_s = lease_s
         self.routed_around_expired = 0  # candidates skipped because their lease ran out
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.decode_lockstep = decode_lockstep
         self.writeback = writeback
         self.miss_share = miss_share if writeback == "store" else 1.0
         self.engines: dict[str, _Engine] = {e: _Engine(Role.COLOCATED, False) for e in engine_ids}
@@ -98,7 +111,12 @@ class Router:
     def observe(self, status: EngineStatus, seen_at_s: float | None = None) -> None:
         """`seen_at_s`: when the heartbeat arrived (model seconds), for the lease."""
         self.engines[status.engine_id] = _Engine(
-            status.role, status.switching, seen_at_s, waiting_tokens=status.waiting_prefill_tokens, running_decode=status.running_decode
+            status.role,
+            status.switching,
+            seen_at_s,
+            waiting_tokens=status.waiting_prefill_tokens,
+            running_decode=status.running_decode,
+            kv_full=status.kv_used_tokens >= KV_FULL_SHARE * status.kv_capacity_tokens > 0,
         )
 
     def route(self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None) -> str | None:
@@ -109,7 +127,7 @@ class Router:
         write-back, all of it). With `now_s`, an engine whose last heartbeat is older than the
         lease is not a candidate until it reports again."""
         ready = {e: s for e, s in self.engines.items() if not s.switching and not self._expired(s, now_s)}
-        local = self.local_prefill_max_tokens > 0
+        local = self.local_prefill_max_tokens > 0 and not self._stalls_lockstep(ready.get(kv_engine_id))
         # without write-back, a prefill engine would recompute the last output: an append small
         # against its context stays where the KV is; with it, only a really short one does
         recompute_rule = self.writeback == "none" and 2 * new_tokens <= context_tokens
@@ -139,6 +157,12 @@ class Router:
             chosen, self.routed_balance = least, self.routed_balance + 1
             candidates[chosen].routed_tokens += round(miss_tokens) + new_tokens
         return chosen
+
+    def _stalls_lockstep(self, engine: _Engine | None) -> bool:
+        """Whether an append on `engine` would hold a full batch of decodes: a decode engine
+        under prefill-first lockstep whose KV is full. There one rank's chunk stalls every
+        rank's decodes, R times the engine-seconds a prefill engine spends on it."""
+        return self.decode_lockstep and engine is not None and engine.role is Role.DECODE and engine.kv_full
 
     @staticmethod
     def _stays_home(home: _Engine, least: _Engine, miss_tokens: float) -> bool:
