@@ -211,7 +211,10 @@ class Split:
         if ratios is None:
             return None
         coloc = colocated_rate(cap, n, ratios[0])
-        rates = {p: split_rate(cap, n, p, ratios[1], demand.remote_share) for p in range(1, n)}
+        # a split's decode engines run KV-full here: under lockstep the router sends them no
+        # appends (environment/router.py), so their prefill side computes every token
+        remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
+        rates = {p: split_rate(cap, n, p, ratios[1], remote_share) for p in range(1, n)}
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
         note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
         if colocated_now:
