@@ -6,7 +6,7 @@ from __future__ import annotations
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.policy import Split
 from actors.allocator.state import Demand, EngineState, Fleet
-from actors.allocator.throughput import RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratios, split_rate
+from actors.allocator.throughput import RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from bus_schemas.control import Role
 
@@ -114,8 +114,7 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     assert changes and {c.role for c in changes} == {P, D}, policy.last_reason
     assert "saturated" in policy.last_reason
     p = sum(c.role is P for c in changes)
-    q_colocated, q_split = saturated_ratios(policy.ratios)
-    assert abs(q_colocated - 10.0) < 1e-9 and q_split == q_colocated  # 95% of it recomputed: the split's q too
+    assert abs(saturated_ratio(policy.ratios) - 10.0) < 1e-9  # 95% of it recomputed: every arrangement's q
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
     assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
     # greedy admission: a decode side past its KV preempts without end, the veto stands
@@ -131,4 +130,4 @@ def test_a_fleet_whose_caches_keep_its_histories_is_not_judged_by_the_saturated_
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
     policy = Split("prorsa", DEEPSEEK, AllocatorSection())
     assert _run_colocated(policy, demand, held, q=0.6) == [] and "would not fit" in policy.last_reason
-    assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratios(policy.ratios) is None
+    assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios) is None

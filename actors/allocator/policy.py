@@ -68,7 +68,7 @@ from actors.allocator.loads import (
     working_set_tokens,
 )
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
-from actors.allocator.throughput import RatioMeter, colocated_rate, fleet_saturated, saturated_ratios, split_rate
+from actors.allocator.throughput import RatioMeter, colocated_rate, fleet_saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -205,16 +205,16 @@ class Split:
         """The choice while the fleet is saturated (`throughput.saturated`): the arrangement
         that turns over the most decode tokens per second, bought when the share of the fleet
         it saves over the horizon pays for its switches (ski rental for a split, as below).
-        None where the model does not hold (`throughput.saturated_ratios`)."""
+        None where the model does not hold (`throughput.saturated_ratio`)."""
         n, horizon_s = len(usable), self.config.horizon_s
-        ratios = saturated_ratios(self.ratios)
-        if ratios is None:
+        q = saturated_ratio(self.ratios)
+        if q is None:
             return None
-        coloc = colocated_rate(cap, n, ratios[0])
+        coloc = colocated_rate(cap, n, q)
         # a split's decode engines run KV-full here: under lockstep the router sends them no
         # appends (environment/router.py), so their prefill side computes every token
         remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
-        rates = {p: split_rate(cap, n, p, ratios[1], remote_share) for p in range(1, n)}
+        rates = {p: split_rate(cap, n, p, q, remote_share) for p in range(1, n)}
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
         note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
         if colocated_now:

@@ -85,21 +85,20 @@ def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
     return cap.admission_queues and working_set_tokens > 0.9 * n * cap.colocated_kv_tokens
 
 
-def saturated_ratios(meter: RatioMeter) -> tuple[float, float] | None:
-    """(q colocated, q split) in the saturated regime: colocation's last reading (of now, while
-    colocated) and the split's own once it has one, colocation's before. Only where
-    colocation recomputes evicted histories for at least RECOMPUTE_SHARE of its prefill work:
-    then a split's caches miss most histories too, and its q is about colocation's (measured
-    on DeepSeek SWE at 64 per GPU: 11.8 prefill tokens per new token colocated, 13.3 split).
-    A colocated fleet whose caches keep its histories recomputes little, a split's smaller
-    caches would recompute far more, and this model does not tell how much: None."""
-    reading, q_colocated, q_new = meter.reading(), meter.colocated, meter.new_ratio
-    if reading is None or q_colocated is None or q_new is None or q_colocated <= 0.0:
+def saturated_ratio(meter: RatioMeter) -> float | None:
+    """q for every arrangement in the saturated regime: the reading of now (of the arrangement
+    before, while a new one settles), where recomputing evicted histories is at least
+    RECOMPUTE_SHARE of the prefill work it read. Then every arrangement's caches miss most
+    histories and q is about the workload's, whatever the arrangement (measured on DeepSeek
+    SWE at 64 per GPU: 11.8 prefill tokens per new token colocated, 13.3 split); one figure
+    for both sides also keeps a noisy or transient reading from tipping the comparison. A
+    fleet whose caches keep its histories recomputes little, a split's smaller caches would
+    recompute far more, and this model does not tell how much: None."""
+    reading, q_new = meter.reading(), meter.new_ratio
+    if reading is None or q_new is None or reading[1] <= 0.0:
         return None
-    if 1.0 - q_new / q_colocated < RECOMPUTE_SHARE:
-        return None
-    prefill_engines, q = reading
-    return q_colocated, q if prefill_engines > 0 else q_colocated
+    q = reading[1]
+    return q if 1.0 - q_new / q >= RECOMPUTE_SHARE else None
 
 
 def fleet_saturated(demand: Demand, cap: Capacity, n: int, prefill_engines: int, split_now: bool) -> bool:
@@ -126,7 +125,6 @@ class RatioMeter:
     measured_at: int | None = None  # prefill engines of the arrangement being read
     sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [prefill, decode] there
     before: tuple[int, float] | None = None  # (prefill engines, q) of the arrangement before
-    colocated_before: float | None = None  # colocation's q when the fleet last left it
     new: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [new, decode]
 
     def observe(self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None) -> None:
@@ -136,8 +134,6 @@ class RatioMeter:
         if prefill_engines is not None and prefill_engines != self.measured_at:
             reading = self.reading()
             self.before = reading if reading is not None else self.before
-            if reading is not None and reading[0] == 0:
-                self.colocated_before = reading[1]
             self.measured_at, self.sums = prefill_engines, [0.0, 0.0]
         if last is None:
             return
@@ -155,15 +151,6 @@ class RatioMeter:
         if self.measured_at is not None and self.sums[1] > 0:
             return self.measured_at, self.sums[0] / self.sums[1]
         return self.before
-
-    @property
-    def colocated(self) -> float | None:
-        """Colocation's q: of now while colocated and read, else its last reading."""
-        reading = self.reading()
-        if reading is not None and reading[0] == 0:
-            return reading[1]
-        return self.colocated_before
-
 
     @property
     def new_ratio(self) -> float | None:

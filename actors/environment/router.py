@@ -7,7 +7,10 @@ Every policy but plain `colocated` routes a turn to an engine's own queue:
   is prefilled where the KV of the trajectory's whole context lives — the engine that
   decoded its last turn, a decode engine included — so only the append is computed and
   nothing moves; the other turns (a first prompt, a long append on a short context) go to a
-  prefill engine, or a colocated one;
+  prefill engine, or a colocated one. Not on a decode engine under SGLang's prefill-first
+  lockstep (`decode_lockstep`) while the decode side is full: there one rank's chunk holds
+  every rank's decodes (R times a prefill engine's cost), and the append is routed as a long
+  one;
 * either way the engines holding the trajectory's KV are tried in order (a short append: the
   engine that decoded its last turn, then the one that prefilled it; a long turn: the
   prefix holder first) before the least loaded candidate. A holder keeps the turn unless its
@@ -58,6 +61,7 @@ class _Engine:
     running_decode: int = 0  # sequences decoding (its last heartbeat)
     routed_tokens: int = 0  # sent by this router since that heartbeat
     kv_full: bool = False  # its KV at least KV_FULL_SHARE used (its last heartbeat)
+    held_handles: int = 0  # prefilled turns it holds for a decode engine to take (its last heartbeat)
 
     @property
     def load_tokens(self) -> int:
@@ -117,6 +121,7 @@ class Router:
             waiting_tokens=status.waiting_prefill_tokens,
             running_decode=status.running_decode,
             kv_full=status.kv_used_tokens >= KV_FULL_SHARE * status.kv_capacity_tokens > 0,
+            held_handles=status.held_kv_handles,
         )
 
     def route(self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None) -> str | None:
@@ -160,9 +165,13 @@ class Router:
 
     def _stalls_lockstep(self, engine: _Engine | None) -> bool:
         """Whether an append on `engine` would hold a full batch of decodes: a decode engine
-        under prefill-first lockstep whose KV is full. There one rank's chunk stalls every
-        rank's decodes, R times the engine-seconds a prefill engine spends on it."""
-        return self.decode_lockstep and engine is not None and engine.role is Role.DECODE and engine.kv_full
+        under prefill-first lockstep while the decode side is full — its KV is, or prefill
+        engines hold prefilled turns that no decode engine has room for. There one rank's
+        chunk stalls every rank's decodes, R times the engine-seconds a prefill engine spends
+        on it, ahead of turns already waiting."""
+        if not (self.decode_lockstep and engine is not None and engine.role is Role.DECODE):
+            return False
+        return engine.kv_full or any(e.held_handles > 0 for e in self.engines.values() if e.role is Role.PREFILL)
 
     @staticmethod
     def _stays_home(home: _Engine, least: _Engine, miss_tokens: float) -> bool:
