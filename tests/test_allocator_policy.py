@@ -184,22 +184,23 @@ def test_per_turn_placement_keeps_short_appends_where_the_kv_is():
 
 def test_a_full_decode_engine_under_prefill_first_lockstep_gets_no_appends():
     """One rank's append on a DP-attention decode engine under SGLang's prefill-first lockstep
-    holds every rank's decodes for its chunk: R times a prefill engine's cost. Where that
-    engine's KV is full (a whole batch to stall), a short append goes to a prefill engine;
-    elsewhere it stays where its KV is."""
+    holds every rank's decodes for its chunk: R times a prefill engine's cost. Where the decode
+    side is full (that engine's KV, or prefilled turns waiting for decode room), a short append
+    goes to a prefill engine; elsewhere it stays where its KV is."""
     deepseek = EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8))
     assert deepseek.decode_lockstep
     assert not EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8), dp_sync="vllm").decode_lockstep
     assert not EngineSection(count=4, preset="h200-qwen3-8b").decode_lockstep  # one rank: nothing to hold
 
-    def routed(lockstep: bool, used_tokens: int) -> str | None:
+    def routed(lockstep: bool, used_tokens: int, held_handles: int = 0) -> str | None:
         router = Router(["e0", "e1"], local_prefill_max_tokens=1024, decode_lockstep=lockstep)
-        router.observe(_status("e0", P, 0))
+        router.observe(msgspec.structs.replace(_status("e0", P, 0), held_kv_handles=held_handles))
         router.observe(msgspec.structs.replace(_status("e1", D, 0, running_decode=2), kv_used_tokens=used_tokens, kv_capacity_tokens=1000))
         return router.route("e1", "e0", 6000, 400)
 
     assert routed(lockstep=True, used_tokens=950) == "e0"  # full lockstep decode engine: to the prefill engine
     assert routed(lockstep=True, used_tokens=500) == "e1"  # room left: the append stays where its KV is
+    assert routed(lockstep=True, used_tokens=500, held_handles=3) == "e0"  # turns wait for decode room: the side is full
     assert routed(lockstep=False, used_tokens=950) == "e1"  # no lockstep: nothing stalls
 
 
