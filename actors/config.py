@@ -360,6 +360,11 @@ class AllocatorSection(_Section):
     # prorsa: size on the forecast's mean (0) or on this quantile of it, in (0, 1) (e.g. 0.9:
     # provision for the upper end of the calibrated 10-90% interval); see docs/forecasting.md
     provision_quantile: float = 0.0
+    # prorsa / oracle: rate a saturated fleet by the decode tokens each arrangement turns over
+    # (actors/allocator/throughput.py), and keep appends off full lockstep decode engines, which
+    # that model assumes. Off by default: measured in docs/allocation.md, it takes the split on
+    # DeepSeek SWE at 64 per GPU but loses elsewhere
+    saturated_regime: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.provision_quantile < 1:

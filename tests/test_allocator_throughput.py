@@ -107,18 +107,19 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection())
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
     assert policy.decide(demand, _fleet([C] * 4, 100.0, 0, 0, held)) == []  # nothing measured yet
     assert "would not fit" in policy.last_reason
     changes = _run_colocated(policy, demand, held)
     assert changes and {c.role for c in changes} == {P, D}, policy.last_reason
     assert "saturated" in policy.last_reason
+    assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection()), demand, held) == []  # the regime is opt-in
     p = sum(c.role is P for c in changes)
     assert abs(saturated_ratio(policy.ratios) - 10.0) < 1e-9  # 95% of it recomputed: every arrangement's q
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
     assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
     # greedy admission: a decode side past its KV preempts without end, the veto stands
-    assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection()), demand, held) == []
+    assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection(saturated_regime=True)), demand, held) == []
 
 
 def test_a_fleet_whose_caches_keep_its_histories_is_not_judged_by_the_saturated_model():
@@ -128,6 +129,6 @@ def test_a_fleet_whose_caches_keep_its_histories_is_not_judged_by_the_saturated_
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection())
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
     assert _run_colocated(policy, demand, held, q=0.6) == [] and "would not fit" in policy.last_reason
     assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios) is None

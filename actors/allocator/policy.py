@@ -162,7 +162,8 @@ class Split:
             self.last_reason = "idle: no demand, no change"
             return []
         current = sum(e.role is Role.PREFILL for e in usable)
-        if self.weigh_cost and self.config.colocation == "cost-model" and n >= 2 and fleet_saturated(demand, cap, n, current, pd_now):
+        regime = self.weigh_cost and self.config.saturated_regime and self.config.colocation == "cost-model"
+        if regime and n >= 2 and fleet_saturated(demand, cap, n, current, pd_now):
             changes = self._saturated(demand, cap, usable, current, colocated_now)
             if changes is not None:
                 return changes

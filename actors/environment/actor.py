@@ -72,7 +72,8 @@ class EnvironmentActor(Actor):
         ec = self.config.engines
         miss_share = store_miss_share(ec) if ec.kv_writeback == "store" else 1.0
         lease_s = self.config.run.lease_wall_s * self.clock.time_scale
-        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share, lease_s, ec.decode_lockstep)
+        lockstep = ec.decode_lockstep and self.config.allocator.saturated_regime  # the regime's model assumes it
+        return Router(self.config.engine_ids(), self.config.local_prefill_max_tokens, ec.kv_writeback, miss_share, lease_s, lockstep)
 
     async def _on_engine_status(self, msg: Msg) -> None:
         status = self.decode_or_count(EngineStatus, msg)
