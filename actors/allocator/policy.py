@@ -36,7 +36,8 @@ Colocation is one of the choices (`allocator.colocation`):
     `SETTLE_HORIZONS` after any change, the arrangement is judged at its settled prefill
     work per new token, and that ratio is not learned.
   - A split goes back when colocation saves more than its switches cost.
-  - Saturated (`throughput.py`): where the live working set is more than the fleet's KV, or
+  - Saturated (`throughput.py`, opt-in: `allocator.saturated_regime`): where the live
+    working set is more than the fleet's KV, or
     a split's decode side cannot hold what it must keep, and engines queue what does not fit
     (SGLang's admission), the queued demand is whatever the fleet takes and loads built on it
     cannot tell the arrangements apart. There each is rated by the decode tokens per second
