@@ -17,7 +17,7 @@ from tests.test_launch import launch_to_completion
 
 pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 pytestmark = pytest.mark.e2e
-STEPS = 3
+STEPS = 6  # five versions published while trajectories run: one spanning an update is near certain
 
 
 def partial_config(path: Path) -> Path:
