@@ -102,7 +102,6 @@ class CapacityModel:
         colocated = engines.cost_preset(Role.COLOCATED)
         colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(0.9 * colocated.kv_capacity_tokens / context_tokens)))
         lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
-        decode_lockstep = decode.dp_ranks > 1 and decode.dp_sync == "sglang"
         return Capacity(
             prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),
             decode_full_seqs=decode_full_seqs(decode, context_tokens, self.slack, cap),
@@ -123,7 +122,7 @@ class CapacityModel:
             decode_kv_seqs=cap,
             decode_kv_step_s=decode_step_s(decode, cap, context_tokens),
             decode_prefill_s_per_token=prefill_s_per_token(decode, engines.max_batch_tokens, context_tokens),
-            decode_lockstep_ranks=decode.dp_ranks if decode_lockstep else 1,
+            decode_lockstep_ranks=decode.dp_ranks if engines.decode_lockstep else 1,
             admission_queues=engines.admission == "sglang",
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)

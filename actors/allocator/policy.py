@@ -37,10 +37,9 @@ Colocation is one of the choices (`allocator.colocation`):
     work per new token, and that ratio is not learned.
   - A split goes back when colocation saves more than its switches cost.
   - Saturated (`throughput.py`, opt-in: `allocator.saturated_regime`): where the live
-    working set is more than the fleet's KV, or
-    a split's decode side cannot hold what it must keep, and engines queue what does not fit
-    (SGLang's admission), the queued demand is whatever the fleet takes and loads built on it
-    cannot tell the arrangements apart. There each is rated by the decode tokens per second
+    working set is more than the fleet's KV, or a split's decode side cannot hold what it
+    must keep, and engines queue what does not fit (SGLang's admission), the queued demand
+    is whatever the fleet takes and loads built on it cannot tell the arrangements apart. There each is rated by the decode tokens per second
     it turns over (the lockstep turn-rate model), from the prefill tokens the fleet computes
     per decode token, measured; the veto and the go-back rule above (whose premise is a
     decode side that preempts) give way to that rating, bought and undone the same way.
@@ -133,9 +132,7 @@ class Split:
     # the relocation transient of the last split: excess prefill engine-seconds seen since it
     relocated_s: float = 0.0
     relocated_at_s: float | None = None
-    # prefill tokens computed per decode token: what the saturated regime's throughput model
-    # runs on (throughput.py)
-    ratios: RatioMeter = field(default_factory=RatioMeter)
+    ratios: RatioMeter = field(default_factory=RatioMeter)  # prefill per decode token (throughput.py)
     q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
 
     def __post_init__(self) -> None:
@@ -204,10 +201,9 @@ class Split:
         return changes
 
     def _saturated(self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool) -> list[RoleChange] | None:
-        """The choice while the fleet is saturated (`throughput.saturated`): the arrangement
-        that turns over the most decode tokens per second, bought when the share of the fleet
-        it saves over the horizon pays for its switches (ski rental for a split, as below).
-        None where the model does not hold (`throughput.saturated_ratio`)."""
+        """The saturated fleet's choice: the arrangement that turns over the most decode tokens
+        per second, bought when what it saves pays for its switches. None where the model does
+        not hold (`throughput.saturated_ratio`)."""
         n, horizon_s = len(usable), self.config.horizon_s
         q = saturated_ratio(self.ratios)
         if q is None:
@@ -221,11 +217,8 @@ class Split:
         note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
         if colocated_now:
             gain_engines = n * (1.0 - coloc / rates[best]) if rates[best] > coloc else 0.0
-            cost_s = n * cap.colocated_switch_s + best * self.config.drain_deadline_s + relocation_s(demand, cap, best, n)
-            gain_s, need_s = gain_engines * horizon_s, self._required_gain_s("split")
-            regret_s = self._regret(gain_engines if gain_s > need_s else 0.0)
-            if gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s):
-                self._buy_split(demand, cap, best, n)
+            buys, gain_s, regret_s, cost_s, _ = self._split_pays(demand, cap, best, n, gain_engines)
+            if buys:
                 self.last_reason = f"0:{n} -> {best}:{n - best}, {note}"
                 changes = self._pick(usable, best, self.now_s)
                 self._changed("split")
@@ -335,27 +328,34 @@ class Split:
         loads_note = f"colocated load {coloc_load:.2f} vs PD {target}:{n - target} {pd_load:.2f} engines {where}"
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
-        horizon_s = self.config.horizon_s
         if colocated_now and not decode_side_holds(demand, cap, n - target, entering=True):
             # a decode side that cannot hold the working set preempts and recomputes without end
             return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) would not fit {n - target} decode engines {where}"
-        if colocated_now:  # splitting: every engine reconfigures, those going to prefill drain their decodes
-            cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s + relocation_s(demand, cap, target, n)
-            gain_s = (coloc_load - pd_load) * horizon_s
-            need_s = self._required_gain_s("split")
-            regret_s = self._regret(coloc_load - pd_load if gain_s > need_s else 0.0)  # counts while a split pays
-            if gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s):
-                self._buy_split(demand, cap, target, n)
+        if colocated_now:
+            buys, gain_s, regret_s, cost_s, need_s = self._split_pays(demand, cap, target, n, coloc_load - pd_load)
+            if buys:
                 return ""
             return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
         if current and not decode_side_holds(demand, cap, n - current):
             what = "the working set" if cap.decode_holds_histories else "the decoding sequences' KV"
             return f"colocated: {what} ({decode_side_kv_tokens(demand, cap) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
-        gain_s = (pd_load - coloc_load) * horizon_s
+        gain_s = (pd_load - coloc_load) * self.config.horizon_s
         if gain_s - cost_s >= self._required_gain_s("colocate"):
             return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
         return ""
+
+    def _split_pays(self, demand: Demand, cap: Capacity, target: int, n: int, gain_engines: float) -> tuple[bool, float, float, float, float]:
+        """(bought, gain_s, regret_s, cost_s, need_s) of a split from colocation saving
+        `gain_engines`: switches, drains and relocation against the horizon's saving, or the
+        saving over several (ski rental, `_regret`); a bought split is recorded (`_buy_split`)."""
+        cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s + relocation_s(demand, cap, target, n)
+        gain_s, need_s = gain_engines * self.config.horizon_s, self._required_gain_s("split")
+        regret_s = self._regret(gain_engines if gain_s > need_s else 0.0)
+        bought = gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s)
+        if bought:
+            self._buy_split(demand, cap, target, n)
+        return bought, gain_s, regret_s, cost_s, need_s
 
     def _buy_split(self, demand: Demand, cap: Capacity, target: int, n: int) -> None:
         """A split is bought: the losses that paid for it are spent, its relocation transient
