@@ -142,6 +142,49 @@ def test_a_full_kv_pool_preempts_the_newest_sequence_and_recomputes_it():
     ]  # the preempted sequence was recomputed (no second prefill_done) and finished its turn
 
 
+def decode_work(traj: str, context: int, out: int) -> DecodeWork:
+    w = work(traj, context=context, new=0, out=out)
+    return DecodeWork(prefill=w, kv=KvHandle(engine_id="e9", handle_id=w.work_id, tokens=context, kv_bytes=1, expires_at_s=1.0), prefilled_at_s=0.0)
+
+
+@pytest.mark.parametrize("capacity", [2_600, 3_300, 5_000])
+def test_a_pd_decode_engine_out_of_kv_parks_kv_in_host_memory_and_never_recomputes(capacity):
+    """SGLang's PD decode server retracts to host memory: a retracted decode keeps its tokens
+    and KV, takes no prefill step, and costs a host copy each way; no new request is taken
+    while one is parked."""
+    from dataclasses import replace
+
+    from actors.engine.emulated.costmodel import host_copy_s
+
+    c = EngineCore("e0", Role.DECODE, replace(PRESET, kv_capacity_tokens=capacity), 8192, 16, 8, admission="sglang")
+    for i in range(4):
+        c.admit_decode(decode_work(f"t{i}", context=500, out=400 + 50 * i))
+    decoded, copied, parked_seen = {}, [], False
+    for _ in range(10_000):
+        before = {s.key: s.kv_tokens for s in c.retracted}
+        batch = c.plan(max_advance_s=0.5)
+        if batch is None:
+            break
+        assert not batch.prefill  # nothing is computed again
+        assert c.kv_resident_tokens <= capacity
+        if c.retracted:
+            parked_seen = True
+            assert c.room() == 0
+        moved = [s for s in c.retracted if s.key not in before] + [s for s in batch.decode if s.key in before]
+        if moved:  # parked or brought back this step: the rank's copy, before the step
+            tokens = sum(before.get(s.key, s.kv_tokens) for s in moved)
+            assert batch.host_copy_s == pytest.approx(host_copy_s(c.preset, tokens))
+            copied.append(tokens)
+        else:
+            assert batch.host_copy_s == 0.0
+        for kind, seq in c.complete(batch):
+            decoded[seq.work.trajectory_id] = (kind, seq.generated)
+    assert c.idle and decoded == {f"t{i}": ("decode_done", 400 + 50 * i) for i in range(4)}
+    assert c.preemptions == 0
+    assert parked_seen == (c.retractions > 0) == (capacity < 5_000)  # the largest pool holds all four
+    assert sum(copied) == 2 * c.retracted_kv_tokens  # each parked token went out and came back
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

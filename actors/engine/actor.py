@@ -332,6 +332,11 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             self.decoded_tokens_total += batch.decode_tokens
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
+            if self.core.preemptions or self.core.retractions:  # the final report: KV recomputed, or parked in host memory
+                self.counters["preemptions"] = self.core.preemptions
+                self.counters["preempted_kv_tokens"] = self.core.preempted_kv_tokens
+                self.counters["retractions"] = self.core.retractions
+                self.counters["retracted_kv_tokens"] = self.core.retracted_kv_tokens
             self._room.set()
             self._progress.set()
 
@@ -409,13 +414,13 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             policy_version=self.policy_version,
             backend=self.config.engines.backend,
             waiting_prefill=len(self.core.waiting),
-            running_decode=len(self.core.running),
+            running_decode=len(self.core.decoding),
             kv_used_tokens=self.core.kv_used_tokens,
             kv_capacity_tokens=self.core.kv_capacity_tokens,
             held_kv_handles=len(self.core.held),
             busy_fraction=min(1.0, busy),
             waiting_prefill_tokens=sum(s.prefill_left for s in self.core.waiting),
-            decode_context_tokens=sum(s.kv_tokens for s in self.core.running.values()),
+            decode_context_tokens=sum(s.kv_tokens for s in self.core.decoding),
             switching=self.switching,
             role_since_s=self.role_since_s,
             prefilled_tokens_total=self.prefilled_tokens_total,

@@ -204,7 +204,7 @@ class EngineCommands:
             deadline_s = started_s + command.drain_deadline_s
             while True:
                 await self._drain_decodes(deadline_s)
-                if self.core.running:
+                if self.core.decoding:
                     moved = await self.migrate_decodes()
                     self.log.info("switch %d: %d decodes moved to another engine at the drain deadline", command.epoch, moved)
                 if reconfig_s == 0 or self._drained():
@@ -234,7 +234,7 @@ class EngineCommands:
     async def _drain_decodes(self, deadline_s: float) -> None:
         """Wait for the running decodes to finish, until the deadline (no deadline for a
         backend that cannot move a decode mid-turn)."""
-        while self.core.running and (self.clock.now_s() < deadline_s or not self.migrates_decodes):
+        while self.core.decoding and (self.clock.now_s() < deadline_s or not self.migrates_decodes):
             await self._next_progress()
 
     async def _next_progress(self) -> None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from actors.engine.admission import RESERVED_DECODE_TOKENS, NewTokenRatio, growth_tokens
-from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s
+from actors.engine.admission import RESERVED_DECODE_TOKENS, RETRACT_DECODE_STEPS, NewTokenRatio, growth_tokens
+from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
@@ -84,6 +84,7 @@ class Batch:
     duration_s: float  # modelled time of the step
     started: list[tuple[str, Seq]] = field(default_factory=list)  # ("prefill_started" | "decode_started", seq)
     ends_s: list[float] | None = None  # when each iteration ends, from the step's start (multi-iteration prefill)
+    host_copy_s: float = 0.0  # KV moved to or from host memory before the step (in duration_s and ends_s)
 
     @property
     def prefill_tokens(self) -> int:
@@ -122,11 +123,16 @@ class EngineCore:
         self.max_waiting = max_waiting
         self.waiting: deque[Seq] = deque()
         self.running: dict[str, Seq] = {}
+        self.retracted: deque[Seq] = deque()  # decodes whose KV waits in host memory (`_retract_to_host`)
+        self._host_copy_tokens = [0] * preset.dp_ranks  # per rank: KV to copy to or from host before the next step
         self.held: dict[str, Held] = {}
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_tokens = 0
         self.busy_s = 0.0  # modelled time spent in steps, for utilisation
         self.preemptions = 0
+        self.preempted_kv_tokens = 0  # KV dropped by preemptions, to be computed again
+        self.retractions = 0  # decodes whose KV went to host memory (`_retract_to_host`)
+        self.retracted_kv_tokens = 0  # ... and its tokens
         self.allow_preemption = True  # backends without recompute support turn it off
         self._admitted = 0  # admission counter: newest sequences are preempted first
         self._order: dict[str, int] = {}
@@ -167,6 +173,8 @@ class EngineCore:
         if self.role is Role.PREFILL:
             return max_waiting - len(self.waiting) - pending
         if self.role is Role.DECODE:  # prefills here are short local appends (per-turn placement)
+            if self.retracted:  # SGLang: no new request while a retracted one waits for room
+                return 0
             if self.admission == "sglang" and self._decode_reserve_full(pending):
                 return 0
             return min(max_decode - len(self.running) - len(self.waiting), max_waiting - len(self.waiting)) - pending
@@ -180,10 +188,15 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.retracted
+
+    @property
+    def decoding(self) -> list[Seq]:
+        """Every sequence in its decode here: running, or retracted with its KV in host memory."""
+        return [*self.running.values(), *self.retracted]
 
     def holds(self, key: str) -> bool:
-        return key in self.running or key in self.held or any(s.key == key for s in self.waiting)
+        return key in self.running or key in self.held or any(s.key == key for s in [*self.waiting, *self.retracted])
 
     # --- admission -----------------------------------------------------------------------
     def admit_prefill(self, work: PrefillWork) -> Seq:
@@ -239,6 +252,7 @@ class EngineCore:
         finishes, each fills its rank's budget) may cover several identical iterations, as a
         decode-only step does; for backends that model time rather than run tokens."""
         self._preempt_to_fit(1)
+        self._resume_retracted()
         decode = list(self.running.values())
         ranks = self.preset.dp_ranks
         budget = [self.max_batch_tokens] * ranks
@@ -293,6 +307,9 @@ class EngineCore:
             free = self.kv_capacity_tokens - self.kv_resident_tokens
             iterations = max(1, min(fit, free // len(decode), min(max(1, s.decode_left) for s in decode)))
             duration_s = group_decode_run_s(self.preset, loads, iterations)
+        copy_s = self._take_host_copy_s()
+        if ends_s is not None:
+            ends_s = [e + copy_s for e in ends_s]
         started: list[tuple[str, Seq]] = []
         for seq, _ in chunks:
             if not seq.prefill_started:
@@ -302,7 +319,7 @@ class EngineCore:
             if not seq.decode_started:
                 seq.decode_started = True
                 started.append(("decode_started", seq))
-        return Batch(chunks, decode, iterations, duration_s, started, ends_s)
+        return Batch(chunks, decode, iterations, duration_s + copy_s, started, ends_s, copy_s)
 
     def _growth(self, seq: Seq) -> float:
         """KV a sequence is expected to still need for its output (none: it hands off)."""
@@ -340,17 +357,61 @@ class EngineCore:
 
     def _preempt_to_fit(self, iterations: int) -> None:
         """Free KV for `iterations` of decode growth: the newest sequence holding KV (running, or
-        part-way through its prefill) loses it and is recomputed later (recompute preemption)."""
+        part-way through its prefill) loses it and is recomputed later (recompute preemption).
+        A PD decode engine under SGLang retracts to host memory instead (`_retract_to_host`)."""
         while self.allow_preemption and self.running:
             if self.kv_resident_tokens + len(self.running) * iterations <= self.kv_capacity_tokens:
+                return
+            if self.role is Role.DECODE and self.admission == "sglang":
+                self._retract_to_host()
                 return
             holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
             self._evict(max(holders, key=lambda s: self._order.get(s.key, 0)))
             stay = list(self.running.values())
             self.new_token_ratio.after_preemption([s.generated for s in stay], [s.max_new_tokens for s in stay])
 
+    def _retract_to_host(self) -> None:
+        """SGLang's PD decode server out of KV (`retract_decode`, disaggregation_mode "decode"):
+        it retracts requests until the rest have room for RETRACT_DECODE_STEPS more tokens each,
+        the fewest tokens generated first (longest input among equals); each one's KV is copied
+        to host memory (`Req.offload_kv_cache`) and copied back once it fits again with its
+        reservation (`resume_retracted_reqs`), never recomputed. sglang python/sglang/srt/
+        managers/schedule_batch.py and disaggregation/decode.py."""
+        while self.running and self.kv_resident_tokens + len(self.running) * RETRACT_DECODE_STEPS > self.kv_capacity_tokens:
+            victim = min(self.running.values(), key=lambda s: (s.generated, -s.kv_tokens))
+            del self.running[victim.key]
+            self.retracted.append(victim)
+            self._host_copy_tokens[victim.rank] += victim.kv_tokens
+            self.retractions += 1
+            self.retracted_kv_tokens += victim.kv_tokens
+        stay = list(self.running.values())
+        self.new_token_ratio.after_preemption([s.generated for s in stay], [s.max_new_tokens for s in stay])
+
+    def _resume_retracted(self) -> None:
+        """Retracted decodes come back in order while each fits with its reservation beside the
+        reservations of every request here (SGLang `resume_retracted_reqs`)."""
+        while self.retracted:
+            seq = self.retracted[0]
+            requests = len(self.running) + len(self.waiting)
+            free = self.kv_capacity_tokens - self.kv_used_tokens - RESERVED_DECODE_TOKENS * requests
+            if seq.kv_tokens + RESERVED_DECODE_TOKENS > free and (self.running or self.waiting):
+                return  # alone, it comes back whatever its size
+            self.retracted.popleft()
+            self.running[seq.key] = seq
+            self._host_copy_tokens[seq.rank] += seq.kv_tokens
+
+    def _take_host_copy_s(self) -> float:
+        """The host copies due before the next step: the slowest rank's (each rank has its own
+        link; the group's next iteration waits for every rank)."""
+        busiest = max(self._host_copy_tokens)
+        if busiest == 0:
+            return 0.0
+        self._host_copy_tokens = [0] * self.preset.dp_ranks
+        return host_copy_s(self.preset, busiest)
+
     def _evict(self, victim: Seq) -> None:
         """Drop a sequence's KV; it is recomputed once all of it fits again."""
+        self.preempted_kv_tokens += victim.kv_tokens
         if victim.key in self.running:
             del self.running[victim.key]
             victim.prefill_tokens = victim.kv_tokens
@@ -400,8 +461,9 @@ class EngineCore:
     def detach_running(self) -> list[Seq]:
         """Every decoding sequence, taken out of the batch (its KV stays resident until held
         or dropped): what a switching engine migrates to another decode engine."""
-        seqs = list(self.running.values())
+        seqs = self.decoding
         self.running.clear()
+        self.retracted.clear()
         for seq in seqs:
             self._order.pop(seq.key, None)
         return seqs
@@ -420,6 +482,9 @@ class EngineCore:
         restamped with `version`; the prefix cache of older versions goes. Held KV keeps its
         version (a decode engine at another version refuses it). Returns the sequences cut."""
         cut = []
+        while self.retracted:  # their KV in host memory is of the old version too
+            seq = self.retracted.popleft()
+            self.running[seq.key] = seq
         for seq in list(self.running.values()):
             self._evict(seq)
             cut.append(seq)

@@ -33,9 +33,9 @@ class EmulatedBackend:
             done = min(batch.iterations, 1 + sum(1 for e in batch.ends_s if e <= elapsed_s))
             batch.duration_s = batch.ends_s[done - 1]
         else:  # a decode-only run: iterations of about equal length
-            per_iteration_s = batch.duration_s / batch.iterations
-            done = min(batch.iterations, int(elapsed_s / per_iteration_s) + 1)
-            batch.duration_s = done * per_iteration_s
+            per_iteration_s = (batch.duration_s - batch.host_copy_s) / batch.iterations
+            done = min(batch.iterations, int(max(0.0, elapsed_s - batch.host_copy_s) / per_iteration_s) + 1)
+            batch.duration_s = batch.host_copy_s + done * per_iteration_s
         batch.iterations = done
         end_s = cursor_s + batch.duration_s
         await self.clock.sleep_until(end_s)

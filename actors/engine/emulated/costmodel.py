@@ -342,6 +342,13 @@ def decode_run_s(preset: CostPreset, decode_seqs: int, decode_context_tokens: in
     return group_decode_run_s(preset, [RankLoad((), decode_seqs, decode_context_tokens)], iterations)
 
 
+def host_copy_s(preset: CostPreset, tokens: int) -> float:
+    """One DP rank's copy of `tokens` of KV to or from host memory: its GPUs' PCIe links
+    (hardware.HOST_LINK_BYTES_PER_S each) side by side, as the KV is spread over them."""
+    gpus_per_rank = max(1, preset.gpus // max(1, preset.dp_ranks))
+    return tokens * preset.kv_bytes_per_token / (hw.HOST_LINK_BYTES_PER_S * gpus_per_rank)
+
+
 def transfer_s(link: Link, kv_bytes: int) -> float:
     return link.t0_s + kv_bytes / link.bytes_per_s
 

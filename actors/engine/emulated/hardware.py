@@ -153,6 +153,11 @@ class Link:
     bytes_per_s: float  # effective bandwidth
 
 
+# A GPU's copy of KV to or from host memory over its own PCIe link (a PD decode engine's
+# retraction under SGLang): "CPU-DRAM tier via PCIe H2D ~54 GB/s" on a PCIe Gen5 node [M: the
+# agentic-kvc notes in docs/calibration.md "KV transfer"]; taken the same both ways [A].
+HOST_LINK_BYTES_PER_S = 54e9
+
 # docs/calibration.md "KV transfer": T_xfer = t0 + bytes / BW_eff.
 LINKS: dict[str, Link] = {
     "rdma-8x400g": Link("rdma-8x400g", 0.4e-3, 150e9),  # fit to Mooncake vLLM-v1 1P1D, 8x400G RoCE [D from M]
