@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", default="",
         help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; oracle without prorsa needs prorsa's runs in --out)",
     )  # fmt: skip
+    roll.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=JSON",
+        help="override a config value in every run, e.g. allocator.saturated_regime=true (repeatable)",
+    )  # fmt: skip
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
@@ -120,8 +124,28 @@ def main(argv: list[str] | None = None) -> int:
         modes = ("sync", "async") if args.mode == "both" else (args.mode,)
         only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies)
+        overrides = parse_sets(args.set)
+        if overrides is None:
+            return 2
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides)
     return 2
+
+
+def parse_sets(sets: list[str]) -> dict | None:
+    """--set SECTION.KEY=VALUE items as {section: {key: value}} (VALUE read as JSON, else kept as
+    a string); None, having said why, where one is malformed."""
+    out: dict[str, dict] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (eq and dot and section and name):
+            print(f"error: --set {item!r}: expected SECTION.KEY=VALUE, e.g. allocator.saturated_regime=true", file=sys.stderr)
+            return None
+        try:
+            out.setdefault(section, {})[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[section][name] = value
+    return out
 
 
 def rollout(
@@ -134,6 +158,7 @@ def rollout(
     modes: tuple[str, ...] = ("sync", "async"),
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     policies: tuple[str, ...] = (),
+    overrides: dict | None = None,
 ) -> int:
     from runners.rollout import SUITES, run_suite
 
@@ -153,8 +178,18 @@ def rollout(
     if set(policies) - known:
         print(f"error: the tables asked for run no policy {', '.join(sorted(set(policies) - known))} (they run: {', '.join(sorted(known))})", file=sys.stderr)
         return 2
+    if overrides:
+        import msgspec
+
+        from actors.config import Config
+
+        try:
+            msgspec.convert(overrides, Config)
+        except msgspec.ValidationError as err:
+            print(f"error: --set: {err}", file=sys.stderr)
+            return 2
     try:
-        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies)
+        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies, overrides)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -199,7 +199,9 @@ SUITES = {
 }
 
 
-def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = None) -> Config:
+def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = None, overrides: dict | None = None) -> Config:
+    """The case's config under `policy`; `overrides` ({section: {key: value}}, the bench's
+    --set) replace the suite's values in every run, for variants of the code's defaults."""
     fleet, workload = case.fleet, case.workload
     engines = {**fleet.engines, **case.engines, "prefill_engines": max(1, fleet.engines["count"] // 4)}
     engines = {k: v for k, v in engines.items() if v is not None}
@@ -220,6 +222,8 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else ""},
     }
+    for section, values in (overrides or {}).items():
+        raw[section] = {**raw.get(section, {}), **values}
     config = msgspec.convert(raw, Config)
     return with_policy(config, policy)
 
@@ -323,6 +327,7 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "admission": config.engines.admission,
         "lockstep_constants": config.engines.lockstep_constants,
         "stage_layouts": config.engines.prefill_layout is not None or config.engines.decode_layout is not None,
+        "saturated_regime": config.allocator.saturated_regime,
         "max_staleness": config.trainer.max_staleness if config.run.mode == "async" else None,
         "stale_policy": config.trainer.stale_policy if config.run.mode == "async" else None,
         "status": summary["status"],
@@ -364,6 +369,7 @@ def run_suite(
     modes: tuple[str, ...] = MODES,
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     policies: tuple[str, ...] = (),
+    overrides: dict | None = None,
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
     GPU, of the fleets and workloads in `only`, and the `policies`, where given). `oracle`
@@ -395,7 +401,7 @@ def run_suite(
             for case, policy in batch:
                 run_dir = _run_dir(out, case, policy)
                 oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
-                configs.append((case, policy, run_config(suite, case, policy, oracle_log), run_dir))
+                configs.append((case, policy, run_config(suite, case, policy, oracle_log, overrides), run_dir))
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
             for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
                 results.append(record(case, policy, config, summary, run_dir))
