@@ -185,6 +185,29 @@ def test_a_pd_decode_engine_out_of_kv_parks_kv_in_host_memory_and_never_recomput
     assert sum(copied) == 2 * c.retracted_kv_tokens  # each parked token went out and came back
 
 
+def test_parked_decodes_leave_with_a_switch_and_are_recomputed_after_a_weight_update():
+    """A parked decode is still this engine's: a switch migrates it with the running ones, and
+    an interrupting weight update recomputes it under the new version (its host KV is old)."""
+    from dataclasses import replace
+
+    def parked_engine() -> EngineCore:
+        c = EngineCore("e0", Role.DECODE, replace(PRESET, kv_capacity_tokens=2_600), 8192, 16, 8, admission="sglang")
+        for i in range(4):
+            c.admit_decode(decode_work(f"t{i}", context=500, out=600))
+        while not c.retracted:
+            c.complete(c.plan(max_advance_s=0.5))
+        return c
+
+    c = parked_engine()
+    parked = {s.key for s in c.retracted}
+    assert c.holds(next(iter(parked))) and not c.idle and len(c.decoding) == 4
+    assert {s.key for s in c.detach_running()} >= parked and c.idle
+    c = parked_engine()
+    cut = c.interrupt(version=1)
+    assert parked <= {s.key for s in cut} and not c.retracted
+    assert all(s.preempted and s.work.policy_version == 1 for s in c.waiting)
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
