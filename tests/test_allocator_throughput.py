@@ -6,7 +6,7 @@ from __future__ import annotations
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.policy import Split
 from actors.allocator.state import Demand, EngineState, Fleet
-from actors.allocator.throughput import RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
+from actors.allocator.throughput import RATIO_MIN_TICKS, RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from bus_schemas.control import Role
 
@@ -61,23 +61,35 @@ def test_saturated_needs_a_working_set_past_the_fleets_kv_and_queueing_admission
     assert not saturated(1.2 * fleet_kv, greedy, 4)  # admitted and preempted: the KV-fit rules hold
 
 
-def test_the_ratio_meter_reads_the_arrangement_of_now_and_keeps_the_one_before_until_then():
+def _ticks(meter: RatioMeter, start: tuple[int, int, int], per_tick: tuple[int, int, int], ticks: int, at: int | None) -> tuple[int, int, int]:
+    """`ticks` observations of the same per-tick counts, from the cumulative `start`."""
+    totals = start
+    for _ in range(ticks):
+        totals = tuple(t + d for t, d in zip(totals, per_tick))
+        meter.observe(*totals, at)
+    return totals
+
+
+def test_the_ratio_meter_reads_the_arrangement_of_now_over_a_window_and_keeps_the_one_before_until_then():
     meter = RatioMeter()
     meter.observe(0, 0, 0, 0)
     assert meter.reading() is None and meter.new_ratio is None
-    meter.observe(1000, 100, 50, 0)  # colocated
-    assert meter.reading() == (0, 10.0) and meter.new_ratio == 0.5
-    meter.observe(5000, 200, 100, None)  # a change settling: new tokens count, q does not
+    totals = _ticks(meter, (0, 0, 0), (1000, 100, 50), RATIO_MIN_TICKS - 1, 0)  # colocated
+    assert meter.reading() is None and meter.new_ratio == 0.5  # not yet a window of it
+    totals = _ticks(meter, totals, (1000, 100, 50), 1, 0)
+    assert meter.reading() == (0, 10.0)
+    totals = _ticks(meter, totals, (4000, 100, 50), 3, None)  # a change settling: new tokens count, q does not
     assert meter.reading() == (0, 10.0) and meter.new_ratio == 0.5
     meter.observe(100, 210, 105, None)  # an engine restarted: its counters fell, skipped
-    meter.observe(100, 210, 105, 3)  # settled as 3:1: no reading of its own yet, colocation's stands
-    assert meter.reading() == (0, 10.0)
-    meter.observe(400, 310, 155, 3)
-    assert meter.reading() == (3, 3.0)
-    meter.observe(900, 410, 205, 3)  # 5 per decode token now, over the decayed 3
-    assert meter.reading() == (3, (0.9 * 300 + 500) / (0.9 * 100 + 100))
-    meter.observe(1900, 510, 255, 0)  # back to colocated, read afresh
-    assert meter.reading() == (0, 10.0)
+    totals = _ticks(meter, (100, 210, 105), (40_000, 100, 50), 2, 3)  # settled as 3:1: two ticks of a transient
+    assert meter.reading() == (0, 10.0)  # colocation's stands until 3:1 has a window of its own
+    totals = _ticks(meter, totals, (300, 100, 50), RATIO_MIN_TICKS - 2, 3)
+    q = meter.reading()[1]
+    assert meter.reading()[0] == 3 and 3.0 < q < 400.0  # the transient's ticks decay out of it
+    totals = _ticks(meter, totals, (300, 100, 50), 120, 3)
+    assert abs(meter.reading()[1] - 3.0) < 0.01
+    _ticks(meter, totals, (1000, 100, 50), 1, 0)  # back to colocated, read afresh: the split's stands a window
+    assert abs(meter.reading()[1] - 3.0) < 0.01
 
 
 def _fleet(roles: list[Role], now_s: float, prefilled: int, decoded: int, held_tokens: int) -> Fleet:
@@ -115,20 +127,47 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     assert "saturated" in policy.last_reason
     assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection()), demand, held) == []  # the regime is opt-in
     p = sum(c.role is P for c in changes)
-    assert abs(saturated_ratio(policy.ratios) - 10.0) < 1e-9  # 95% of it recomputed: every arrangement's q
+    assert abs(saturated_ratio(policy.ratios, histories_follow=False) - 10.0) < 1e-9  # 95% recomputed: every arrangement's q
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
     assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
     # greedy admission: a decode side past its KV preempts without end, the veto stands
     assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection(saturated_regime=True)), demand, held) == []
 
 
-def test_a_fleet_whose_caches_keep_its_histories_is_not_judged_by_the_saturated_model():
+def test_a_fleet_whose_caches_keep_its_histories_is_judged_by_the_saturated_model_only_with_write_back():
     """Past its KV on paper, but recomputing little (0.6 prefill tokens per decode token for
-    0.5 new): a split's smaller caches would recompute far more, which the model cannot
-    tell, so the KV-fit veto stands."""
+    0.5 new). Without KV write-back a split's decode engines would keep the histories from
+    its prefill side, which would recompute far more, and the model cannot tell how much: the
+    KV-fit veto stands. With write-back the histories follow the turns to the prefill side
+    (a split computes about what colocation does): the model judges, and the fleet splits."""
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    policy = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(saturated_regime=True))
     assert _run_colocated(policy, demand, held, q=0.6) == [] and "would not fit" in policy.last_reason
-    assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios) is None
+    assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios, histories_follow=False) is None
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    changes = _run_colocated(policy, demand, held, q=0.6, ticks=800)  # bought once colocation has lost its cost
+    assert {c.role for c in changes} == {P, D} and "saturated" in policy.last_reason
+
+
+def test_a_split_in_a_saturated_fleet_is_held_or_undone_by_the_rating_never_resized_by_it():
+    """Once split, a saturated fleet goes back to colocation when colocation turns over more,
+    else holds: a resize between splits is not judged by readings taken while the split still
+    recomputes what it relocated (it went 2:2 -> 3:1 on such a reading, DeepSeek SWE at 32
+    per GPU), and with no reading at all the load rules, which cannot judge a saturated
+    fleet, do not undo it either."""
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    held = int(1.5 * 4 * cap.colocated_kv_tokens)
+    demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
+    roles = [P, D, D, D]  # 1:3; the rating's best is another split
+    rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
+    assert max(rates, key=rates.get) != 1
+    for tick in range(200):
+        changes = policy.decide(demand, _fleet(roles, 1000.0 + 2 * tick, 10_000_000 * tick, 1_000_000 * tick, held))
+        assert changes == [], policy.last_reason
+    assert policy.last_reason.startswith("hold 1:3, saturated")
+    fresh = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
+    assert fresh.decide(demand, _fleet(roles, 1000.0, 0, 0, held)) == []
+    assert "no prefill-per-decode reading" in fresh.last_reason

@@ -165,6 +165,9 @@ class Split:
             changes = self._saturated(demand, cap, usable, current, colocated_now)
             if changes is not None:
                 return changes
+            if pd_now:  # a split in a saturated fleet, no reading of q yet: loads cannot judge it
+                self.last_reason = f"hold {current}:{n - current}, saturated: no prefill-per-decode reading"
+                return []
         if pd_now and self._recomputing(demand, cap, n, current):
             settled = False  # the split still recomputes the KV it relocated: a cost already charged
         if settled:  # right after a change the turns recompute what the old arrangement held
@@ -205,7 +208,7 @@ class Split:
         per second, bought when what it saves pays for its switches. None where the model does
         not hold (`throughput.saturated_ratio`)."""
         n, horizon_s = len(usable), self.config.horizon_s
-        q = saturated_ratio(self.ratios)
+        q = saturated_ratio(self.ratios, histories_follow=not cap.decode_holds_histories)
         if q is None:
             return None
         coloc = colocated_rate(cap, n, q)
@@ -232,14 +235,6 @@ class Split:
             if gain_s - cost_s >= self._required_gain_s("colocate"):
                 self.last_reason = f"colocated, {note}: gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
                 return self._colocate_all(usable)
-        elif best != current and rates[best] > now_rate:
-            gain_s = n * (1.0 - now_rate / rates[best]) * horizon_s
-            cost_s = resize_cost_s(demand, cap, current, best, n, self.config.drain_deadline_s)
-            if gain_s - cost_s >= self._required_gain_s("grow" if best > current else "shrink"):
-                self.last_reason = f"{current}:{n - current} -> {best}:{n - best}, {note}"
-                changes = self._pick(usable, best, self.now_s)
-                self._changed("grow" if best > current else "shrink")
-                return changes
         self.last_reason = f"hold {current}:{n - current}, {note} ({current}:{n - current} {now_rate:.0f})"
         return []
 

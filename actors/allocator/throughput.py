@@ -34,8 +34,10 @@ from actors.allocator.state import Demand
 # decayed sums behind the measured prefill-per-decode ratio: each tick keeps this share of the
 # old sums, so the ratio reads about the last 1 / (1 - decay) ticks [A]
 RATIO_DECAY = 0.9
-# the saturated regime's model holds where recomputing evicted histories is most of the
-# fleet's prefill work (every arrangement then misses most of them) [A]
+# ... and an arrangement's own reading counts once it spans that many ticks (one window)
+RATIO_MIN_TICKS = round(1.0 / (1.0 - RATIO_DECAY))
+# without KV write-back the saturated regime's model holds where recomputing evicted
+# histories is most of the fleet's prefill work (every arrangement then misses most of them) [A]
 RECOMPUTE_SHARE = 0.5
 BISECTIONS = 60  # the fixed point to well below a token per second
 
@@ -85,20 +87,25 @@ def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
     return cap.admission_queues and working_set_tokens > 0.9 * n * cap.colocated_kv_tokens
 
 
-def saturated_ratio(meter: RatioMeter) -> float | None:
+def saturated_ratio(meter: RatioMeter, histories_follow: bool) -> float | None:
     """q for every arrangement in the saturated regime: the reading of now (of the arrangement
-    before, while a new one settles), where recomputing evicted histories is at least
-    RECOMPUTE_SHARE of the prefill work it read. Then every arrangement's caches miss most
-    histories and q is about the workload's, whatever the arrangement (measured on DeepSeek
-    SWE at 64 per GPU: 11.8 prefill tokens per new token colocated, 13.3 split); one figure
-    for both sides also keeps a noisy or transient reading from tipping the comparison. A
-    fleet whose caches keep its histories recomputes little, a split's smaller caches would
-    recompute far more, and this model does not tell how much: None."""
+    before, while a new one settles). One figure for both sides keeps a noisy or transient
+    reading from tipping the comparison; it holds where a split computes about the prefill
+    work colocation does:
+    * with KV write-back (`histories_follow`), each finished turn's KV goes back to the
+      prefill side, whose caches keep the histories a split's turns prefill on (measured on
+      DeepSeek SWE at 32 per GPU: 21.6M prefill tokens under static 2:2, 17.6M colocated);
+    * without it, only where recomputing evicted histories is at least RECOMPUTE_SHARE of the
+      prefill work read: then every arrangement's caches miss most of them (DeepSeek SWE at
+      64 per GPU: 11.8 prefill tokens per new token colocated, 13.3 split). A fleet whose
+      caches keep its histories recomputes little there, a split's decode engines would keep
+      them away from its prefill side, and this model does not tell how much: None.
+    None also while q is below the new tokens' share (counters out of step)."""
     reading, q_new = meter.reading(), meter.new_ratio
-    if reading is None or q_new is None or reading[1] <= 0.0:
+    if reading is None or q_new is None or reading[1] <= 0.0 or reading[1] < q_new:
         return None
     q = reading[1]
-    return q if 1.0 - q_new / q >= RECOMPUTE_SHARE else None
+    return q if histories_follow or 1.0 - q_new / q >= RECOMPUTE_SHARE else None
 
 
 def fleet_saturated(demand: Demand, cap: Capacity, n: int, prefill_engines: int, split_now: bool) -> bool:
@@ -124,6 +131,7 @@ class RatioMeter:
     last: tuple[int, int, int] | None = None
     measured_at: int | None = None  # prefill engines of the arrangement being read
     sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [prefill, decode] there
+    ticks: int = 0  # ticks counted into `sums`
     before: tuple[int, float] | None = None  # (prefill engines, q) of the arrangement before
     new: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [new, decode]
 
@@ -134,7 +142,7 @@ class RatioMeter:
         if prefill_engines is not None and prefill_engines != self.measured_at:
             reading = self.reading()
             self.before = reading if reading is not None else self.before
-            self.measured_at, self.sums = prefill_engines, [0.0, 0.0]
+            self.measured_at, self.sums, self.ticks = prefill_engines, [0.0, 0.0], 0
         if last is None:
             return
         d_prefill, d_decode, d_new = prefilled_total - last[0], decoded_total - last[1], new_total - last[2]
@@ -145,10 +153,13 @@ class RatioMeter:
         if prefill_engines is not None:
             self.sums[0] = RATIO_DECAY * self.sums[0] + d_prefill
             self.sums[1] = RATIO_DECAY * self.sums[1] + d_decode
+            self.ticks += 1
 
     def reading(self) -> tuple[int, float] | None:
-        """(prefill engines, q) of the arrangement read now, or of the one before while it has none."""
-        if self.measured_at is not None and self.sums[1] > 0:
+        """(prefill engines, q) of the arrangement read now, or of the one before while it has
+        no reading over a whole window (RATIO_MIN_TICKS: a tick or two right after a change
+        would stand for the whole arrangement)."""
+        if self.measured_at is not None and self.sums[1] > 0 and self.ticks >= RATIO_MIN_TICKS:
             return self.measured_at, self.sums[0] / self.sums[1]
         return self.before
 
