@@ -142,9 +142,10 @@ def parse_sets(sets: list[str]) -> dict | None:
             print(f"error: --set {item!r}: expected SECTION.KEY=VALUE, e.g. allocator.saturated_regime=true", file=sys.stderr)
             return None
         try:
-            out.setdefault(section, {})[name] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[section][name] = value
+            parsed = value  # a bare string: engines.kv_writeback=store
+        out.setdefault(section, {})[name] = parsed
     return out
 
 

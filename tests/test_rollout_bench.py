@@ -151,3 +151,18 @@ def test_a_run_of_some_policies_runs_only_those_and_oracle_needs_prorsas_log(tmp
     then = run_suite(suite, tmp_path, jobs=1, modes=("sync",), policies=("oracle",))
     assert [(r["policy"], r["status"]) for r in then] == [("oracle", "completed")]
     assert main(["rollout", "--suite", "smoke", "--mode", "sync", "--policies", "static-9:9", "--out", str(tmp_path)]) == 2
+
+
+def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_anything_runs(tmp_path: Path):
+    """`--set SECTION.KEY=VALUE`: the value reaches every run's config (records say so); a
+    malformed item or an unknown key is refused with exit 2 before anything runs."""
+    from runners.bench import main
+
+    args = ["rollout", "--suite", "smoke", "--mode", "sync", "--policies", "prorsa"]
+    assert main([*args, "--out", str(tmp_path / "bad"), "--set", "allocator.saturated_regim=true"]) == 2
+    assert main([*args, "--out", str(tmp_path / "bad"), "--set", "allocatorsaturated_regime=true"]) == 2
+    assert not (tmp_path / "bad").exists()
+    assert main([*args, "--out", str(tmp_path / "on"), "--set", "allocator.saturated_regime=true", "--set", "engines.kv_writeback=store"]) == 0
+    records = json.loads((tmp_path / "on" / "results.json").read_text())
+    assert [(r["saturated_regime"], r["kv_writeback"]) for r in records] == [(True, "store")]
+    assert run_suite(SUITES["smoke"], tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",))[0]["saturated_regime"] is False
