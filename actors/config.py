@@ -362,9 +362,8 @@ class AllocatorSection(_Section):
     provision_quantile: float = 0.0
     # prorsa / oracle: rate a saturated fleet by the decode tokens each arrangement turns over
     # (actors/allocator/throughput.py), and keep appends off full lockstep decode engines, which
-    # that model assumes. Off by default: measured in docs/allocation.md, it takes the split on
-    # DeepSeek SWE at 64 per GPU but loses elsewhere
-    saturated_regime: bool = False
+    # that model assumes (docs/allocation.md: on since stop 31; false restores the load rules alone)
+    saturated_regime: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.provision_quantile < 1:

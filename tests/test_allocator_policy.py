@@ -233,8 +233,10 @@ def test_a_short_append_leaving_a_busy_decode_engine_goes_to_its_prefix_holder()
 # --- colocation or PD from the cost model (allocator.colocation = "cost-model") --------------------
 
 
-def cost_model_split(engines: EngineSection = ENGINES, weigh_cost: bool = True) -> Split:
-    return Split("prorsa", engines, AllocatorSection(), weigh_cost=weigh_cost)
+def cost_model_split(engines: EngineSection = ENGINES, weigh_cost: bool = True, regime: bool = False) -> Split:
+    """The cost-model rule; the load rules alone unless `regime` (the saturated regime, on by
+    default, has its tests in test_allocator_throughput.py)."""
+    return Split("prorsa", engines, AllocatorSection(saturated_regime=regime), weigh_cost=weigh_cost)
 
 
 def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():

@@ -165,4 +165,5 @@ def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_an
     assert main([*args, "--out", str(tmp_path / "on"), "--set", "allocator.saturated_regime=true", "--set", "engines.kv_writeback=store"]) == 0
     records = json.loads((tmp_path / "on" / "results.json").read_text())
     assert [(r["saturated_regime"], r["kv_writeback"]) for r in records] == [(True, "store")]
-    assert run_suite(SUITES["smoke"], tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",))[0]["saturated_regime"] is False
+    off = run_suite(SUITES["smoke"], tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",), overrides={"allocator": {"saturated_regime": False}})
+    assert off[0]["saturated_regime"] is False
