@@ -81,4 +81,5 @@ class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
     decode_context_tokens: float = 0.0
     kv_working_set_tokens: float = 0.0
     live_trajectories: float = 0.0
+    live_context_tokens: float = 0.0
     remote_share: float = 1.0

@@ -28,6 +28,7 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     horizons_s: list[float]  # model seconds after as_of_s
     targets: list[TargetForecast]
     live_trajectories: int  # trajectories live at as_of_s
+    live_context_tokens: int = 0  # KV tokens of their histories at as_of_s (0: not known)
     events_total: int  # lifecycle events consumed so far
     fallback: bool = False  # this tick's numbers are naive's: the model failed to fit
     fallback_reason: str = ""  # why (empty when fallback is False)

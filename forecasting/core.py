@@ -41,6 +41,7 @@ class TickResult:
     outcomes: dict[str, ModelOutcome]
     live_trajectories: int
     events_total: int
+    live_context_tokens: int = 0  # KV of the live trajectories' histories (LiveState.live_context_tokens)
 
 
 class _Growing:
@@ -121,7 +122,7 @@ class ForecastCore:
         self.end_s = until_s
         history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)
         outcomes = {name: self._run(name, history) for name in self.models}
-        return TickResult(until_s, outcomes, self.live.live_count(), self.live.events)
+        return TickResult(until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens())
 
     def _run(self, name: str, history: History) -> ModelOutcome:
         naive = self._naive[name].update(history)  # kept current: the fallback is always ready

@@ -154,6 +154,12 @@ class LiveState:
     def live_count(self) -> int:
         return len(self._slot)
 
+    def live_context_tokens(self) -> int:
+        """KV tokens of the live trajectories' histories: each one's context before the turn it
+        is in (a turn in a tool call: all of it). What the fleet must hold to keep every live
+        trajectory's prefix, a lower bound (the new and generated tokens in flight are not in it)."""
+        return int(self.context[self.alive].sum())
+
     def family_stats(self, family_index: int) -> FamilyStats:
         return self.stats[self.families[family_index]]
 
@@ -293,6 +299,7 @@ class LiveState:
         self.family[s] = np.fromiter(map(self._family, families[rows[f]].to_list()), np.int32, len(f))
         self.phase[s], self.entered_s[s] = PRE, at_s[f]
         self.turn[s], self.prefilled[s], self.alive[s] = np.maximum(turn[f], 0), False, True
+        self.context[s], self.queued_new[s] = 0.0, 0.0  # a reused slot starts with no history
         slot[unknown] = np.fromiter((self._slot.get(ids[i], -1) for i in unknown.tolist()), np.int64, len(unknown))
         opened[unknown] = slot[unknown] >= 0
         return slot, opened

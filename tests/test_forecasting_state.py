@@ -9,6 +9,7 @@ import polars as pl
 
 from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import LifecycleEvent
+from actors.allocator.demand import live_context_tokens
 from forecasting.live import POOLED, LiveState
 from forecasting.synthetic import synthetic_log
 from ops.export import events_frame
@@ -46,6 +47,33 @@ def test_the_state_does_not_depend_on_how_the_log_is_cut_into_ticks():
     state = _ingest(mid, 1.0)
     assert 0 < state.live_count() == int(state.alive.sum()) < 60
     assert state.stats[POOLED].stage_s[1].n > 0 and state.stats[POOLED].turns.n > 0
+
+
+def _histories_by_hand(events: pl.DataFrame, until_s: float) -> int:
+    """Each live trajectory's history before `until_s`: its last queued turn's context, or
+    all of a decoded turn's tokens; nothing once finished."""
+    last: dict[str, int] = {}
+    for kind, tid, context, new, generated in events.filter(pl.col("at_s") < until_s).select("kind", "trajectory_id", "context_tokens", "new_tokens", "generated_tokens").iter_rows():
+        if kind == "prefill_queued":
+            last[tid] = context
+        elif kind == "decode_done":
+            last[tid] = context + new + generated
+        elif kind == "finished":
+            last[tid] = 0
+    return sum(last.values())
+
+
+def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle():
+    """The working set the allocator judges saturation by: the forecaster's live state and
+    the oracle's reading of a recorded log count the same tokens at every cut."""
+    events = synthetic_log(trajectories=40, seed=7, spread_s=10.0, max_turns=6)
+    end_s = float(events["at_s"].max())
+    per_bin = live_context_tokens(events, 1.0, int(end_s) + 1)
+    for cut_s in (3.0, 8.0, 15.0, float(int(end_s))):
+        state = _ingest(events.filter(pl.col("at_s") < cut_s), 1.0)
+        expected = _histories_by_hand(events, cut_s)
+        assert state.live_context_tokens() == expected == per_bin[int(cut_s) - 1]
+    assert 0 < _histories_by_hand(events, 8.0) and per_bin[-1] == 0  # every trajectory finished
 
 
 def ev(i: int, kind: K, at_s: float, **fields) -> LifecycleEvent:

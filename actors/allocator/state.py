@@ -50,8 +50,8 @@ class Fleet:
 
     @property
     def kv_working_set_tokens(self) -> int:
-        """KV the fleet holds now, live trajectories between turns included: a lower bound on
-        the working set (what eviction already dropped is not counted)."""
+        """KV the fleet holds now, resident and cached: live trajectories between turns, and the
+        cached prefixes of finished ones until eviction drops them (a warm fleet reads full)."""
         return sum(e.kv_held_tokens for e in self.engines)
 
     @property
@@ -78,9 +78,12 @@ class Demand:
     decode_context_tokens: float = DEFAULT_CONTEXT_TOKENS  # their mean context
     source: str = ""  # "queues", "forecast", "oracle"
     remote_share: float = 1.0  # share of prefill tokens too long to prefill where their KV lives
-    kv_working_set_tokens: float = 0.0  # KV of every live trajectory, between turns included (fleet now)
+    kv_working_set_tokens: float = 0.0  # KV the fleet holds now (`Fleet.kv_working_set_tokens`)
     prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
     live_trajectories: float = 0.0  # trajectories live now (decoding, queued or in a tool call)
+    # KV tokens of their histories (the forecaster's lifecycle state; 0: not known): the working
+    # set, where `kv_working_set_tokens` also counts the cached prefixes of finished trajectories
+    live_context_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,6 +169,7 @@ class ForecasterActor(Actor):
             horizons_s=list(fc.horizons_s),
             targets=targets,
             live_trajectories=result.live_trajectories,
+            live_context_tokens=result.live_context_tokens,
             events_total=result.events_total,
             fallback=bool(outcome.fallback_reason),
             fallback_reason=outcome.fallback_reason,
