@@ -37,7 +37,7 @@ def test_extend_prefix_grows_a_cached_prefix_and_refuses_when_it_moved_on():
     assert c.extend_prefix("a", 0, 800, 819) and c.cached_prefix("a", 0) == 819
     assert not c.extend_prefix("a", 0, 800, 819)  # holds it already
     assert not c.extend_prefix("a", 1, 0, 50) or c.cached_prefix("a", 1) == 50  # another version: its own entry
-    c._cache_take("a", 0)  # the next turn was admitted: its prefix left the cache
+    c.prefixes.take("a", 0)  # the next turn was admitted: its prefix left the cache
     assert not c.extend_prefix("a", 0, 800, 900) and c.cached_prefix("a", 0) == 0
     seq = c.admit_prefill(work("b", context=0, new=100))
     assert c.in_flight("b") and not c.extend_prefix("b", 0, 0, 500)  # never under a turn in flight

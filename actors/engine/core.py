@@ -18,87 +18,18 @@ and policy version turns a returning trajectory's history into cached-prefix tok
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 
 import msgspec
 
 from actors.engine.admission import RESERVED_DECODE_TOKENS, RETRACT_DECODE_STEPS, NewTokenRatio, growth_tokens
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
+from actors.engine.prefix_lru import PrefixLru
+from actors.engine.sequence import Batch, Held, Seq
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
 KV_HIGH_WATERMARK = 0.9  # stop admitting work above this share of the KV pool
-
-
-@dataclass(slots=True, eq=False)
-class Seq:
-    work: PrefillWork
-    target_tokens: int  # tokens this turn generates (emulated: from the work item)
-    cached_prefix_tokens: int  # history found in the prefix cache
-    prefill_tokens: int  # tokens to compute: uncached history + the turn's new tokens
-    handoff: bool  # prefill role: stop after prefill and hand the KV over
-    prefill_done_tokens: int = 0
-    generated: int = 0
-    generated_before_prefill: int = 0  # > 0 after a preemption: those tokens are recomputed as prompt
-    rank: int = 0  # DP-attention rank the sequence lives on
-    preempted: bool = False  # lost its KV to a preemption; waits until a full recompute fits
-    prefill_started: bool = False
-    decode_started: bool = False
-    prefill_engine_id: str = ""
-    oldest_version: int = -1  # a weight update interrupted the turn: the version of its first tokens
-
-    @property
-    def key(self) -> str:
-        return self.work.work_id
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV resident for this sequence now."""
-        return self.cached_prefix_tokens + self.prefill_done_tokens + self.generated - self.generated_before_prefill
-
-    @property
-    def kv_reserved_tokens(self) -> int:
-        """KV this sequence occupies once its prefill is through (admission reserves it)."""
-        return self.cached_prefix_tokens + self.prefill_tokens + self.generated - self.generated_before_prefill
-
-    @property
-    def max_new_tokens(self) -> int:
-        """The turn's output cap (admission reserves growth up to it)."""
-        return self.work.max_output_tokens or self.target_tokens
-
-    @property
-    def prefill_left(self) -> int:
-        return self.prefill_tokens - self.prefill_done_tokens
-
-    @property
-    def decode_left(self) -> int:
-        return self.target_tokens - self.generated
-
-
-@dataclass(slots=True)
-class Batch:
-    prefill: list[tuple[Seq, int]]  # (sequence, chunk tokens)
-    decode: list[Seq]
-    iterations: int  # iterations this step covers: each decodes a token and prefills each chunk's tokens again
-    duration_s: float  # modelled time of the step
-    started: list[tuple[str, Seq]] = field(default_factory=list)  # ("prefill_started" | "decode_started", seq)
-    ends_s: list[float] | None = None  # when each iteration ends, from the step's start (multi-iteration prefill)
-    host_copy_s: float = 0.0  # KV moved to or from host memory before the step (in duration_s and ends_s)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefill) * self.iterations
-
-    @property
-    def decode_tokens(self) -> int:
-        return len(self.decode) * self.iterations
-
-
-@dataclass(slots=True)
-class Held:
-    seq: Seq
-    expires_at_s: float
 
 
 class EngineCore:
@@ -126,8 +57,7 @@ class EngineCore:
         self.retracted: deque[Seq] = deque()  # decodes whose KV waits in host memory (`_retract_to_host`)
         self._host_copy_tokens = [0] * preset.dp_ranks  # per rank: KV to copy to or from host before the next step
         self.held: dict[str, Held] = {}
-        self._cache: OrderedDict[str, int] = OrderedDict()
-        self._cache_tokens = 0
+        self.prefixes = PrefixLru()  # in the free part of the KV pool
         self.busy_s = 0.0  # modelled time spent in steps, for utilisation
         self.preemptions = 0
         self.preempted_kv_tokens = 0  # KV dropped by preemptions, to be computed again
@@ -200,7 +130,7 @@ class EngineCore:
 
     # --- admission -----------------------------------------------------------------------
     def admit_prefill(self, work: PrefillWork) -> Seq:
-        cached = min(self._cache_take(work.trajectory_id, work.policy_version), work.context_tokens)
+        cached = min(self.prefixes.take(work.trajectory_id, work.policy_version), work.context_tokens)
         seq = Seq(
             work=work,
             target_tokens=max(1, work.target_output_tokens),
@@ -227,7 +157,7 @@ class EngineCore:
     def admit_decode(self, item: DecodeWork) -> Seq:
         """A prefilled turn whose KV has arrived: all of its context is resident."""
         work = item.prefill
-        self._cache_take(work.trajectory_id, work.policy_version)
+        self.prefixes.take(work.trajectory_id, work.policy_version)
         seq = Seq(
             work=work,
             target_tokens=max(1, work.target_output_tokens),
@@ -504,10 +434,7 @@ class EngineCore:
 
     def drop_cache_below(self, version: int) -> int:
         """Forget every cached prefix of a policy older than `version`; returns entries dropped."""
-        stale = [k for k in self._cache if int(k.rsplit("@", 1)[1]) < version]
-        for k in stale:
-            self._cache_tokens -= self._cache.pop(k)
-        return len(stale)
+        return self.prefixes.drop_below(version)
 
     # --- KV hand-off (prefill role) ------------------------------------------------------
     def hold(self, seq: Seq, handle_id: str, expires_at_s: float) -> None:
@@ -529,27 +456,17 @@ class EngineCore:
         return [self.held.pop(h).seq for h in gone]
 
     # --- prefix cache --------------------------------------------------------------------
-    def _cache_take(self, trajectory_id: str, policy_version: int) -> int:
-        tokens = self._cache.pop(f"{trajectory_id}@{policy_version}", 0)
-        self._cache_tokens -= tokens
-        return tokens
-
     def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int) -> None:
-        self._cache_take(trajectory_id, policy_version)
-        self._cache[f"{trajectory_id}@{policy_version}"] = tokens
-        self._cache_tokens += tokens
-        free = self.kv_capacity_tokens - self.kv_used_tokens
-        while self._cache and self._cache_tokens > free:
-            _, evicted = self._cache.popitem(last=False)
-            self._cache_tokens -= evicted
+        """Cache a prefix in the free part of the pool (LRU entries make room)."""
+        self.prefixes.put(trajectory_id, policy_version, tokens, self.kv_capacity_tokens - self.kv_used_tokens)
 
     @property
     def cached_tokens(self) -> int:
-        return self._cache_tokens
+        return self.prefixes.tokens
 
     def cached_prefix(self, trajectory_id: str, policy_version: int) -> int:
         """Tokens the prefix cache holds for (trajectory, version), without taking them."""
-        return self._cache.get(f"{trajectory_id}@{policy_version}", 0)
+        return self.prefixes.get(trajectory_id, policy_version)
 
     def extend_prefix(self, trajectory_id: str, policy_version: int, from_tokens: int, tokens: int) -> bool:
         """Written-back KV landed (`engines.kv_writeback`): the cached prefix of (trajectory,
