@@ -393,9 +393,11 @@ class LiveState:
             (sets_clock, self.entered_s, at_s),
             ((code == QUEUED) | (code == TOOL_DONE), self.turn, np.where(code == TOOL_DONE, turn + 1, np.maximum(turn, 0))),
             (np.isin(code, (QUEUED, REPREFILL, PREFILLED, TOOL_DONE)), self.prefilled, code == PREFILLED),
-            (np.isin(code, (QUEUED, REPREFILL, DEC_DONE)), self.context,
+            # a re-prefill re-sends the queued turn: its context and new tokens stand (logs
+            # before stop 33 carry no token counts on reprefill events)
+            (np.isin(code, (QUEUED, DEC_DONE)), self.context,
              np.where(code == DEC_DONE, col["context_tokens"] + col["new_tokens"] + col["generated_tokens"], col["context_tokens"])),
-            ((code == QUEUED) | (code == REPREFILL), self.queued_new, col["new_tokens"]),
+            (code == QUEUED, self.queued_new, col["new_tokens"]),
         ):  # fmt: skip
             array[slot[valid]] = values[valid]  # repeated slots: the last event wins
         return phase_before, entered_before

@@ -137,4 +137,6 @@ async def test_lost_kv_sends_the_turn_back_to_prefill(bus, tiny_config):
     assert e1.counters["reprefills"] == 1 and not await results(bus)
     requeued = await read_stream(js, streams.WORK_PREFILL, subjects.work_prefill(), type(w))
     assert [(r.trajectory_id, r.attempt, r.work_id) for r in requeued] == [("orphan", 1, "orphan/n/t0/a1")]
-    assert [e.kind for e in await events(bus) if e.trajectory_id == "orphan"] == [EventKind.REPREFILL]
+    resent = [e for e in await events(bus) if e.trajectory_id == "orphan"]
+    assert [e.kind for e in resent] == [EventKind.REPREFILL]
+    assert (resent[0].new_tokens, resent[0].context_tokens) == (w.new_tokens, w.context_tokens)  # the turn's, for the forecaster

@@ -4,6 +4,7 @@ sync-RL cadence (trainer gap, launch spread, pending starts) is read from fleet 
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import polars as pl
 
@@ -11,7 +12,7 @@ from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import LifecycleEvent
 from actors.allocator.demand import live_context_tokens
 from forecasting.live import POOLED, LiveState
-from forecasting.synthetic import synthetic_log
+from forecasting.synthetic import synthetic_events, synthetic_log
 from ops.export import events_frame
 
 
@@ -66,10 +67,18 @@ def _histories_by_hand(events: pl.DataFrame, until_s: float) -> int:
 def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle():
     """The working set the allocator judges saturation by: the forecaster's live state and
     the oracle's reading of a recorded log count the same tokens at every cut."""
-    events = synthetic_log(trajectories=40, seed=7, spread_s=10.0, max_turns=6)
+    log = synthetic_events(trajectories=40, seed=7, spread_s=10.0, max_turns=6)
+    # a turn re-sent to prefill (its KV was lost) changes no history; older logs' reprefill
+    # events carry no token counts
+    resent = [
+        msgspec.structs.replace(e, kind=K.REPREFILL, event_id=e.event_id + "-again", new_tokens=0, context_tokens=0)
+        for i, e in enumerate(log) if e.kind is K.PREFILL_QUEUED and i % 3 == 0
+    ]
+    assert resent
+    events = events_frame(log + resent).sort("at_s", maintain_order=True)
     end_s = float(events["at_s"].max())
     per_bin = live_context_tokens(events, 1.0, int(end_s) + 1)
-    for cut_s in (3.0, 8.0, 15.0, float(int(end_s))):
+    for cut_s in np.arange(1.0, int(end_s) + 1.0, 2.0):
         state = _ingest(events.filter(pl.col("at_s") < cut_s), 1.0)
         expected = _histories_by_hand(events, cut_s)
         assert state.live_context_tokens() == expected == per_bin[int(cut_s) - 1]

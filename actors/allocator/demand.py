@@ -98,8 +98,9 @@ class RecordedDemand:
 def live_context_tokens(events: pl.DataFrame, bin_s: float, bins: int) -> np.ndarray:
     """KV tokens of the live trajectories' histories at the end of each of `bins` bins, by the
     forecaster's rule (forecasting/live.py `LiveState.live_context_tokens`): a queued turn
-    holds its context, a decoded one all of its tokens, a finished trajectory nothing."""
-    kinds = ("prefill_queued", "reprefill", "decode_done", "finished")
+    holds its context, a decoded one all of its tokens, a finished trajectory nothing (a
+    re-prefill re-sends a queued turn: nothing changes)."""
+    kinds = ("prefill_queued", "decode_done", "finished")
     log = events.filter(pl.col("kind").is_in(kinds)).sort("at_s", maintain_order=True)
     value = (
         pl.when(pl.col("kind") == "decode_done").then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))

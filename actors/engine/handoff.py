@@ -170,7 +170,7 @@ class EngineHandoff:
         self.counters["reprefills"] += 1
         self.log.warning("re-prefill %s: %s", work.work_id, why)
         await self._publish(subjects.work_prefill(), encode(again), again.work_id)
-        self._work_event(EventKind.REPREFILL, again, detail=why)
+        self._work_event(EventKind.REPREFILL, again, detail=why, new_tokens=again.new_tokens, context_tokens=again.context_tokens)
 
     # --- KV hand-off, prefill side ---------------------------------------------------------
     async def _on_kv_fetch(self, msg: Msg) -> None:
