@@ -153,25 +153,6 @@ def test_the_saturated_regime_reads_the_live_histories_not_pools_full_of_finishe
     assert {c.role for c in changes} == {P, D} and "saturated" in policy.last_reason
 
 
-def test_a_split_whose_decode_side_cannot_hold_the_live_histories_stays_the_regimes_to_judge():
-    """The live working set hovering just under the fleet's KV (DeepSeek SWE at 64 per GPU,
-    17-18M tokens against 17.6M when the regime splits 3:1): the split's single decode engine
-    still runs KV-bound, and the rating, not the load rules, holds or undoes it. Where the
-    decode side holds the live histories, the load rules judge again."""
-    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
-    held = int(1.5 * 4 * cap.colocated_kv_tokens)
-    roles = [P, P, P, D]
-    hovering = Demand(2e5, 100, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4, live_context_tokens=0.85 * 4 * cap.colocated_kv_tokens)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
-    for tick in range(100):
-        assert policy.decide(hovering, _fleet(roles, 1000.0 + 2 * tick, 10_000_000 * tick, 1_000_000 * tick, held)) == [], policy.last_reason
-    assert "saturated" in policy.last_reason
-    fits = replace(hovering, live_context_tokens=0.5 * cap.decode_kv_tokens)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
-    policy.decide(fits, _fleet(roles, 1000.0, 0, 0, held))
-    assert "saturated" not in policy.last_reason
-
-
 def test_a_fleet_whose_caches_keep_its_histories_is_judged_by_the_saturated_model_only_with_write_back():
     """Past its KV on paper, but recomputing little (0.6 prefill tokens per decode token for
     0.5 new). Without KV write-back a split's decode engines would keep the histories from

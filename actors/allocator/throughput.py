@@ -109,18 +109,12 @@ def saturated_ratio(meter: RatioMeter, histories_follow: bool) -> float | None:
 
 
 def fleet_saturated(demand: Demand, cap: Capacity, n: int, prefill_engines: int, split_now: bool) -> bool:
-    """`saturated`, or a split whose decode side cannot hold what it must keep, or the live
-    histories: with admission that queues, that side runs KV-bound, not thrashing, and what
-    each arrangement turns over decides. (A split the regime bought stays the regime's to
-    judge while the working set hovers at the fleet's KV: the load rules would read its
-    KV-bound decode side as a load no split carries, and undo it.)"""
-    live_tokens = live_working_set_tokens(demand)
-    if saturated(live_tokens, cap, n):
+    """`saturated`, or a split whose decode side cannot hold what it must keep: with admission
+    that queues, that side runs KV-bound, not thrashing, and what each arrangement turns over
+    decides."""
+    if saturated(live_working_set_tokens(demand), cap, n):
         return True
-    if not (cap.admission_queues and split_now and 0 < prefill_engines < n):
-        return False
-    decode_engines = n - prefill_engines
-    return not decode_side_holds(demand, cap, decode_engines) or live_tokens > 0.9 * decode_engines * cap.decode_kv_tokens
+    return cap.admission_queues and split_now and 0 < prefill_engines < n and not decode_side_holds(demand, cap, n - prefill_engines)
 
 
 @dataclass(slots=True)
