@@ -3,7 +3,6 @@ cost-model policy makes from it when the live working set exceeds the fleet's KV
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.policy import Split
@@ -134,23 +133,6 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
     # greedy admission: a decode side past its KV preempts without end, the veto stands
     assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection(saturated_regime=True)), demand, held) == []
-
-
-def test_the_saturated_regime_reads_the_live_histories_not_pools_full_of_finished_prefixes():
-    """A warm fleet's pools read full: they keep the cached prefixes of finished trajectories
-    until eviction drops them. Where the forecaster counts the live trajectories' histories,
-    they are the working set: below the fleet's KV the regime stays out (the KV-fit rules
-    judge), past it the regime splits as before."""
-    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
-    held = int(1.5 * 4 * cap.colocated_kv_tokens)
-    base = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    fits = replace(base, live_context_tokens=0.8 * 4 * cap.colocated_kv_tokens)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
-    assert _run_colocated(policy, fits, held) == [] and "saturated" not in policy.last_reason
-    past = replace(base, live_context_tokens=1.2 * 4 * cap.colocated_kv_tokens)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
-    changes = _run_colocated(policy, past, held)
-    assert {c.role for c in changes} == {P, D} and "saturated" in policy.last_reason
 
 
 def test_a_fleet_whose_caches_keep_its_histories_is_judged_by_the_saturated_model_only_with_write_back():

@@ -55,23 +55,14 @@ def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int, enteri
 
 
 def working_set_tokens(demand: Demand) -> float:
-    """KV of every live trajectory, as the load rules size it: what the fleet holds (eviction
+    """KV of every live trajectory, as the allocator sizes it: what the fleet holds (eviction
     caps it at the pools it has), or the live trajectories times the decoding sequences' mean
     context where that is larger (a fleet that already evicts reports only what it kept).
-    Both over-count (`live_working_set_tokens`)."""
+    Both over-count the live histories (`Demand.live_context_tokens`): pools keep finished
+    trajectories' prefixes until eviction, so a warm fleet's read full, and the sequences
+    decoding are the longer ones. The rules and the saturated regime's gate were measured on
+    this figure; docs/allocation.md (stop 33) shows what the live histories did in its place."""
     return max(demand.kv_working_set_tokens, demand.live_trajectories * demand.decode_context_tokens)
-
-
-def live_working_set_tokens(demand: Demand) -> float:
-    """KV of every live trajectory: their histories as the lifecycle log counts them, where
-    the demand has them (`working_set_tokens` without). That estimate over-counts: pools keep
-    the cached prefixes of finished trajectories until they are evicted (a warm fleet's pools
-    read full), and the sequences decoding are the longer ones (an SWE step at 64 per GPU on
-    the moe fleet: 35.6M tokens by it, 30.6M by the histories). Whether a fleet is saturated
-    (throughput.py) turns on this figure; the load rules, measured on the other, keep it."""
-    if demand.live_context_tokens > 0:
-        return demand.live_context_tokens
-    return working_set_tokens(demand)
 
 
 def target_prefill_engines(loads: tuple[float, float], n: int, current: int) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.allocator.capacity import Capacity
-from actors.allocator.loads import decode_side_holds, live_working_set_tokens
+from actors.allocator.loads import decode_side_holds, working_set_tokens
 from actors.allocator.state import Demand
 
 # decayed sums behind the measured prefill-per-decode ratio: each tick keeps this share of the
@@ -112,7 +112,7 @@ def fleet_saturated(demand: Demand, cap: Capacity, n: int, prefill_engines: int,
     """`saturated`, or a split whose decode side cannot hold what it must keep: with admission
     that queues, that side runs KV-bound, not thrashing, and what each arrangement turns over
     decides."""
-    if saturated(live_working_set_tokens(demand), cap, n):
+    if saturated(working_set_tokens(demand), cap, n):
         return True
     return cap.admission_queues and split_now and 0 < prefill_engines < n and not decode_side_holds(demand, cap, n - prefill_engines)
 
