@@ -3,7 +3,6 @@ cost-model policy makes from it when the live working set exceeds the fleet's KV
 
 from __future__ import annotations
 
-
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.policy import Split
 from actors.allocator.state import Demand, EngineState, Fleet

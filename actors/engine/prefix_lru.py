@@ -37,9 +37,13 @@ class PrefixLru:
             _, evicted = self._entries.popitem(last=False)
             self.tokens -= evicted
 
+    def entries_below(self, version: int) -> list[str]:
+        """Keys ("trajectory@version") of the entries of a policy older than `version`."""
+        return [k for k in self._entries if int(k.rsplit("@", 1)[1]) < version]
+
     def drop_below(self, version: int) -> int:
         """Forget every entry of a policy older than `version`; the entries dropped."""
-        stale = [k for k in self._entries if int(k.rsplit("@", 1)[1]) < version]
+        stale = self.entries_below(version)
         for k in stale:
             self.tokens -= self._entries.pop(k)
         return len(stale)
