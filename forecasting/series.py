@@ -10,7 +10,9 @@ Bin k covers [k·bin_s, (k+1)·bin_s) in model seconds from the run's origin. `b
 bins one stretch of time starting from the levels the previous stretch ended at, so the
 live forecaster (one stretch per tick) and a batch pass over a whole log (`bin_events`)
 run the same code. `chunk_totals` is the same arithmetic for the totals alone, in numpy:
-the forecaster's per-tick path (a test holds it to `bin_chunk`). Targets:
+the forecaster's per-tick path (a test holds it to `bin_chunk`). `live_context_by_bin` reads
+the live trajectories' histories per bin from a whole log (the oracle's copy of the live
+state's figure). Targets:
 
 | column | kind | meaning |
 | --- | --- | --- |
@@ -222,6 +224,28 @@ def bin_events(events: pl.DataFrame, bin_s: float, end_s: float | None = None, c
     series, _ = bin_chunk(events.filter(pl.col("at_s") < end_s), 0.0, end_s, bin_s, cost=cost)
     return series
 
+
+def live_context_by_bin(events: pl.DataFrame, bin_s: float, bins: int) -> np.ndarray:
+    """KV tokens of the live trajectories' histories at the end of each of `bins` bins of a
+    whole log (`oracle`), by the live state's rule (forecasting/live.py
+    `LiveState.live_context_tokens`, which a test holds it to): a queued turn holds its
+    context, a decoded one all of its tokens, a finished trajectory nothing (a re-prefill
+    re-sends a queued turn: nothing changes)."""
+    kinds = ("prefill_queued", "decode_done", "finished")
+    log = events.filter(pl.col("kind").is_in(kinds)).sort("at_s", maintain_order=True)
+    value = (
+        pl.when(_kind("decode_done")).then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))
+        .when(_kind("finished")).then(0)
+        .otherwise(pl.col("context_tokens"))
+    )  # fmt: skip
+    log = log.with_columns(value.alias("value")).with_columns(
+        (pl.col("value") - pl.col("value").shift(1).over("trajectory_id").fill_null(0)).alias("delta"),
+        (pl.col("at_s") // bin_s).cast(pl.Int64).clip(0, max(0, bins - 1)).alias("bin"),
+    )
+    per_bin = np.zeros(bins)
+    if bins and log.height:
+        np.add.at(per_bin, log["bin"].to_numpy(), log["delta"].to_numpy().astype(float))
+    return np.cumsum(per_bin)
 
 def totals(series: pl.DataFrame, column: str) -> list[float]:
     """One column of the "all" rows, in bin order."""

@@ -10,8 +10,8 @@ import polars as pl
 
 from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import LifecycleEvent
-from actors.allocator.demand import live_context_tokens
 from forecasting.live import POOLED, LiveState
+from forecasting.series import live_context_by_bin
 from forecasting.synthetic import synthetic_events, synthetic_log
 from ops.export import events_frame
 
@@ -77,7 +77,7 @@ def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle()
     assert resent
     events = events_frame(log + resent).sort("at_s", maintain_order=True)
     end_s = float(events["at_s"].max())
-    per_bin = live_context_tokens(events, 1.0, int(end_s) + 1)
+    per_bin = live_context_by_bin(events, 1.0, int(end_s) + 1)
     for cut_s in np.arange(1.0, int(end_s) + 1.0, 2.0):
         state = _ingest(events.filter(pl.col("at_s") < cut_s), 1.0)
         expected = _histories_by_hand(events, cut_s)

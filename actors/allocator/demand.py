@@ -17,7 +17,7 @@ import polars as pl
 
 from actors.allocator.state import Demand, Fleet
 from bus_schemas.forecast import DemandForecast, TargetForecast
-from forecasting.series import bin_events, totals
+from forecasting.series import bin_events, live_context_by_bin, totals
 
 ORACLE_BIN_S = 1.0
 
@@ -76,7 +76,7 @@ class RecordedDemand:
         self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
         arrivals, finishes = (np.asarray(totals(series, c), dtype=float) for c in ("arrivals", "finishes"))
         self.live = np.cumsum(arrivals - finishes)  # trajectories live at the end of each bin
-        self.live_context = live_context_tokens(events, ORACLE_BIN_S, len(self.live))
+        self.live_context = live_context_by_bin(events, ORACLE_BIN_S, len(self.live))
 
     def at(self, fleet: Fleet, horizon_s: float) -> Demand:
         lo = int(fleet.now_s // ORACLE_BIN_S)
@@ -94,24 +94,3 @@ class RecordedDemand:
             live_context_tokens=float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0,
         )
 
-
-def live_context_tokens(events: pl.DataFrame, bin_s: float, bins: int) -> np.ndarray:
-    """KV tokens of the live trajectories' histories at the end of each of `bins` bins, by the
-    forecaster's rule (forecasting/live.py `LiveState.live_context_tokens`): a queued turn
-    holds its context, a decoded one all of its tokens, a finished trajectory nothing (a
-    re-prefill re-sends a queued turn: nothing changes)."""
-    kinds = ("prefill_queued", "decode_done", "finished")
-    log = events.filter(pl.col("kind").is_in(kinds)).sort("at_s", maintain_order=True)
-    value = (
-        pl.when(pl.col("kind") == "decode_done").then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))
-        .when(pl.col("kind") == "finished").then(0)
-        .otherwise(pl.col("context_tokens"))
-    )  # fmt: skip
-    log = log.with_columns(value.alias("value")).with_columns(
-        (pl.col("value") - pl.col("value").shift(1).over("trajectory_id").fill_null(0)).alias("delta"),
-        (pl.col("at_s") // bin_s).cast(pl.Int64).clip(0, max(0, bins - 1)).alias("bin"),
-    )
-    per_bin = np.zeros(bins)
-    if bins and log.height:
-        np.add.at(per_bin, log["bin"].to_numpy(), log["delta"].to_numpy().astype(float))
-    return np.cumsum(per_bin)
