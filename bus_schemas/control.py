@@ -83,3 +83,4 @@ class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
     live_trajectories: float = 0.0
     live_context_tokens: float = 0.0
     remote_share: float = 1.0
+    prefill_attention_tokens: float = 0.0  # context a missed prefill token attends over (0: unknown)

@@ -57,8 +57,22 @@ class PrefillCost:
     per_token_s: float = 1.0
     per_token_pair_s: float = 0.0
 
+    @classmethod
+    def of_preset(cls, preset) -> "PrefillCost":
+        """The costs of a cost-model preset (`CostPreset`: its t_tok_s and c_attn_s)."""
+        return cls(per_token_s=preset.t_tok_s, per_token_pair_s=preset.c_attn_s)
+
     def engine_s(self, miss_tokens, prefix_tokens):
         return self.per_token_s * miss_tokens + self.per_token_pair_s * miss_tokens * (prefix_tokens + miss_tokens / 2.0)
+
+    def attention_tokens(self, engine_s: float, miss_tokens: float) -> float:
+        """The inverse of `engine_s` over many prefills: the mean context a cache-missed token
+        attends over (its cached prefix plus the tokens before it in its own prefill, p + n/2
+        for one prefill), weighted by tokens. 0 where it cannot be told (no tokens, or costs
+        that do not price attention)."""
+        if miss_tokens <= 0 or self.per_token_pair_s <= 0:
+            return 0.0
+        return max(0.0, (engine_s / miss_tokens - self.per_token_s) / self.per_token_pair_s)
 
 
 UNIT_COST = PrefillCost()

@@ -72,6 +72,17 @@ def test_split_follows_the_ratio_of_stage_loads():
     assert len(changes) == 1 and changes[0].role is D
 
 
+def test_the_split_size_is_the_one_with_the_least_bottleneck():
+    from actors.allocator.loads import bottleneck, target_prefill_engines
+
+    loads = (0.76, 1.42)  # 1.39 of 4 engines would prefill at equal utilisation
+    assert bottleneck(loads, 2, 4) < bottleneck(loads, 1, 4)  # one prefill engine at 0.76, two decode engines at 0.71
+    assert target_prefill_engines(loads, 4, 0) == 2  # not the nearer 1
+    assert target_prefill_engines((1.42, 0.76), 4, 0) == 2
+    assert target_prefill_engines((3.0, 5.0), 8, 0) == 3  # exact: 3:5
+    assert target_prefill_engines(loads, 4, 1) == 1  # within the deadband of a running 1:3: kept
+
+
 def test_split_keeps_one_engine_per_stage():
     roles = [P, P, D, D, D, D, D, D]
     to_prefill = split().decide(demand_for((50.0, 1.0)), fleet(roles))
@@ -264,6 +275,21 @@ def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():
     assert colocated_load(demand, sglang, util, 8) > prefill + decode
 
 
+def test_colocated_load_counts_the_live_histories_not_the_finished_trajectories_cache():
+    from dataclasses import replace
+
+    from actors.allocator.loads import colocated_load
+
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    tail = Demand(1000.0, 6.0, 4096.0, "t", kv_working_set_tokens=0.95 * 8 * cap.colocated_kv_tokens)  # a warm fleet, few live
+    unknown = colocated_load(tail, cap, 0.8, 8)
+    assert unknown > 7.0  # without the live state the warm cache reads as a full fleet
+    live = replace(tail, live_context_tokens=200_000.0)
+    assert colocated_load(live, cap, 0.8, 8) < 0.2 * unknown  # the cached prefixes of finished trajectories are no load
+    busy = replace(tail, live_context_tokens=0.7 * 8 * cap.colocated_kv_tokens)
+    assert abs(colocated_load(busy, cap, 0.8, 8) - colocated_load(replace(tail, kv_working_set_tokens=busy.live_context_tokens), cap, 0.8, 8)) < 1e-9
+
+
 def test_working_set_counts_live_trajectories_the_fleet_no_longer_holds():
     from actors.allocator.loads import working_set_tokens
 
@@ -291,20 +317,41 @@ def test_cost_model_goes_back_to_colocated_when_that_saves_more_than_the_switche
     assert policy.decide(demand_for((6.0, 6.0)), fleet(pd)) == [] and policy.last_reason.startswith("hold 4:4")
 
 
-def test_a_working_set_the_decode_side_cannot_hold_keeps_the_fleet_colocated():
+GREEDY = msgspec.structs.replace(ENGINES, admission="vllm")  # engines admit everything and preempt
+
+
+def test_a_working_set_the_decode_side_cannot_hold_keeps_a_greedy_fleet_colocated():
     from dataclasses import replace
 
     colocated = [C] * 8
     heavy = demand_for((3.0, 3.0))
-    assert cost_model_split().decide(heavy, fleet(colocated)) != []  # splits when the KV fits
-    kv_per_engine = CapacityModel(ENGINES, 2.0).at(4096).decode_kv_tokens
+    assert cost_model_split(GREEDY).decide(heavy, fleet(colocated)) != []  # splits when the KV fits
+    kv_per_engine = CapacityModel(GREEDY, 2.0).at(4096).decode_kv_tokens
     full = replace(heavy, kv_working_set_tokens=0.8 * 8 * kv_per_engine)  # the fleet's KV 80% full, between turns
-    policy = cost_model_split()
+    policy = cost_model_split(GREEDY)
     assert policy.decide(full, fleet(colocated)) == [] and "would not fit" in policy.last_reason
     live = replace(heavy, live_trajectories=0.8 * 8 * kv_per_engine / 4096)  # the same working set, counted by trajectory
-    assert cost_model_split().decide(live, fleet(colocated)) == []
+    assert cost_model_split(GREEDY).decide(live, fleet(colocated)) == []
     fleet_now = fleet(colocated, kv_held_tokens=[100] * 8)
     assert fleet_now.kv_working_set_tokens == 800
+    # engines that queue what does not fit, with write-back: the histories left on the new decode
+    # engines are cached prefixes they evict as they need room, and the next turns recompute
+    # them on the prefill side (the relocation the split pays for), so no veto
+    policy = cost_model_split()
+    assert policy.decide(full, fleet(colocated)) == [] and "would not fit" not in policy.last_reason and "costs" in policy.last_reason
+
+
+def test_with_write_back_a_split_decode_side_holds_only_what_it_decodes():
+    from dataclasses import replace
+
+    cap = CapacityModel(ENGINES, 2.0).at(4096)
+    demand = demand_for((3.0, 3.0))
+    warm = replace(demand, kv_working_set_tokens=0.9 * 8 * cap.decode_kv_tokens)  # histories and cached prefixes fill the fleet
+    assert stage_loads(warm, cap, 0.8) == stage_loads(demand, cap, 0.8)  # they live on the prefill side
+    no_writeback = msgspec.structs.replace(ENGINES, kv_writeback="none")
+    cap_none = CapacityModel(no_writeback, 2.0).at(4096)
+    kept = stage_loads(warm, cap_none, 0.8)[1]  # without write-back the decode engines keep them
+    assert abs(kept - warm.kv_working_set_tokens / (0.9 * cap_none.decode_kv_tokens)) < 1e-9 and kept > stage_loads(demand, cap_none, 0.8)[1]
 
 
 def test_a_split_pays_for_recomputing_the_kv_its_decode_engines_hold():
@@ -408,8 +455,9 @@ def test_with_write_back_a_split_goes_back_only_when_its_decoding_sequences_outg
     outgrown = replace(demand_for((3.0, 3.0)), kv_working_set_tokens=1.2 * 4 * cap.decode_kv_tokens)
     policy = cost_model_split()
     assert policy.decide(outgrown, fleet(pd)) == [] and "outgrew" not in policy.last_reason
-    # ... but not into one: entering, the histories on the new decode engines stay there for a turn
-    entering = cost_model_split()
+    # ... but a greedy fleet does not split into one: entering, the histories on the new decode
+    # engines stay there for a turn, and its decode engines would preempt and recompute
+    entering = cost_model_split(GREEDY)
     assert entering.decide(outgrown, fleet([C] * 8)) == [] and "would not fit" in entering.last_reason
     # the sequences it decodes, at their contexts, no longer fit 4 decode engines: back to colocated
     decoding = replace(outgrown, decode_seqs=1.2 * 4 * cap.decode_kv_tokens / 4096)

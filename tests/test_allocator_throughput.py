@@ -121,7 +121,7 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
     policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
     assert policy.decide(demand, _fleet([C] * 4, 100.0, 0, 0, held)) == []  # nothing measured yet
-    assert "would not fit" in policy.last_reason
+    assert policy.last_reason.startswith("colocated: colocated load")  # no reading of q: the load rules judge
     changes = _run_colocated(policy, demand, held)
     assert changes and {c.role for c in changes} == {P, D}, policy.last_reason
     assert "saturated" in policy.last_reason

@@ -11,7 +11,7 @@ import pytest
 
 from actors.base.clock import ScaledClock, wall_now_s
 from actors.config import ForecasterSection
-from actors.forecaster.actor import ForecasterActor, due_tick
+from actors.forecaster.actor import ForecasterActor, due_tick, prefill_cost
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.forecast import DemandForecast
@@ -69,3 +69,7 @@ async def test_a_forecaster_far_behind_stays_within_one_tick_of_the_clock_and_st
         skipped = after.skipped_ticks - before.skipped_ticks
         assert after.as_of_s - before.as_of_s == pytest.approx(TICK_S * (1 + skipped))
     assert forecaster.max_lag_s < TICK_S
+    # its prefill engine-seconds state what they are priced at: the prefill engines' costs
+    cost = prefill_cost(config)
+    assert cost.per_token_pair_s > 0
+    assert (published[-1].prefill_cost_per_token_s, published[-1].prefill_cost_per_token_pair_s) == (cost.per_token_s, cost.per_token_pair_s)

@@ -35,6 +35,7 @@ from bus_schemas.control import AllocationDecision, CommandAck, Role, SetRole
 from bus_schemas.eventlog import load_events
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.status import ActorStatus, EngineStatus
+from forecasting.series import PrefillCost
 
 STARTUP_WAIT_WALL_S = 120.0  # wait this long for every engine's first heartbeat, then go on without the late ones
 
@@ -48,7 +49,7 @@ def make_policy(config: Config) -> Policy:
 
 DECISION_DEMAND_FIELDS = (
     "prefill_tokens_per_s", "prefill_new_tokens_per_s", "decode_seqs", "decode_context_tokens",
-    "kv_working_set_tokens", "live_trajectories", "live_context_tokens", "remote_share",
+    "kv_working_set_tokens", "live_trajectories", "live_context_tokens", "remote_share", "prefill_attention_tokens",
 )  # fmt: skip
 
 
@@ -67,7 +68,11 @@ class AllocatorActor(Actor):
         self.lease_s = config.run.lease_wall_s * clock.time_scale  # model seconds
         self.epoch = 0
         self.forecast: DemandForecast | None = None
-        self.recorded = RecordedDemand(load_events(config.allocator.oracle_log)) if config.run.policy == "oracle" else None
+        self.recorded = (
+            RecordedDemand(load_events(config.allocator.oracle_log), PrefillCost.of_preset(config.engines.cost_preset(Role.PREFILL)))
+            if config.run.policy == "oracle"
+            else None
+        )
         self.last_demand: Demand | None = None
         self.env_tokens: dict[str, tuple[int, int]] = {}  # environment -> (short, long) prefill tokens, cumulative
         self._seen_tokens = (0, 0)

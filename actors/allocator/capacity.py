@@ -50,11 +50,33 @@ class Capacity:
     # engines queue what their KV cannot take instead of admitting it and preempting
     # (`engines.admission = "sglang"`)
     admission_queues: bool = False
+    # the prefill cost per token is linear in the context a token attends over; the figures
+    # above are at `prefill_attention_tokens` (the reference chunk's prefix + chunk / 2), and a
+    # demand whose prefills attend over more or less is priced along these slopes
+    # (`prefill_s_at`; engine-seconds per token per context token)
+    prefill_attention_tokens: float = 0.0
+    prefill_s_per_token_per_context: float = 0.0
+    colocated_prefill_s_per_token_per_context: float = 0.0
+
+    def prefill_s_at(self, attention_tokens: float, colocated: bool = False) -> float:
+        """Engine-seconds per prefill token (full chunks) for tokens that attend over
+        `attention_tokens` of context on average (`Demand.prefill_attention_tokens`); the
+        reference figure where that is unknown (0)."""
+        base = self.colocated_prefill_s_per_token if colocated else self.prefill_s_per_token
+        if attention_tokens <= 0:
+            return base
+        slope = self.colocated_prefill_s_per_token_per_context if colocated else self.prefill_s_per_token_per_context
+        return max(base + slope * (attention_tokens - self.prefill_attention_tokens), base - slope * self.prefill_attention_tokens)
 
 
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
     ranks = [RankLoad(((chunk_tokens, prefix_tokens),), 0, 0)] * preset.dp_ranks
     return group_iteration_s(preset, ranks) / (chunk_tokens * preset.dp_ranks)
+
+
+def prefill_s_per_token_per_context(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
+    """How `prefill_s_per_token` grows per token of prefix (the attention term; linear)."""
+    return (prefill_s_per_token(preset, chunk_tokens, prefix_tokens + chunk_tokens) - prefill_s_per_token(preset, chunk_tokens, prefix_tokens)) / chunk_tokens
 
 
 def decode_step_s(preset: CostPreset, seqs: int, context_tokens: int) -> float:
@@ -124,6 +146,9 @@ class CapacityModel:
             decode_prefill_s_per_token=prefill_s_per_token(decode, engines.max_batch_tokens, context_tokens),
             decode_lockstep_ranks=decode.dp_ranks if engines.decode_lockstep else 1,
             admission_queues=engines.admission == "sglang",
+            prefill_attention_tokens=context_tokens + engines.max_batch_tokens / 2.0,
+            prefill_s_per_token_per_context=prefill_s_per_token_per_context(prefill, engines.max_batch_tokens, context_tokens),
+            colocated_prefill_s_per_token_per_context=prefill_s_per_token_per_context(colocated, engines.max_batch_tokens, context_tokens),
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
             ),

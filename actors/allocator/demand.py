@@ -8,6 +8,11 @@
   bottleneck);
 * `RecordedDemand` (`oracle`): the true demand over the horizon, read from the lifecycle log
   of a recorded run of the same workload, plus the backlog of now.
+
+The forecast and the log also give the prefill engine-seconds of the cache-missed tokens
+(`prefill_engine_s`: each prefill priced by its context); the demand carries them as the
+mean context a missed token attends over (`Demand.prefill_attention_tokens`), which prices
+the prefill tokens in the load model.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import polars as pl
 
 from actors.allocator.state import Demand, Fleet
 from bus_schemas.forecast import DemandForecast, TargetForecast
-from forecasting.series import bin_events, live_context_by_bin, totals
+from forecasting.series import UNIT_COST, PrefillCost, bin_events, live_context_by_bin, totals
 
 ORACLE_BIN_S = 1.0
 
@@ -54,6 +59,8 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         return float(np.mean([max(0.0, by_target[target][i]) for i in within]))
 
     per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
+    cost = PrefillCost(forecast.prefill_cost_per_token_s, forecast.prefill_cost_per_token_pair_s)
+    attention = cost.attention_tokens(mean("prefill_engine_s"), mean("prefill_miss_tokens")) if "prefill_engine_s" in by_target else 0.0
     return Demand(
         prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + fleet.waiting_prefill_tokens / horizon_s,
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
@@ -63,15 +70,18 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
         live_trajectories=float(forecast.live_trajectories),
         live_context_tokens=float(forecast.live_context_tokens),
+        prefill_attention_tokens=attention,
     )
 
 
 class RecordedDemand:
     """The true per-second demand of a recorded run (its lifecycle frame), by model time."""
 
-    def __init__(self, events: pl.DataFrame) -> None:
-        series = bin_events(events, ORACLE_BIN_S)
+    def __init__(self, events: pl.DataFrame, cost: PrefillCost = UNIT_COST) -> None:
+        series = bin_events(events, ORACLE_BIN_S, cost=cost)
+        self.cost = cost
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
+        self.prefill_engine_s = np.asarray(totals(series, "prefill_engine_s"), dtype=float)
         self.new_tokens = np.asarray(totals(series, "prefill_new_tokens"), dtype=float)
         self.decode_seqs = np.asarray(totals(series, "decode_active_seqs"), dtype=float)
         arrivals, finishes = (np.asarray(totals(series, c), dtype=float) for c in ("arrivals", "finishes"))
@@ -92,5 +102,6 @@ class RecordedDemand:
             kv_working_set_tokens=float(fleet.kv_working_set_tokens),
             live_trajectories=float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0,
             live_context_tokens=float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0,
+            prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
         )
 

@@ -323,8 +323,13 @@ class Split:
         loads_note = f"colocated load {coloc_load:.2f} vs PD {target}:{n - target} {pd_load:.2f} engines {where}"
         if not self.weigh_cost:
             return f"colocated: {loads_note}" if coloc_load <= pd_load else ""
-        if colocated_now and not decode_side_holds(demand, cap, n - target, entering=True):
-            # a decode side that cannot hold the working set preempts and recomputes without end
+        veto = not (cap.admission_queues and not cap.decode_holds_histories)
+        if colocated_now and veto and not decode_side_holds(demand, cap, n - target, entering=True):
+            # a decode side that cannot hold the working set preempts and recomputes without end.
+            # Not with write-back under SGLang's admission: the histories left on the new decode
+            # engines are cached prefixes they evict as they need room, the next turns recompute
+            # them on the prefill side (relocation_s, charged below), and what the decode side
+            # then keeps is the sequences it decodes, in its decode load
             return f"colocated: the working set ({working_set_tokens(demand) / 1e6:.1f}M tokens) would not fit {n - target} decode engines {where}"
         if colocated_now:
             buys, gain_s, regret_s, cost_s, need_s = self._split_pays(demand, cap, target, n, coloc_load - pd_load)

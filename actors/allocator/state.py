@@ -85,6 +85,10 @@ class Demand:
     # with each decision beside `kv_working_set_tokens`, which also counts the cached prefixes
     # of finished trajectories (loads.working_set_tokens)
     live_context_tokens: float = 0.0
+    # the mean context a cache-missed prefill token attends over (its prefix, and the tokens
+    # before it in its own prefill), from the forecast prefill engine-seconds: prices the
+    # prefill tokens (`Capacity.prefill_s_at`); 0: unknown, priced at the typical context
+    prefill_attention_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

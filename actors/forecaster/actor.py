@@ -41,8 +41,7 @@ FETCH_WAIT_WALL_S = 0.1
 def prefill_cost(config) -> PrefillCost:
     """The prefill engines' cost per token and per (token x context token): what the
     prefill_engine_s target weighs each cache-missed token by."""
-    preset = config.engines.cost_preset(Role.PREFILL)
-    return PrefillCost(per_token_s=preset.t_tok_s, per_token_pair_s=preset.c_attn_s)
+    return PrefillCost.of_preset(config.engines.cost_preset(Role.PREFILL))
 
 
 def due_tick(next_index: int, now_s: float, tick_s: float, watermark_s: float) -> int:
@@ -170,6 +169,8 @@ class ForecasterActor(Actor):
             targets=targets,
             live_trajectories=result.live_trajectories,
             live_context_tokens=result.live_context_tokens,
+            prefill_cost_per_token_s=self.core.config.prefill_cost.per_token_s,
+            prefill_cost_per_token_pair_s=self.core.config.prefill_cost.per_token_pair_s,
             events_total=result.events_total,
             fallback=bool(outcome.fallback_reason),
             fallback_reason=outcome.fallback_reason,
