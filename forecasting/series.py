@@ -261,6 +261,7 @@ def live_context_by_bin(events: pl.DataFrame, bin_s: float, bins: int) -> np.nda
         np.add.at(per_bin, log["bin"].to_numpy(), log["delta"].to_numpy().astype(float))
     return np.cumsum(per_bin)
 
+
 def totals(series: pl.DataFrame, column: str) -> list[float]:
     """One column of the "all" rows, in bin order."""
     return series.filter(pl.col("task_family") == TOTAL).sort("bin")[column].to_list()

@@ -53,12 +53,16 @@ def test_attention_tokens_inverts_the_prefill_cost():
     assert COST.attention_tokens(1.0, 0.0) == 0.0
 
 
+def _fleet(now_s: float) -> Fleet:
+    return Fleet(now_s=now_s, engines=(EngineState("e0", Role.COLOCATED),))
+
+
 def _target(name: str, mean: list[float]) -> TargetForecast:
     return TargetForecast(target=name, mean=mean, quantile_levels=[0.5], quantiles=[mean])
 
 
 def test_a_forecast_states_its_costs_and_the_demand_reads_the_attention_context_from_them():
-    fleet = Fleet(now_s=100.0, engines=(EngineState("e0", Role.COLOCATED),))
+    fleet = _fleet(100.0)
     miss, engine_s = 2_000.0, COST.engine_s(500.0, 10_000.0) + COST.engine_s(1_500.0, 2_000.0)
     targets = [_target("prefill_miss_tokens", [miss, miss]), _target("prefill_new_tokens", [100.0, 100.0]), _target("decode_active_seqs", [10.0, 10.0])]
     forecast = DemandForecast(
@@ -89,8 +93,7 @@ def test_the_oracle_reads_the_attention_context_from_the_log():
         ]
     )  # fmt: skip
     recorded = RecordedDemand(events, COST)
-    fleet = lambda now_s: Fleet(now_s=now_s, engines=(EngineState("e0", Role.COLOCATED),))  # noqa: E731
-    assert abs(recorded.at(fleet(0.0), 1.0).prefill_attention_tokens - (500 * 10_250 + 1_500 * 2_750) / 2_000) < 1e-6
+    assert abs(recorded.at(_fleet(0.0), 1.0).prefill_attention_tokens - (500 * 10_250 + 1_500 * 2_750) / 2_000) < 1e-6
     # the window from 2 s holds the third prefill: 10,000 tokens recomputed from a 30,000 prefix, and 1,000 new
     expected = (11_000 * (30_000 + 11_000 / 2)) / 11_000
-    assert abs(recorded.at(fleet(2.0), 1.0).prefill_attention_tokens - expected) < 1e-6
+    assert abs(recorded.at(_fleet(2.0), 1.0).prefill_attention_tokens - expected) < 1e-6

@@ -2,7 +2,7 @@
 clock (`actors/base/clock.py`). An AST walk over `actors/` fails on any other way in:
 
 * `time.time`, `time.monotonic`, `time.perf_counter` (and their `_ns` forms), however imported;
-* `asyncio.sleep(x)` with anything but a literal 0 (`sleep(0)` is a yield, not a wait);
+* `asyncio.sleep` with any argument but a literal 0 (a zero sleep is a yield, not a wait);
 * the event loop's own time (`loop.time()`, `asyncio.get_running_loop().time()`);
 * `<config>.run.time_scale`: the scale comes from `clock.time_scale`.
 
@@ -79,7 +79,7 @@ def violations(source: str, rel: str) -> list[str]:
         if is_sleep:
             arg = node.args[0] if node.args else None
             if not (isinstance(arg, ast.Constant) and arg.value == 0):
-                found.append(f"{rel}:{node.lineno}: asyncio.sleep({ast.unparse(arg) if arg else ''})")
+                found.append(f"{rel}:{node.lineno}: asyncio.sleep({ast.unparse(arg) if arg else ''})")  # barrier-ok: names the call in a message
         elif isinstance(func, ast.Name) and func.id in wall_names:
             found.append(f"{rel}:{node.lineno}: {func.id}()")
         elif isinstance(func, ast.Attribute) and func.attr == "time" and not node.args:
@@ -118,8 +118,8 @@ def test_pending_allowlist_is_still_needed():
         "import time\nx = time.monotonic()",
         "import time as t\nx = t.perf_counter()",
         "from time import perf_counter\nx = perf_counter()",
-        "import asyncio\nasync def f():\n    await asyncio.sleep(0.1)",
-        "from asyncio import sleep\nasync def f():\n    await sleep(1)",
+        "import asyncio\nasync def f():\n    await asyncio.sleep(0.1)",  # barrier-ok: source text the walk must flag, not a wait
+        "from asyncio import sleep\nasync def f():\n    await sleep(1)",  # barrier-ok: source text the walk must flag
         "import asyncio\nx = asyncio.get_running_loop().time()",
         "def f(loop):\n    return loop.time()",
         "def f(self):\n    return self.config.run.time_scale",
@@ -130,5 +130,5 @@ def test_the_walk_catches_each_way_in(source):
 
 
 def test_the_walk_allows_the_clock_and_a_yield():
-    ok = "import asyncio\nasync def f(self):\n    await asyncio.sleep(0)\n    await self.clock.sleep(1)\n    return self.clock.now_s() * self.clock.time_scale"
+    ok = "import asyncio\nasync def f(self):\n    await asyncio.sleep(0)\n    await self.clock.sleep(1)\n    return self.clock.now_s() * self.clock.time_scale"  # barrier-ok: source text
     assert violations(ok, "actors/x.py") == []

@@ -65,8 +65,8 @@ def _histories_by_hand(events: pl.DataFrame, until_s: float) -> int:
 
 
 def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle():
-    """The working set the allocator judges saturation by: the forecaster's live state and
-    the oracle's reading of a recorded log count the same tokens at every cut."""
+    """The live histories the allocator sizes colocation's KV on: the forecaster's live state
+    and the oracle's reading of a recorded log count the same tokens at every cut."""
     log = synthetic_events(trajectories=40, seed=7, spread_s=10.0, max_turns=6)
     # a turn re-sent to prefill (its KV was lost) changes no history; older logs' reprefill
     # events carry no token counts

@@ -66,7 +66,7 @@ class Capacity:
         if attention_tokens <= 0:
             return base
         slope = self.colocated_prefill_s_per_token_per_context if colocated else self.prefill_s_per_token_per_context
-        return max(base + slope * (attention_tokens - self.prefill_attention_tokens), base - slope * self.prefill_attention_tokens)
+        return base + slope * (attention_tokens - self.prefill_attention_tokens)
 
 
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
