@@ -394,6 +394,30 @@ def test_the_prefill_work_of_an_arrangement_is_learned_only_once_it_has_settled(
     assert "pd" in policy.miss_ratio
 
 
+def test_an_arrangements_prefill_work_per_new_token_leaves_out_the_backlog():
+    """A stage that falls behind queues work; the queue is demand, but not prefill work each new
+    token brings in that arrangement (a split whose prefill side is short would read as one that
+    recomputes 20 tokens per new one, and keep the fleet off every split after)."""
+    fleet_now = fleet([P] * 3 + [D] * 5, now_s=100.0, role_since_s=[0.0] * 8, waiting_prefill_tokens=[400_000] + [0] * 7)
+    forecast = DemandForecast(
+        forecaster_id="f", model="lifecycle", tick=1, as_of_s=100.0, computed_at_s=100.0, bin_s=1.0,
+        horizons_s=[10.0], live_trajectories=10, events_total=100,
+        targets=[
+            TargetForecast(target=target, mean=[mean], quantile_levels=[0.5], quantiles=[[mean]])
+            for target, mean in (("prefill_miss_tokens", 3000.0), ("prefill_new_tokens", 1000.0), ("decode_active_seqs", 100.0))
+        ],
+    )  # fmt: skip
+    demand = from_forecast(forecast, fleet_now, 10.0)
+    assert demand.prefill_backlog_tokens_per_s == 40_000.0 and demand.prefill_tokens_per_s == 43_000.0
+    assert demand.prefill_flow_tokens_per_s == 3000.0
+    policy = split()
+    policy.decide(demand, fleet_now)
+    assert policy.miss_ratio == {"pd": 3.0}  # the flow's 3 per new token, not 43
+    policy.miss_ratio["colocated"] = 1.5
+    as_colocated = policy._as_in(demand, "colocated", "pd")
+    assert as_colocated.prefill_tokens_per_s == 1500.0 + 40_000.0  # the flow scales, the queue is queued once
+
+
 def test_a_split_hovering_at_a_rounding_edge_keeps_its_size():
     roles = [P, P, P, D, D, D, D, D]
     assert split().decide(demand_for((3.5, 4.5)), fleet(roles)) == []  # ideal 3.5 engines: within the deadband of 3

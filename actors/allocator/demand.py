@@ -34,6 +34,7 @@ def from_queues(fleet: Fleet, horizon_s: float) -> Demand:
         decode_context_tokens=fleet.mean_decode_context_tokens,
         source="queues",
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
+        prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
     )
 
 
@@ -71,6 +72,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         live_trajectories=float(forecast.live_trajectories),
         live_context_tokens=float(forecast.live_context_tokens),
         prefill_attention_tokens=attention,
+        prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
     )
 
 
@@ -103,5 +105,6 @@ class RecordedDemand:
             live_trajectories=float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0,
             live_context_tokens=float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0,
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
+            prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
         )
 

@@ -263,7 +263,7 @@ class Split:
     def _learn_miss_ratio(self, demand: Demand, arrangement: str) -> None:
         if not arrangement or demand.prefill_new_tokens_per_s <= 0:
             return
-        ratio = demand.prefill_tokens_per_s / demand.prefill_new_tokens_per_s
+        ratio = demand.prefill_flow_tokens_per_s / demand.prefill_new_tokens_per_s
         old = self.miss_ratio.get(arrangement)
         self.miss_ratio[arrangement] = ratio if old is None else old + MISS_RATIO_WEIGHT * (ratio - old)
 
@@ -275,7 +275,7 @@ class Split:
             return False
         ratio = self.miss_ratio.get("colocated")
         if ratio and demand.prefill_new_tokens_per_s > 0:
-            excess = max(0.0, demand.prefill_tokens_per_s - ratio * demand.prefill_new_tokens_per_s)
+            excess = max(0.0, demand.prefill_flow_tokens_per_s - ratio * demand.prefill_new_tokens_per_s)
             self.relocated_s += excess * cap.prefill_s_per_token * max(0.0, self.now_s - self.relocated_at_s)
         self.relocated_at_s = self.now_s
         if self.relocated_s >= relocation_s(demand, cap, current, n) or not ratio:
@@ -285,19 +285,23 @@ class Split:
 
     def _steady(self, demand: Demand, arrangement: str) -> Demand:
         """The demand at the prefill work per new token `arrangement` settled at (or the other
-        arrangement's, if it never settled): unchanged if neither is known."""
+        arrangement's, if it never settled), plus the backlog of now: unchanged if neither is
+        known."""
         ratio = self.miss_ratio.get(arrangement) or self.miss_ratio.get("colocated" if arrangement == "pd" else "pd")
         if not ratio or demand.prefill_new_tokens_per_s <= 0:
             return demand
-        return replace(demand, prefill_tokens_per_s=min(demand.prefill_tokens_per_s, demand.prefill_new_tokens_per_s * ratio))
+        flow = min(demand.prefill_flow_tokens_per_s, demand.prefill_new_tokens_per_s * ratio)
+        return replace(demand, prefill_tokens_per_s=flow + demand.prefill_backlog_tokens_per_s)
 
     def _as_in(self, demand: Demand, arrangement: str, now: str) -> Demand:
-        """The demand scaled to the prefill work `arrangement` was seen to compute per new token,
-        against the arrangement `now` it was measured in (unscaled where either is unknown)."""
+        """The demand's flow scaled to the prefill work `arrangement` was seen to compute per new
+        token, against the arrangement `now` it was measured in (unscaled where either is
+        unknown); the backlog of now is work queued once, whatever the arrangement."""
         ratio, ratio_now = self.miss_ratio.get(arrangement), self.miss_ratio.get(now)
         if ratio is None or not ratio_now or arrangement == now:
             return demand
-        return replace(demand, prefill_tokens_per_s=demand.prefill_tokens_per_s * ratio / ratio_now)
+        flow = demand.prefill_flow_tokens_per_s * ratio / ratio_now
+        return replace(demand, prefill_tokens_per_s=flow + demand.prefill_backlog_tokens_per_s)
 
     def _colocate(self, demand: Demand, cap: Capacity, loads: tuple[float, float], n: int, current: int, colocated_now: bool) -> str:
         """Why the fleet should be (or stay) colocated; "" if a PD split it is."""

@@ -89,6 +89,14 @@ class Demand:
     # before it in its own prefill), from the forecast prefill engine-seconds: prices the
     # prefill tokens (`Capacity.prefill_s_at`); 0: unknown, priced at the typical context
     prefill_attention_tokens: float = 0.0
+    # the part of `prefill_tokens_per_s` that is work queued now (backlog / horizon), not the
+    # horizon's flow: an arrangement's prefill work per new token is read on the flow alone
+    prefill_backlog_tokens_per_s: float = 0.0
+
+    @property
+    def prefill_flow_tokens_per_s(self) -> float:
+        """The horizon's prefill flow, without the backlog of now."""
+        return max(0.0, self.prefill_tokens_per_s - self.prefill_backlog_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True)
