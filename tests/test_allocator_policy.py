@@ -416,9 +416,8 @@ def test_an_arrangements_prefill_work_per_new_token_leaves_out_the_backlog():
     policy.miss_ratio["colocated"] = 1.5
     as_colocated = policy._as_in(demand, "colocated", "pd")
     assert as_colocated.prefill_tokens_per_s == 1500.0 + 40_000.0  # the flow scales, the queue is queued once
-    # right after a change the arrangement is judged at its steady flow: the queue it built then
-    # is the transient's (relocated KV recomputed), already paid for
-    assert policy._steady(demand, "pd").prefill_tokens_per_s == 3000.0
+    # right after a change the arrangement is judged at its steady flow, and the queue still waits
+    assert policy._steady(replace(demand, prefill_tokens_per_s=49_000.0), "pd").prefill_tokens_per_s == 3000.0 + 40_000.0
 
 
 def test_a_split_hovering_at_a_rounding_edge_keeps_its_size():

@@ -285,13 +285,13 @@ class Split:
 
     def _steady(self, demand: Demand, arrangement: str) -> Demand:
         """The demand at the prefill work per new token `arrangement` settled at (or the other
-        arrangement's, if it never settled), without the backlog of now (the transient's own
-        queue): unchanged if neither is known."""
+        arrangement's, if it never settled), plus the backlog of now: unchanged if neither is
+        known."""
         ratio = self.miss_ratio.get(arrangement) or self.miss_ratio.get("colocated" if arrangement == "pd" else "pd")
         if not ratio or demand.prefill_new_tokens_per_s <= 0:
             return demand
         flow = min(demand.prefill_flow_tokens_per_s, demand.prefill_new_tokens_per_s * ratio)
-        return replace(demand, prefill_tokens_per_s=flow, prefill_backlog_tokens_per_s=0.0)
+        return replace(demand, prefill_tokens_per_s=flow + demand.prefill_backlog_tokens_per_s)
 
     def _as_in(self, demand: Demand, arrangement: str, now: str) -> Demand:
         """The demand's flow scaled to the prefill work `arrangement` was seen to compute per new
