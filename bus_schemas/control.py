@@ -84,3 +84,4 @@ class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
     live_context_tokens: float = 0.0
     remote_share: float = 1.0
     prefill_attention_tokens: float = 0.0  # context a missed prefill token attends over (0: unknown)
+    prefill_backlog_tokens_per_s: float = 0.0  # the part of prefill_tokens_per_s queued now

@@ -71,7 +71,10 @@ def test_every_allocator_tick_is_recorded_with_the_reason_each_switch_logged(tmp
     ticks = pl.read_parquet(out / "allocations.parquet")
     assert ticks.height > 10 and ticks["at_s"].is_sorted() and set(ticks["policy"]) == {"prorsa"}
     assert (ticks["prefill_engines"] + ticks["decode_engines"] + ticks["colocated_engines"] == 2).all()
-    assert (ticks.filter(pl.col("demand_source") != "")["decode_context_tokens"] > 0).all()
+    judged = ticks.filter(pl.col("demand_source") != "")
+    assert (judged["decode_context_tokens"] > 0).all()
+    backlog = judged["prefill_backlog_tokens_per_s"]
+    assert (backlog >= 0).all() and (backlog <= judged["prefill_tokens_per_s"]).all()  # recorded: the part of the demand queued then
     changed = ticks.filter(pl.col("changes") != "")
     events = pl.read_parquet(out / "events.parquet").filter(pl.col("kind") == "role_switched")
     assert changed.height > 0 and set(changed["reason"]) == set(events["detail"])

@@ -50,6 +50,7 @@ def make_policy(config: Config) -> Policy:
 DECISION_DEMAND_FIELDS = (
     "prefill_tokens_per_s", "prefill_new_tokens_per_s", "decode_seqs", "decode_context_tokens",
     "kv_working_set_tokens", "live_trajectories", "live_context_tokens", "remote_share", "prefill_attention_tokens",
+    "prefill_backlog_tokens_per_s",
 )  # fmt: skip
 
 
