@@ -27,14 +27,20 @@ from forecasting.series import UNIT_COST, PrefillCost, bin_events, live_context_
 ORACLE_BIN_S = 1.0
 
 
+def backlog_tokens_per_s(fleet: Fleet, horizon_s: float) -> float:
+    """The prefill tokens queued now, to clear within the horizon."""
+    return fleet.waiting_prefill_tokens / horizon_s
+
+
 def from_queues(fleet: Fleet, horizon_s: float) -> Demand:
+    backlog = backlog_tokens_per_s(fleet, horizon_s)
     return Demand(
-        prefill_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
+        prefill_tokens_per_s=backlog,
         decode_seqs=float(fleet.running_decode),
         decode_context_tokens=fleet.mean_decode_context_tokens,
         source="queues",
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
-        prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
+        prefill_backlog_tokens_per_s=backlog,
     )
 
 
@@ -62,8 +68,9 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
     cost = PrefillCost(forecast.prefill_cost_per_token_s, forecast.prefill_cost_per_token_pair_s)
     attention = cost.attention_tokens(mean("prefill_engine_s"), mean("prefill_miss_tokens")) if "prefill_engine_s" in by_target else 0.0
+    backlog = backlog_tokens_per_s(fleet, horizon_s)
     return Demand(
-        prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + fleet.waiting_prefill_tokens / horizon_s,
+        prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + backlog,
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
         decode_context_tokens=fleet.mean_decode_context_tokens,
         source=f"forecast@{forecast.as_of_s:.0f}s" + (f"/q{quantile:g}" if quantile else ""),
@@ -72,7 +79,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         live_trajectories=float(forecast.live_trajectories),
         live_context_tokens=float(forecast.live_context_tokens),
         prefill_attention_tokens=attention,
-        prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
+        prefill_backlog_tokens_per_s=backlog,
     )
 
 
@@ -94,9 +101,9 @@ class RecordedDemand:
         lo = int(fleet.now_s // ORACLE_BIN_S)
         hi = max(lo + 1, int((fleet.now_s + horizon_s) // ORACLE_BIN_S))
         window_p, window_d, window_n = self.prefill_tokens[lo:hi], self.decode_seqs[lo:hi], self.new_tokens[lo:hi]
+        backlog = backlog_tokens_per_s(fleet, horizon_s)
         return Demand(
-            prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S
-            + fleet.waiting_prefill_tokens / horizon_s,
+            prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S + backlog,
             decode_seqs=float(window_d.mean()) if len(window_d) else 0.0,
             decode_context_tokens=fleet.mean_decode_context_tokens,
             source="oracle",
@@ -105,6 +112,6 @@ class RecordedDemand:
             live_trajectories=float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0,
             live_context_tokens=float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0,
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
-            prefill_backlog_tokens_per_s=fleet.waiting_prefill_tokens / horizon_s,
+            prefill_backlog_tokens_per_s=backlog,
         )
 

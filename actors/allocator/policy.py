@@ -52,7 +52,7 @@ Colocation is one of the choices (`allocator.colocation`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
@@ -290,8 +290,7 @@ class Split:
         ratio = self.miss_ratio.get(arrangement) or self.miss_ratio.get("colocated" if arrangement == "pd" else "pd")
         if not ratio or demand.prefill_new_tokens_per_s <= 0:
             return demand
-        flow = min(demand.prefill_flow_tokens_per_s, demand.prefill_new_tokens_per_s * ratio)
-        return replace(demand, prefill_tokens_per_s=flow + demand.prefill_backlog_tokens_per_s)
+        return demand.with_prefill_flow(min(demand.prefill_flow_tokens_per_s, demand.prefill_new_tokens_per_s * ratio))
 
     def _as_in(self, demand: Demand, arrangement: str, now: str) -> Demand:
         """The demand's flow scaled to the prefill work `arrangement` was seen to compute per new
@@ -300,8 +299,7 @@ class Split:
         ratio, ratio_now = self.miss_ratio.get(arrangement), self.miss_ratio.get(now)
         if ratio is None or not ratio_now or arrangement == now:
             return demand
-        flow = demand.prefill_flow_tokens_per_s * ratio / ratio_now
-        return replace(demand, prefill_tokens_per_s=flow + demand.prefill_backlog_tokens_per_s)
+        return demand.with_prefill_flow(demand.prefill_flow_tokens_per_s * ratio / ratio_now)
 
     def _colocate(self, demand: Demand, cap: Capacity, loads: tuple[float, float], n: int, current: int, colocated_now: bool) -> str:
         """Why the fleet should be (or stay) colocated; "" if a PD split it is."""

@@ -3,7 +3,7 @@ show it, the demand over the decision horizon, and a role change."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bus_schemas.control import Role
 
@@ -97,6 +97,10 @@ class Demand:
     def prefill_flow_tokens_per_s(self) -> float:
         """The horizon's prefill flow, without the backlog of now."""
         return max(0.0, self.prefill_tokens_per_s - self.prefill_backlog_tokens_per_s)
+
+    def with_prefill_flow(self, flow_tokens_per_s: float) -> Demand:
+        """This demand with another prefill flow; the backlog of now stays."""
+        return replace(self, prefill_tokens_per_s=flow_tokens_per_s + self.prefill_backlog_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True)
