@@ -54,6 +54,10 @@ def wall_now_s() -> float:
     return time.time()
 
 
+PROBE_WALL_S = 0.02  # the loop probe's period (watch_loop)
+STALL_WALL_S = 0.02  # a probe woken this much late: the process lost a scheduler slice or more (an unloaded run stays under 10 ms)
+
+
 class ScaledClock:
     def __init__(self, time_scale: float, origin_wall_s: float | None = None) -> None:
         if time_scale <= 0:
@@ -64,6 +68,11 @@ class ScaledClock:
         # in total (model seconds). A busy CPU shows here first; real-time tests read it.
         self.late_wakeups = 0
         self.late_s = 0.0
+        # and the event loop itself: how often, and for how long (model seconds), it could not
+        # run for more than STALL_WALL_S past a probe's wake-up (a starved or blocked process).
+        # A message that waits in a stalled receiver is late without any timed wait being late.
+        self.loop_stalls = 0
+        self.loop_stall_s = 0.0
 
     def now_s(self) -> float:
         return (time.time() - self.origin_wall_s) * self.time_scale
@@ -88,3 +97,13 @@ class ScaledClock:
 
     async def sleep_wall(self, wall_s: float) -> None:
         await asyncio.sleep(wall_s)
+
+    async def watch_loop(self) -> None:
+        """Run for the actor's life: count the event loop's stalls (`loop_stalls`, `loop_stall_s`)."""
+        while True:
+            woke_s = time.monotonic() + PROBE_WALL_S
+            await asyncio.sleep(PROBE_WALL_S)
+            stall_wall_s = time.monotonic() - woke_s
+            if stall_wall_s > STALL_WALL_S:
+                self.loop_stalls += 1
+                self.loop_stall_s += stall_wall_s * self.time_scale

@@ -80,6 +80,9 @@ class Actor:
         await self.nc.flush()  # the server has our subscriptions before anyone is told we are up
         self.ready.set()
         self.spawn(self._heartbeats(), "heartbeats")
+        watch_loop = getattr(self.clock, "watch_loop", None)  # a live clock watches its loop
+        if watch_loop is not None:
+            self.spawn(watch_loop(), "loop-watch")
         serving = asyncio.create_task(self.serve(burst), name="serve")
         stopped = asyncio.create_task(self.stopping.wait(), name="stop-wait")
         try:
@@ -217,6 +220,8 @@ class Actor:
         if late_s is not None:
             self.counters["late_wakeups"] = self.clock.late_wakeups
             self.counters["late_wakeup_ms"] = round(late_s * 1e3)  # model ms, summed
+            self.counters["loop_stalls"] = self.clock.loop_stalls
+            self.counters["loop_stall_ms"] = round(self.clock.loop_stall_s * 1e3)  # model ms, summed
 
     async def _publish_report(self) -> None:
         self.clock_counters()

@@ -1,0 +1,35 @@
+"""A live clock counts what a real-time check needs to tell a slow machine from a wrong result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.base.clock import PROBE_WALL_S, STALL_WALL_S, ScaledClock
+
+BLOCK_WALL_S = 0.15  # a blocked loop: well past a probe's period and the stall threshold
+
+
+async def test_a_blocked_event_loop_counts_as_one_stall_in_model_seconds():
+    clock = ScaledClock(time_scale=5.0)
+    watch = asyncio.create_task(clock.watch_loop())
+    try:
+        await asyncio.sleep(2 * PROBE_WALL_S)  # the probe is running and has woken on time
+        assert clock.loop_stalls == 0
+        time.sleep(BLOCK_WALL_S)  # the process does not run its loop (a CPU hog, a blocking call)
+        await asyncio.sleep(2 * PROBE_WALL_S)  # the probe wakes late, once
+        assert clock.loop_stalls == 1
+        assert clock.loop_stall_s == pytest.approx(5.0 * (BLOCK_WALL_S - PROBE_WALL_S), abs=5.0 * 2 * STALL_WALL_S)
+    finally:
+        watch.cancel()
+
+
+async def test_a_timed_wait_that_wakes_late_is_counted():
+    clock = ScaledClock(time_scale=10.0)
+    wait = asyncio.create_task(clock.sleep(0.1))  # 10 ms of wall time
+    await asyncio.sleep(0)  # the wait has started its timer
+    time.sleep(0.05)  # ...and the loop is blocked past it
+    await wait
+    assert clock.late_wakeups == 1 and clock.late_s > 10.0 * 0.03
