@@ -28,7 +28,7 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     horizons_s: list[float]  # model seconds after as_of_s
     targets: list[TargetForecast]
     live_trajectories: int  # trajectories live at as_of_s
-    live_context_tokens: int = 0  # KV tokens of their histories at as_of_s (0: not known)
+    live_context_tokens: int = 0  # KV tokens they hold at as_of_s: histories and prefilled turns (0: not known)
     # the costs prefill_engine_s is priced at (forecasting.series.PrefillCost: seconds per
     # cache-missed token, and per token x context token it attends over); 0, 0: not stated
     prefill_cost_per_token_s: float = 0.0

@@ -41,7 +41,7 @@ class TickResult:
     outcomes: dict[str, ModelOutcome]
     live_trajectories: int
     events_total: int
-    live_context_tokens: int = 0  # KV of the live trajectories' histories (LiveState.live_context_tokens)
+    live_context_tokens: int = 0  # KV the live trajectories hold (LiveState.live_context_tokens)
 
 
 class _Growing:

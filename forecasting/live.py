@@ -127,7 +127,7 @@ class LiveState:
         self.phase = np.zeros(capacity, np.int8)
         self.entered_s = np.zeros(capacity)
         self.turn = np.zeros(capacity, np.int32)
-        self.prefilled = np.zeros(capacity, bool)  # PRE only: prefill_done seen for this turn
+        self.prefilled = np.zeros(capacity, bool)  # prefill_done seen for this turn (reset by a re-prefill)
         self.alive = np.zeros(capacity, bool)
         self.context = np.zeros(capacity)  # tokens before the next prefill's new ones (after a decode: all of the turn's)
         self.queued_new = np.zeros(capacity)  # PRE: the new tokens queued for this turn's prefill
@@ -155,10 +155,13 @@ class LiveState:
         return len(self._slot)
 
     def live_context_tokens(self) -> int:
-        """KV tokens of the live trajectories' histories: each one's context before the turn it
-        is in (a turn in a tool call: all of it). What the fleet must hold to keep every live
-        trajectory's prefix, a lower bound (the new and generated tokens in flight are not in it)."""
-        return int(self.context[self.alive].sum())
+        """KV tokens the live trajectories hold: each one's context before the turn it is in,
+        plus that turn's new tokens once prefilled (decoding, or waiting to), and a turn in a
+        tool call all of it. What the fleet must hold to keep every live trajectory's prefix, a
+        lower bound (the tokens a turn has generated so far are not in it); a turn sent to
+        prefill again (its KV lost) counts its context alone."""
+        holds_new = self.alive & self.prefilled & (self.phase != TOOL)  # prefilled: this turn's prefill_done seen
+        return int(self.context[self.alive].sum() + self.queued_new[holds_new].sum())
 
     def family_stats(self, family_index: int) -> FamilyStats:
         return self.stats[self.families[family_index]]

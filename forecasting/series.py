@@ -240,19 +240,26 @@ def bin_events(events: pl.DataFrame, bin_s: float, end_s: float | None = None, c
 
 
 def live_context_by_bin(events: pl.DataFrame, bin_s: float, bins: int) -> np.ndarray:
-    """KV tokens of the live trajectories' histories at the end of each of `bins` bins of a
-    whole log (`oracle`), by the live state's rule (forecasting/live.py
-    `LiveState.live_context_tokens`, which a test holds it to): a queued turn holds its
-    context, a decoded one all of its tokens, a finished trajectory nothing (a re-prefill
-    re-sends a queued turn: nothing changes)."""
-    kinds = ("prefill_queued", "decode_done", "finished")
+    """KV tokens the live trajectories hold at the end of each of `bins` bins of a whole log
+    (`oracle`), by the live state's rule (forecasting/live.py `LiveState.live_context_tokens`,
+    which a test holds it to): a queued turn holds its context, a prefilled one its new tokens
+    too, a decoded one all of its tokens, a finished trajectory nothing (a re-prefill re-sends
+    the queued turn, whose KV was lost: its context alone; older logs' re-prefills carry no
+    token counts, so the queued turn's are used)."""
+    kinds = ("prefill_queued", "reprefill", "prefill_done", "decode_done", "finished")
     log = events.filter(pl.col("kind").is_in(kinds)).sort("at_s", maintain_order=True)
+    queued = [
+        pl.when(_kind("prefill_queued")).then(pl.col(c)).otherwise(None).forward_fill().over("trajectory_id").fill_null(0).alias(f"queued_{c}")
+        for c in ("context_tokens", "new_tokens")
+    ]
     value = (
         pl.when(_kind("decode_done")).then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))
         .when(_kind("finished")).then(0)
+        .when(_kind("prefill_done")).then(pl.col("queued_context_tokens") + pl.col("queued_new_tokens"))
+        .when(_kind("reprefill")).then(pl.col("queued_context_tokens"))
         .otherwise(pl.col("context_tokens"))
     )  # fmt: skip
-    log = log.with_columns(value.alias("value")).with_columns(
+    log = log.with_columns(queued).with_columns(value.alias("value")).with_columns(
         (pl.col("value") - pl.col("value").shift(1).over("trajectory_id").fill_null(0)).alias("delta"),
         (pl.col("at_s") // bin_s).cast(pl.Int64).clip(0, max(0, bins - 1)).alias("bin"),
     )

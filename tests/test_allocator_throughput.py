@@ -171,3 +171,45 @@ def test_a_split_in_a_saturated_fleet_is_held_or_undone_by_the_rating_never_resi
     fresh = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
     assert fresh.decide(demand, _fleet(roles, 1000.0, 0, 0, held)) == []
     assert "no prefill-per-decode reading" in fresh.last_reason
+
+
+def test_a_saturated_fleet_prices_a_split_on_the_kv_its_live_trajectories_hold():
+    """A saturated colocated fleet holds, beside the live trajectories' KV, finished ones'
+    prefixes that it evicts as it needs room: a split relocates only the live KV, so the same
+    saving buys it sooner where the live trajectories hold less (below saturation the held KV
+    stays the measure)."""
+    from dataclasses import replace
+
+    from actors.allocator.loads import relocation_s
+
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    held = int(1.5 * 4 * cap.colocated_kv_tokens)
+    all_live = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4, live_context_tokens=held)
+    some_live = replace(all_live, live_context_tokens=0.3 * held)
+    assert abs(relocation_s(some_live, cap, 2, 4, saturated=True) - 0.3 * relocation_s(all_live, cap, 2, 4, saturated=True)) < 1e-6
+    assert relocation_s(some_live, cap, 2, 4) == relocation_s(all_live, cap, 2, 4)  # below saturation: what is held
+
+    def split_tick(demand: Demand) -> int:
+        policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+        for tick in range(400):
+            if policy.decide(demand, _fleet([C] * 4, 100.0 + 2 * tick, 10_000_000 * tick, 1_000_000 * tick, held)):
+                assert "saturated" in policy.last_reason
+                return tick
+        raise AssertionError(f"no split in 400 ticks: {policy.last_reason}")
+
+    assert split_tick(some_live) < split_tick(all_live)
+
+
+def test_a_saturated_fleets_tail_buys_no_split():
+    """A step's tail: the engines' KV is still full of finished trajectories' prefixes, so the
+    fleet reads saturated, but a few sequences are left. The rates are a busy fleet's; a split
+    saves only what it would of the work there is, which pays for nothing."""
+    cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
+    held = int(1.5 * 4 * cap.colocated_kv_tokens)
+    live = {"kv_working_set_tokens": held, "live_context_tokens": 0.5 * held}  # the forecaster knows what the live ones hold
+    busy = Demand(2e5, 1000, CONTEXT_TOKENS, "test", prefill_new_tokens_per_s=2e4, **live)
+    tail = Demand(300.0, 0.5, CONTEXT_TOKENS, "test", prefill_new_tokens_per_s=30.0, **(live | {"live_context_tokens": 8 * CONTEXT_TOKENS}))
+    assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True)), busy, held)
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    assert _run_colocated(policy, tail, held) == [], policy.last_reason
+    assert "saturated" in policy.last_reason  # the regime judged it, and bought nothing

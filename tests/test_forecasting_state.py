@@ -51,12 +51,19 @@ def test_the_state_does_not_depend_on_how_the_log_is_cut_into_ticks():
 
 
 def _histories_by_hand(events: pl.DataFrame, until_s: float) -> int:
-    """Each live trajectory's history before `until_s`: its last queued turn's context, or
-    all of a decoded turn's tokens; nothing once finished."""
+    """The KV each live trajectory holds before `until_s`: its last queued turn's context, and
+    its new tokens once prefilled (not after a re-prefill), or all of a decoded turn's tokens;
+    nothing once finished."""
     last: dict[str, int] = {}
+    queued: dict[str, tuple[int, int]] = {}
     for kind, tid, context, new, generated in events.filter(pl.col("at_s") < until_s).select("kind", "trajectory_id", "context_tokens", "new_tokens", "generated_tokens").iter_rows():
         if kind == "prefill_queued":
+            queued[tid] = (context, new)
             last[tid] = context
+        elif kind == "prefill_done":
+            last[tid] = sum(queued[tid])
+        elif kind == "reprefill":
+            last[tid] = queued[tid][0]
         elif kind == "decode_done":
             last[tid] = context + new + generated
         elif kind == "finished":
@@ -73,6 +80,11 @@ def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle()
     resent = [
         msgspec.structs.replace(e, kind=K.REPREFILL, event_id=e.event_id + "-again", new_tokens=0, context_tokens=0)
         for i, e in enumerate(log) if e.kind is K.PREFILL_QUEUED and i % 3 == 0
+    ]
+    # ... and one whose KV is lost after its prefill (preempted): it holds its context alone
+    resent += [
+        msgspec.structs.replace(e, kind=K.REPREFILL, event_id=e.event_id + "-lost", new_tokens=0, context_tokens=0)
+        for i, e in enumerate(log) if e.kind is K.PREFILL_DONE and i % 4 == 0
     ]
     assert resent
     events = events_frame(log + resent).sort("at_s", maintain_order=True)

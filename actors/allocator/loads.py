@@ -124,15 +124,30 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
     return prefill + decode * (1.0 + cap.colocated_mixed_penalty * share)
 
 
-def relocation_s(demand: Demand, cap: Capacity, target: int, n: int) -> float:
+def relocation_s(demand: Demand, cap: Capacity, target: int, n: int, saturated: bool = False) -> float:
     """Engine-seconds a split from colocation spends recomputing the KV in the wrong place: the
     live trajectories whose history sits on the engines that become decode engines prefill
     their next turn on a prefill engine that holds none of it (the share on those engines of
     the KV the fleet holds now, at the prefill side's cost per token). Only KV that exists
     counts: what eviction dropped, what no turn has prefilled yet, and what a weight update
     made stale (engines drop an older policy's KV) are recomputed under any arrangement, so
-    right after an update (async) or at a step's start a split relocates almost nothing."""
-    return demand.kv_working_set_tokens * (n - target) / n * cap.prefill_s_per_token
+    right after an update (async) or at a step's start a split relocates almost nothing.
+    A `saturated` fleet (its KV full, `throughput.fleet_saturated`) counts only what the live
+    trajectories hold (`relocatable_tokens`): the rest is finished trajectories' prefixes that
+    colocation evicts as it needs room. Below saturation the held KV stays the measure: after
+    a split at a SWE step's start the prefill side recomputed more than the live trajectories
+    held on the engines that turned decode (docs/allocation.md, stop 36)."""
+    tokens = relocatable_tokens(demand) if saturated else demand.kv_working_set_tokens
+    return tokens * (n - target) / n * cap.prefill_s_per_token
+
+
+def relocatable_tokens(demand: Demand) -> float:
+    """The KV the live trajectories hold, where the fleet holds it: a warm fleet also holds
+    finished trajectories' prefixes until eviction drops them, which no later turn reads (all
+    that is held where the live trajectories' KV is not known)."""
+    if demand.live_context_tokens > 0:
+        return min(demand.kv_working_set_tokens, demand.live_context_tokens)
+    return demand.kv_working_set_tokens
 
 
 def resize_cost_s(demand: Demand, cap: Capacity, current: int, target: int, n: int, drain_s: float) -> float:

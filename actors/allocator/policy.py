@@ -219,8 +219,11 @@ class Split:
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
         note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
         if colocated_now:
-            gain_engines = n * (1.0 - coloc / rates[best]) if rates[best] > coloc else 0.0
-            buys, gain_s, regret_s, cost_s, _ = self._split_pays(demand, cap, best, n, gain_engines)
+            # the rates are a busy fleet's: a faster arrangement saves what it would of the work
+            # there is (a step's tail, a few sequences left, saves next to nothing)
+            busy = min(1.0, colocated_load(demand, cap, self.config.prefill_target_util, n) / n)
+            gain_engines = busy * n * (1.0 - coloc / rates[best]) if rates[best] > coloc else 0.0
+            buys, gain_s, regret_s, cost_s, _ = self._split_pays(demand, cap, best, n, gain_engines, saturated=True)
             if buys:
                 self.last_reason = f"0:{n} -> {best}:{n - best}, {note}"
                 changes = self._pick(usable, best, self.now_s)
@@ -347,11 +350,11 @@ class Split:
             return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
         return ""
 
-    def _split_pays(self, demand: Demand, cap: Capacity, target: int, n: int, gain_engines: float) -> tuple[bool, float, float, float, float]:
+    def _split_pays(self, demand: Demand, cap: Capacity, target: int, n: int, gain_engines: float, saturated: bool = False) -> tuple[bool, float, float, float, float]:
         """(bought, gain_s, regret_s, cost_s, need_s) of a split from colocation saving
         `gain_engines`: switches, drains and relocation against the horizon's saving, or the
         saving over several (ski rental, `_regret`); a bought split is recorded (`_buy_split`)."""
-        cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s + relocation_s(demand, cap, target, n)
+        cost_s = n * cap.colocated_switch_s + target * self.config.drain_deadline_s + relocation_s(demand, cap, target, n, saturated)
         gain_s, need_s = gain_engines * self.config.horizon_s, self._required_gain_s("split")
         regret_s = self._regret(gain_engines if gain_s > need_s else 0.0)
         bought = gain_s - cost_s >= need_s or (gain_s > need_s and regret_s - cost_s >= need_s)

@@ -81,7 +81,8 @@ class Demand:
     kv_working_set_tokens: float = 0.0  # KV the fleet holds now (`Fleet.kv_working_set_tokens`)
     prefill_new_tokens_per_s: float = 0.0  # the turns' new tokens alone (0: unknown, take prefill_tokens_per_s)
     live_trajectories: float = 0.0  # trajectories live now (decoding, queued or in a tool call)
-    # KV tokens of their histories (the forecaster's lifecycle state; 0: not known), recorded
+    # KV tokens they hold: histories and the prefilled tokens of the turns they are in (the
+    # forecaster's lifecycle state, `LiveState.live_context_tokens`; 0: not known), recorded
     # with each decision beside `kv_working_set_tokens`, which also counts the cached prefixes
     # of finished trajectories (loads.working_set_tokens)
     live_context_tokens: float = 0.0
