@@ -5,9 +5,10 @@ A live run turns wall-clock slack (a late timer, a slow bus hop) into model time
 scale. The actors count their own: every ScaledClock wait that woke after its model time
 (`late_wakeups`, `late_wakeup_ms`), every engine step that fell behind (`lag_resets`,
 `lag_ms`), and every stall of an actor's event loop (`loop_stalls`, `loop_stall_ms`: a
-message waiting in a starved process is late without any timed wait being late). A timing check that fails while those counters show more than `KEPT_UP_SHARE`
-of the rollout lost to lateness is marked `xfail("machine too loaded: ...")`; one that fails
-while the machine kept up fails.
+message waiting in a starved process is late without any timed wait being late). A timing
+check that fails while those counters show more than `KEPT_UP_SHARE` of the rollout lost to
+lateness is marked `xfail("machine too loaded: ...")`; one that fails while the machine kept
+up fails.
 """
 
 from __future__ import annotations

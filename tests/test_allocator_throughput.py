@@ -3,7 +3,10 @@ cost-model policy makes from it when the live working set exceeds the fleet's KV
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from actors.allocator.capacity import CapacityModel
+from actors.allocator.loads import relocation_s
 from actors.allocator.policy import Split
 from actors.allocator.state import Demand, EngineState, Fleet
 from actors.allocator.throughput import RATIO_MIN_TICKS, RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
@@ -178,10 +181,6 @@ def test_a_saturated_fleet_prices_a_split_on_the_kv_its_live_trajectories_hold()
     prefixes that it evicts as it needs room: a split relocates only the live KV, so the same
     saving buys it sooner where the live trajectories hold less (below saturation the held KV
     stays the measure)."""
-    from dataclasses import replace
-
-    from actors.allocator.loads import relocation_s
-
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     all_live = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4, live_context_tokens=held)

@@ -16,10 +16,10 @@ async def test_a_blocked_event_loop_counts_as_one_stall_in_model_seconds():
     clock = ScaledClock(time_scale=5.0)
     watch = asyncio.create_task(clock.watch_loop())
     try:
-        await asyncio.sleep(2 * PROBE_WALL_S)  # the probe is running and has woken on time
+        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: wall time is what the probe measures; it wakes on time
         assert clock.loop_stalls == 0
-        time.sleep(BLOCK_WALL_S)  # the process does not run its loop (a CPU hog, a blocking call)
-        await asyncio.sleep(2 * PROBE_WALL_S)  # the probe wakes late, once
+        time.sleep(BLOCK_WALL_S)  # barrier-ok: the stimulus, a loop that does not run (a CPU hog, a blocking call)
+        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: one probe period past the block; it wakes late, once
         assert clock.loop_stalls == 1
         assert clock.loop_stall_s == pytest.approx(5.0 * (BLOCK_WALL_S - PROBE_WALL_S), abs=5.0 * 2 * STALL_WALL_S)
     finally:
@@ -30,6 +30,6 @@ async def test_a_timed_wait_that_wakes_late_is_counted():
     clock = ScaledClock(time_scale=10.0)
     wait = asyncio.create_task(clock.sleep(0.1))  # 10 ms of wall time
     await asyncio.sleep(0)  # the wait has started its timer
-    time.sleep(0.05)  # ...and the loop is blocked past it
+    time.sleep(0.05)  # barrier-ok: the stimulus, the loop blocked past the wait's wake-up
     await wait
     assert clock.late_wakeups == 1 and clock.late_s > 10.0 * 0.03
