@@ -273,6 +273,11 @@ def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():
     assert abs(colocated_load(demand, ideal, util, 8) - (prefill_ideal + decode)) < 1e-6
     # the lockstep stall grows with the ranks that can each stall the group: more than in step
     assert colocated_load(demand, sglang, util, 8) > prefill + decode
+    # a burst of twice the fleet's prefill takes twice the fleet: the stall saturates at every
+    # engine, the prefill work does not vanish past it (the split's prefill load is not capped)
+    burst = demand_for((16.0, 1.0))
+    assert abs(colocated_load(burst, sglang, util, 8) - (16.0 + 1.0)) < 1e-6
+    assert colocated_load(burst, sglang, util, 8) > colocated_load(demand_for((8.0, 1.0)), sglang, util, 8) + 7.0
 
 
 def test_colocated_load_counts_the_live_histories_not_the_finished_trajectories_cache():

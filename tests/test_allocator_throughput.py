@@ -128,7 +128,10 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     changes = _run_colocated(policy, demand, held)
     assert changes and {c.role for c in changes} == {P, D}, policy.last_reason
     assert "saturated" in policy.last_reason
-    assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=False)), demand, held) == []  # off: the veto stands
+    # off, on a fleet whose decode side keeps the histories (no write-back): the veto stands
+    # (with write-back there is no veto, and the load rules judge alone)
+    off = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(saturated_regime=False))
+    assert _run_colocated(off, demand, held) == [] and "would not fit" in off.last_reason
     p = sum(c.role is P for c in changes)
     assert abs(saturated_ratio(policy.ratios, histories_follow=False) - 10.0) < 1e-9  # 95% recomputed: every arrangement's q
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}

@@ -113,14 +113,17 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
       in it (one eager token). A rank prefills a share p of the time (its in-step prefill
       load); ranks whose turns arrive independently leave the group decoding only while none
       prefills, (1 - p)^R of the time; so the prefill takes 1 - (1 - p)^R of every engine
-      (between p, ranks in step, and R p, never together);
+      (between p, ranks in step, and R p, never together). Prefill work beyond the whole
+      fleet (a step's burst of prompts, a backlog) takes what it takes: the stall can hold
+      every engine at most, the prefill itself is not capped (as the split's prefill load
+      is not);
     * otherwise (vLLM's piecewise steps): decode steps run eager while a peer prefills (the
       prefill share times the decode load, times the eager factor - 1)."""
     prefill = demand.prefill_tokens_per_s * cap.prefill_s_at(demand.prefill_attention_tokens, colocated=True) / util
     decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, live_kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
     share = min(1.0, prefill / max(n, 1))
     if cap.colocated_lockstep_ranks > 1:
-        return n * (1.0 - (1.0 - share) ** cap.colocated_lockstep_ranks) + decode
+        return max(prefill, n * (1.0 - (1.0 - share) ** cap.colocated_lockstep_ranks)) + decode
     return prefill + decode * (1.0 + cap.colocated_mixed_penalty * share)
 
 
