@@ -11,7 +11,7 @@ from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import from_forecast, from_queues
 from actors.allocator.loads import stage_loads
 from actors.allocator.policy import Fixed, Split
-from actors.allocator.state import Demand, EngineState, Fleet
+from actors.allocator.state import DEFAULT_CONTEXT_TOKENS, Demand, EngineState, Fleet
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from actors.environment.router import Router
 from bus_schemas.control import Role
@@ -156,6 +156,13 @@ def test_demand_from_queues_and_from_a_forecast():
     f = from_forecast(forecast, state, horizon_s=10.0)
     assert f.prefill_tokens_per_s == 200.0 + 500.0  # mean over h <= 10 s, plus the backlog of now
     assert abs(f.decode_seqs - 70.0 / 3) < 1e-9  # a negative forecast counts as zero
+    assert f.decode_context_tokens == 3000.0  # the decoding sequences' context
+    # nothing decodes now (a step's start): the next decodes start at the live trajectories' KV,
+    # not at the typical 4,096 tokens; unknown where the live state is not known either
+    idle = fleet([P, D], waiting_prefill_tokens=[5000, 0])
+    live = msgspec.structs.replace(forecast, live_context_tokens=10 * 700)
+    assert from_forecast(live, idle, horizon_s=10.0).decode_context_tokens == 700.0
+    assert from_forecast(forecast, idle, horizon_s=10.0).decode_context_tokens == DEFAULT_CONTEXT_TOKENS
 
 
 def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False, running_decode: int = 0) -> EngineStatus:

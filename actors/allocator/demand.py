@@ -72,7 +72,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     return Demand(
         prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + backlog,
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
-        decode_context_tokens=fleet.mean_decode_context_tokens,
+        decode_context_tokens=decode_context_tokens(fleet, forecast.live_trajectories, forecast.live_context_tokens),
         source=f"forecast@{forecast.as_of_s:.0f}s" + (f"/q{quantile:g}" if quantile else ""),
         prefill_new_tokens_per_s=mean("prefill_new_tokens") / forecast.bin_s,
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
@@ -81,6 +81,15 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         prefill_attention_tokens=attention,
         prefill_backlog_tokens_per_s=backlog,
     )
+
+
+def decode_context_tokens(fleet: Fleet, live_trajectories: float, live_context_tokens: float) -> float:
+    """The decoding sequences' mean context; while none decodes (a step's start, a tail), the
+    live trajectories' mean KV, the context their next decodes start at; the typical context
+    (`DEFAULT_CONTEXT_TOKENS`) where neither is known."""
+    if fleet.running_decode or live_trajectories <= 0 or live_context_tokens <= 0:
+        return fleet.mean_decode_context_tokens
+    return live_context_tokens / live_trajectories
 
 
 class RecordedDemand:
@@ -102,15 +111,17 @@ class RecordedDemand:
         hi = max(lo + 1, int((fleet.now_s + horizon_s) // ORACLE_BIN_S))
         window_p, window_d, window_n = self.prefill_tokens[lo:hi], self.decode_seqs[lo:hi], self.new_tokens[lo:hi]
         backlog = backlog_tokens_per_s(fleet, horizon_s)
+        live = float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0
+        live_context = float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0
         return Demand(
             prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S + backlog,
             decode_seqs=float(window_d.mean()) if len(window_d) else 0.0,
-            decode_context_tokens=fleet.mean_decode_context_tokens,
+            decode_context_tokens=decode_context_tokens(fleet, live, live_context),
             source="oracle",
             prefill_new_tokens_per_s=(float(window_n.mean()) if len(window_n) else 0.0) / ORACLE_BIN_S,
             kv_working_set_tokens=float(fleet.kv_working_set_tokens),
-            live_trajectories=float(self.live[min(lo, len(self.live) - 1)]) if len(self.live) else 0.0,
-            live_context_tokens=float(self.live_context[min(lo, len(self.live_context) - 1)]) if len(self.live_context) else 0.0,
+            live_trajectories=live,
+            live_context_tokens=live_context,
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
             prefill_backlog_tokens_per_s=backlog,
         )
