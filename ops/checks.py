@@ -17,8 +17,11 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
 
     A complete trajectory has one `started`, one `finished` (whose `turn` is its last turn),
     every turn kind for each turn 0..last (PD or colocated), and a tool call between turns.
-    `disaggregated=None` (a fleet whose roles change): a turn that crossed engines (it has a
-    `decode_queued` or `kv_transfer_done`) needs the PD kinds, any other the colocated ones.
+    `disaggregated=None` (a fleet whose roles change): a turn whose last attempt crossed
+    engines (it has a `decode_queued` or `kv_transfer_done`) needs the PD kinds, any other the
+    colocated ones. The last attempt decides: a hand-off abandoned by a re-prefill (its KV
+    lost, or of an older policy than the engine that took it) leaves a `decode_queued` that
+    no `kv_transfer_done` follows, and the turn then runs on one engine.
     Other kinds are allowed beside them: a re-prefill, a migrated decode, an interrupted turn
     (`turn_interrupted`, async) and a `trajectory_dropped` (turn -1, async) change nothing here.
     """
@@ -29,11 +32,13 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
     per_traj = (
         events.filter(pl.col("trajectory_id").is_in(list(trajectory_ids)))
         .group_by("trajectory_id", "turn")
-        .agg(pl.col("kind").unique())
+        .agg(pl.col("kind").unique(), pl.col("kind").filter(pl.col("attempt") == pl.col("attempt").max()).unique().alias("last_kinds"))
     )
     kinds: dict[str, dict[int, set[str]]] = {}
+    last_kinds: dict[tuple[str, int], set[str]] = {}  # the kinds of each turn's last attempt
     for row in per_traj.iter_rows(named=True):
         kinds.setdefault(row["trajectory_id"], {})[row["turn"]] = set(row["kind"])
+        last_kinds[row["trajectory_id"], row["turn"]] = set(row["last_kinds"])
     problems: dict[str, list[str]] = {}
     for trajectory_id in sorted(trajectory_ids):
         turns = kinds.get(trajectory_id, {})
@@ -46,7 +51,8 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
             missing.append("started")
         for turn in range(finished_turn + 1):
             have = turns.get(turn, set())
-            turn_kinds = fixed_kinds or (pd_kinds if have & crossing else {k.value for k in TURN_KINDS_COLOCATED})
+            crossed = last_kinds.get((trajectory_id, turn), set()) & crossing
+            turn_kinds = fixed_kinds or (pd_kinds if crossed else {k.value for k in TURN_KINDS_COLOCATED})
             want = turn_kinds | (tool_kinds if turn < finished_turn else set())
             missing += [f"turn {turn}: {k}" for k in sorted(want - have)]
         if missing:

@@ -75,6 +75,23 @@ def test_the_completeness_check_accepts_interrupted_turns_and_dropped_trajectori
     assert incomplete_trajectories(events_frame(events[:-3]), {"t"}, disaggregated=False)["t"] == ["finished", "turn 1: decode_done"]  # it still finds gaps
 
 
+def test_the_completeness_check_judges_a_turn_on_its_last_attempt():
+    """A hand-off abandoned for a re-prefill (an engine on a newer policy got KV of the older
+    one, measured in the async DeepSeek bench while roles changed) leaves a `decode_queued` that
+    no `kv_transfer_done` follows; the turn then runs on one engine and is complete. A last
+    attempt that crossed engines still needs the whole hand-off."""
+
+    def ev(kind: str, attempt: int = 0) -> LifecycleEvent:
+        return LifecycleEvent(event_id=f"{kind}-{attempt}", kind=kind, at_s=0.0, actor_id="x", trajectory_id="t", turn=0, attempt=attempt)
+
+    abandoned = [ev("started"), ev("prefill_queued"), ev("prefill_started"), ev("prefill_done"), ev("decode_queued"), ev("reprefill", 1)]
+    colocated = [ev("prefill_started", 1), ev("prefill_done", 1), ev("decode_started", 1), ev("decode_done", 1), ev("finished")]
+    assert incomplete_trajectories(events_frame(abandoned + colocated), {"t"}, disaggregated=None) == {}
+    crossed = [ev("prefill_started", 1), ev("prefill_done", 1), ev("decode_queued", 1), ev("decode_started", 1), ev("decode_done", 1), ev("finished")]
+    assert incomplete_trajectories(events_frame(abandoned + crossed), {"t"}, disaggregated=None)["t"] == ["turn 0: kv_transfer_done"]
+    assert incomplete_trajectories(events_frame(abandoned + colocated[:-2] + colocated[-1:]), {"t"}, disaggregated=None)["t"] == ["turn 0: decode_done"]
+
+
 def async_run(tmp_path: Path, name: str, policy: str, eta: int, inflight: str = "interrupt", seed: int = 0, fleet: str = "colocated") -> Path:
     """The tiny config in async mode, 4 batches, in virtual time (runners.simulate): its folder."""
     path = write_tiny_config(tmp_path / f"{name}.toml", policy=fleet, steps=4)
