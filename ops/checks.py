@@ -32,7 +32,10 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
     per_traj = (
         events.filter(pl.col("trajectory_id").is_in(list(trajectory_ids)))
         .group_by("trajectory_id", "turn")
-        .agg(pl.col("kind").unique(), pl.col("kind").filter(pl.col("attempt") == pl.col("attempt").max()).unique().alias("last_kinds"))
+        .agg(
+            pl.col("kind").unique(),
+            pl.col("kind").filter(pl.col("attempt") == pl.col("attempt").max()).unique().alias("last_kinds"),
+        )
     )
     kinds: dict[str, dict[int, set[str]]] = {}
     last_kinds: dict[tuple[str, int], set[str]] = {}  # the kinds of each turn's last attempt

@@ -29,7 +29,7 @@ async def test_a_blocked_event_loop_counts_as_one_stall_in_model_seconds():
 async def test_a_timed_wait_that_wakes_late_is_counted():
     clock = ScaledClock(time_scale=10.0)
     wait = asyncio.create_task(clock.sleep(0.1))  # 10 ms of wall time
-    await asyncio.sleep(0)  # the wait has started its timer
+    await asyncio.sleep(0)  # barrier-ok: one yield, so the wait arms its timer before the loop is blocked (no event marks that)
     time.sleep(0.05)  # barrier-ok: the stimulus, the loop blocked past the wait's wake-up
     await wait
     assert clock.late_wakeups == 1 and clock.late_s > 10.0 * 0.03

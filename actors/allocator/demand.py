@@ -72,7 +72,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     return Demand(
         prefill_tokens_per_s=per_bin_tokens / forecast.bin_s + backlog,
         decode_seqs=max(mean("decode_active_seqs"), 0.0),
-        decode_context_tokens=decode_context_tokens(fleet, forecast.live_trajectories, forecast.live_context_tokens),
+        decode_context_tokens=next_decode_context_tokens(fleet, forecast.live_trajectories, forecast.live_context_tokens),
         source=f"forecast@{forecast.as_of_s:.0f}s" + (f"/q{quantile:g}" if quantile else ""),
         prefill_new_tokens_per_s=mean("prefill_new_tokens") / forecast.bin_s,
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
@@ -83,7 +83,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     )
 
 
-def decode_context_tokens(fleet: Fleet, live_trajectories: float, live_context_tokens: float) -> float:
+def next_decode_context_tokens(fleet: Fleet, live_trajectories: float, live_context_tokens: float) -> float:
     """The decoding sequences' mean context; while none decodes (a step's start, a tail), the
     live trajectories' mean KV, the context their next decodes start at; the typical context
     (`DEFAULT_CONTEXT_TOKENS`) where neither is known."""
@@ -116,7 +116,7 @@ class RecordedDemand:
         return Demand(
             prefill_tokens_per_s=(float(window_p.mean()) if len(window_p) else 0.0) / ORACLE_BIN_S + backlog,
             decode_seqs=float(window_d.mean()) if len(window_d) else 0.0,
-            decode_context_tokens=decode_context_tokens(fleet, live, live_context),
+            decode_context_tokens=next_decode_context_tokens(fleet, live, live_context),
             source="oracle",
             prefill_new_tokens_per_s=(float(window_n.mean()) if len(window_n) else 0.0) / ORACLE_BIN_S,
             kv_working_set_tokens=float(fleet.kv_working_set_tokens),
