@@ -27,7 +27,7 @@ from bus_schemas.train import FinishedTrajectory, TaskAssignment
 from bus_schemas.work import DecodeWork, KvChunk, KvFetch, PrefillWork, TurnResult
 from ops.natsserver import MAX_PAYLOAD_BYTES
 from tests.conftest import write_tiny_config
-from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_event
+from tests.test_faults_restart import FAST_PD_ALLOCATOR, launch_with_fault, wait_for_allocator_deciding, wait_for_event
 from tests.test_launch import assert_all_gone
 
 pytestmark = pytest.mark.e2e
@@ -132,12 +132,20 @@ async def vandalize(out: Path, rng: random.Random) -> set[str]:
         await close(nc)
 
 
+async def every_actor_serving(bus: Path) -> None:
+    """Decode has begun on e0 and the allocator has decided once, so its subscriptions are live:
+    core pub/sub reaches only subscribers already there, and a loaded machine may start the
+    allocator after the engines and the environment are serving."""
+    await wait_for_event(bus, "decode_started", "e0", 0, timeout_wall_s=60)
+    await wait_for_allocator_deciding(bus, timeout_wall_s=120)
+
+
 def test_bad_input_on_every_subject_is_rejected_counted_and_nothing_stops(tmp_path: Path):
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2, time_scale=10.0)
     config.write_text(config.read_text() + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
     pids, output, returncode = launch_with_fault(
-        config, out, lambda bus: wait_for_event(bus, "decode_started", "e0", 0, timeout_wall_s=60),  # every actor is serving
+        config, out, every_actor_serving,
         lambda pids: asyncio.run(vandalize(out, random.Random(16))),
     )  # fmt: skip
     assert returncode == 0, output
