@@ -3,9 +3,10 @@
 `Empirical` keeps the most recent samples (a sliding reservoir) and answers in vectors on
 a fine time grid: the probability that a stage that has already lasted `elapsed_s` ends in
 each future slot. Its survival function is mixed with an exponential tail of the same
-mean (weight w/(n+w), w = `tail_weight`, 1 by default), so a stage that has outlasted
-every sample still ends somewhere and a family seen once still forecasts; a near-regular
-duration (the trainer's gap between steps) uses a small w. `TurnHazard` estimates, per task family, the
+mean (weight w/(n+w), w = `tail_weight`, 1 by default; with stages still running, the
+censored mean, `_tail_mean_s`), so a stage that has outlasted every sample still ends
+somewhere and a family seen once still forecasts; a near-regular duration (the trainer's
+gap between steps) uses a small w. `TurnHazard` estimates, per task family, the
 probability that a trajectory goes on after turn n (Kaplan–Meier over finished
 trajectories, live ones censored at their current turn, shrunk towards the mean).
 """
@@ -73,7 +74,7 @@ class Empirical:
         so the long stages still under way are not left out of the estimate."""
         x = self.values()
         n = len(x)
-        mean_s = max(float(x.mean()) if n else 1.0, 1e-6)
+        mean_s = max(self._tail_mean_s(censored), 1e-6)
         tail = np.exp(-np.maximum(t_s, 0.0) / mean_s)
         if n == 0:
             return tail
@@ -87,6 +88,18 @@ class Empirical:
             beyond = t_s > x[-1]  # past every completed sample: the KM level decays like the tail
             emp = np.where(beyond, km[-1] * np.exp(-(t_s - x[-1]) / mean_s), emp)
         return (n * emp + self.tail_weight * tail) / (n + self.tail_weight)
+
+    def _tail_mean_s(self, censored: np.ndarray | None) -> float:
+        """The mean of the exponential tail: the samples' mean, or with stages still running
+        the censored maximum-likelihood mean, (completed durations + time the running ones
+        have lasted) / completions. The samples' mean alone is what finished first: early in
+        a run's first step the few decodes done are the short ones, and a tail of their mean
+        ends every long decode still running within seconds (docs/forecasting.md)."""
+        n = self.n
+        if n == 0:
+            return 1.0
+        running_s = float(np.sum(censored)) if censored is not None else 0.0
+        return (float(self.values().sum()) + running_s) / n
 
     def residual_mass(self, elapsed_s: np.ndarray, step_s: float, slots: int) -> np.ndarray:
         """(len(elapsed), slots): P(end in ((j)·step, (j+1)·step] from now | lasted elapsed)."""

@@ -80,6 +80,24 @@ def test_residual_sums_are_the_per_trajectory_residual_masses_summed(censored):
     np.testing.assert_allclose(got, weights @ per_trajectory, rtol=1e-10, atol=1e-13)
 
 
+def test_stages_still_running_past_every_completed_one_are_not_ended_by_the_early_finishers():
+    """Early in a first step only the short decodes have finished: a tail of their mean would
+    end the long ones still running within seconds. With the running ones' time counted (the
+    censored mean), the tail has the true mean of an exponential stage seen part-way."""
+    rng = np.random.default_rng(3)
+    true_mean_s, seen_at_s = 50.0, 10.0
+    durations = rng.exponential(true_mean_s, 5000)
+    stage = Empirical(max_samples=5000)
+    stage.add_many(durations[durations <= seen_at_s])  # about a fifth finished
+    running = np.full(int((durations > seen_at_s).sum()), seen_at_s)
+    assert stage.values().max() < seen_at_s and stage.mean() < 6.0  # what finished is short
+    assert stage._tail_mean_s(running) == pytest.approx(true_mean_s, rel=0.08)
+    ends_within_10_s = 1.0 - stage.survival(np.array([seen_at_s + 10.0]), running)[0] / stage.survival(np.array([seen_at_s]), running)[0]
+    assert ends_within_10_s == pytest.approx(1.0 - np.exp(-10.0 / true_mean_s), abs=0.03)  # memoryless: about 18%
+    uncensored = 1.0 - stage.survival(np.array([seen_at_s + 10.0]))[0] / stage.survival(np.array([seen_at_s]))[0]
+    assert uncensored > 0.8  # the samples' own mean: nearly all would end within 10 s
+
+
 def test_compound_poisson_quantiles_match_a_simulation():
     rng = np.random.default_rng(5)
     samples = [rng.lognormal(np.log(400), 1.2, 2000), rng.normal(3000, 500, 500).clip(1)]
