@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bus_schemas.eventlog import events_frame
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.core import CoreConfig, ForecastCore
 from forecasting.empirical import Empirical
@@ -96,6 +98,47 @@ def test_stages_still_running_past_every_completed_one_are_not_ended_by_the_earl
     assert ends_within_10_s == pytest.approx(1.0 - np.exp(-10.0 / true_mean_s), abs=0.03)  # memoryless: about 18%
     uncensored = 1.0 - stage.survival(np.array([seen_at_s + 10.0]))[0] / stage.survival(np.array([seen_at_s]))[0]
     assert uncensored > 0.8  # the samples' own mean: nearly all would end within 10 s
+
+
+def test_a_first_step_s_long_decodes_are_forecast_to_keep_running():
+    """The DeepSeek math case: every trajectory starts at once and decodes for an exponential
+    100 s; 10 s in, only the short decodes have finished. The forecast of decode sequences
+    20 s ahead keeps the running ones (about e^(-20/100) of them), not the early finishers' fate.
+    (Single-turn math; a few two-turn swe trajectories give the model a completed tool call.)"""
+    rng = np.random.default_rng(8)
+    events = []
+
+    def add(kind, at_s, i, family, turn=0, **fields):
+        base = dict(trajectory_id=f"{family}{i}", task_family=family, actor_id="synthetic", step=0, policy_version=0)
+        events.append(LifecycleEvent(event_id=f"{family}{i}-{len(events)}", kind=kind, at_s=at_s, turn=turn, **base, **fields))
+
+    def turn(i, family, turn, start_s, duration_s):
+        add(EventKind.PREFILL_QUEUED, start_s, i, family, turn, new_tokens=300, context_tokens=0)
+        add(EventKind.PREFILL_DONE, start_s + 0.5, i, family, turn, new_tokens=300, context_tokens=0, cached_prefix_tokens=0)
+        add(EventKind.DECODE_STARTED, start_s + 0.5, i, family, turn, new_tokens=300, context_tokens=0, cached_prefix_tokens=0)
+        add(EventKind.DECODE_DONE, start_s + 0.5 + duration_s, i, family, turn, new_tokens=300, context_tokens=0, generated_tokens=int(20 * duration_s) + 1)
+        return start_s + 0.5 + duration_s
+
+    for i, duration_s in enumerate(rng.exponential(100.0, 400).tolist()):
+        add(EventKind.STARTED, 0.0, i, "math", new_tokens=300)
+        add(EventKind.FINISHED, turn(i, "math", 0, 0.0, duration_s), i, "math")
+    for i in range(5):  # decode 1 s, a 1 s tool call, then a second turn still decoding at the cut
+        add(EventKind.STARTED, 0.0, i, "swe", new_tokens=300)
+        end_s = turn(i, "swe", 0, 0.0, 1.0)
+        add(EventKind.TOOL_STARTED, end_s, i, "swe")
+        add(EventKind.TOOL_DONE, end_s + 1.0, i, "swe", duration_s=1.0, new_tokens=50)
+        turn(i, "swe", 1, end_s + 1.0, 500.0)
+    log = events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
+    core = ForecastCore(CoreConfig(models=("naive",)))
+    at_s = log["at_s"].to_numpy()
+    for until_s in range(1, 11):
+        core.tick(log.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
+    math_done = (log["kind"] == "decode_done") & (log["task_family"] == "math") & (log["at_s"] < 10.0)
+    running = 400 - int(math_done.sum())
+    assert 330 < running < 390  # about a tenth finished, all of them short
+    history = History(1.0, 10.0, {t: s.view() for t, s in core.series.items()}, core.live)
+    ahead_20_s = Lifecycle().update(history).predict(20).mean["decode_active_seqs"][19]
+    assert ahead_20_s == pytest.approx(running * np.exp(-20.0 / 100.0) + 5, rel=0.15)
 
 
 def test_compound_poisson_quantiles_match_a_simulation():
