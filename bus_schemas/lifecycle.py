@@ -38,7 +38,7 @@ class EventKind(str, enum.Enum):
     ROLE_SWITCHED = "role_switched"  # detail: the allocator's reason (SetRole.reason)
     POLICY_LOADED = "policy_loaded"
     STEP_STARTED = "step_started"
-    ROLLOUT_DONE = "rollout_done"
+    ROLLOUT_DONE = "rollout_done"  # detail: FINAL_STEP on the run's last step (no step follows)
     POLICY_PUBLISHED = "policy_published"
     # async RL (run.mode = "async", docs/async.md)
     POLICY_UPDATE_STARTED = "policy_update_started"  # an engine began taking a new version mid-rollout (policy_loaded ends it)
@@ -48,6 +48,10 @@ class EventKind(str, enum.Enum):
 
 
 # What a complete disaggregated / colocated turn looks like in the log.
+# rollout_done's detail on the run's last step: no step follows it (the forecaster then
+# foresees no next step's starts)
+FINAL_STEP = "final step"
+
 TURN_KINDS_PD = (
     EventKind.PREFILL_QUEUED,
     EventKind.PREFILL_STARTED,

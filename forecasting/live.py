@@ -13,7 +13,8 @@ the observation length, decode_done the generation length, finished the number o
 Fleet events give the RL cadence, in either mode (`mode`, read from the events alone):
 
     sync   rollout_done → step_started (the trainer's gap), step_started → each start (the
-           environments' launch spread); a step starts as many as the one before
+           environments' launch spread); a step starts as many as the one before, and none
+           follows the rollout_done the trainer marks as the run's last (FINAL_STEP)
     async  no steps (docs/async.md): batch_ready → the next batch_ready (the batches' gap),
            batch_ready → each start of the cycle it opens (the wave the freed room admits:
            at once under drop/partial, after the training time under hold, where the
@@ -39,6 +40,7 @@ from itertools import repeat
 import numpy as np
 import polars as pl
 
+from bus_schemas.lifecycle import FINAL_STEP
 from forecasting.empirical import Empirical, TurnHazard
 from forecasting.series import UNIT_COST, PrefillCost, kind_codes, of_fleet
 
@@ -132,6 +134,7 @@ class LiveState:
         self.context = np.zeros(capacity)  # tokens before the next prefill's new ones (after a decode: all of the turn's)
         self.queued_new = np.zeros(capacity)  # PRE: the new tokens queued for this turn's prefill
         self.step_pending_since_s: float | None = None  # rollout_done seen, next step not started
+        self.final_step_done = False  # the run's last step's rollout_done seen: no step follows
         self.step_gap_s = Empirical(50, tail_weight=0.05)  # rollout_done → next step_started
         self.step_started_s: float | None = None  # the running step's step_started
         self.step = -1  # the running step (from step_started)
@@ -183,7 +186,7 @@ class LiveState:
         return Cadence(
             pending=self.pending_starts(), pending_chance=1.0, pending_mix=self.step_mix(self.step) or self.step_mix(self.step - 1),
             since_anchor_s=max(now_s - self.step_started_s, 0.0) if running else 0.0, offsets=self.start_offset_s,
-            next_size=self.last_step_size(), next_chance=1.0, next_mix=self.step_mix(self.last_step),
+            next_size=self.last_step_size(), next_chance=0.0 if self.final_step_done else 1.0, next_mix=self.step_mix(self.last_step),
             next_waited_s=None if self.step_pending_since_s is None else max(now_s - self.step_pending_since_s, 0.0),
             gap=self.step_gap_s, waves=False,
         )  # fmt: skip
@@ -253,6 +256,7 @@ class LiveState:
             self.last_batch_size = batch_trajectories(detail) or self.last_batch_size
         elif kind == "rollout_done":
             self.step_pending_since_s = at_s
+            self.final_step_done = detail == FINAL_STEP
         elif kind == "step_started":
             self.mode = "sync"
             if self.step_pending_since_s is not None:

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 
 from bus_schemas.lifecycle import EventKind as K
-from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.lifecycle import FINAL_STEP, LifecycleEvent
 from forecasting.live import POOLED, LiveState
 from forecasting.series import live_context_by_bin
 from forecasting.synthetic import synthetic_events, synthetic_log
@@ -114,6 +114,21 @@ def test_step_cadence_and_pending_starts_of_the_running_step():
     assert state.start_offset_s.values().tolist() == [0.5, 1.0, 1.0, 1.5, 2.0]
     assert state.step == 1 and state.pending_starts() == 3  # step 0 started 4; step 1 one so far
     assert state.live_count() == 1 and state.stats["swe"].turns.n == 4
+
+
+def test_no_step_is_foreseen_after_the_run_s_last_rollout():
+    """The trainer marks its last step's rollout_done; past it the cadence brings no next step
+    (before, the forecast expected one, and the allocator switched roles while the trainer
+    trained the last step)."""
+    log = [ev(0, K.STEP_STARTED, 0.0, step=0), ev(1, K.STARTED, 0.5, trajectory_id="a", task_family="swe", step=0, new_tokens=10)]
+    log += [ev(2, K.FINISHED, 9.0, trajectory_id="a", task_family="swe", step=0), ev(3, K.ROLLOUT_DONE, 9.0, step=0)]
+    log += [ev(4, K.STEP_STARTED, 29.0, step=1), ev(5, K.STARTED, 29.5, trajectory_id="b", task_family="swe", step=1, new_tokens=10)]
+    log += [ev(6, K.FINISHED, 40.0, trajectory_id="b", task_family="swe", step=1)]
+    between, after_last = LiveState(), LiveState()
+    between.ingest(events_frame(log[:4]))
+    after_last.ingest(events_frame(log + [ev(7, K.ROLLOUT_DONE, 40.0, step=1, detail=FINAL_STEP)]))
+    assert (between.cadence(15.0).next_size, between.cadence(15.0).next_chance) == (1, 1.0)
+    assert (after_last.cadence(45.0).next_size, after_last.cadence(45.0).next_chance) == (1, 0.0)
 
 
 def test_events_after_a_finish_are_ignored_in_the_same_chunk_and_later():

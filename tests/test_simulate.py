@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from actors.config import load_config, with_policy
+from bus_schemas.lifecycle import FINAL_STEP
 from ops.checks import incomplete_trajectories
 from runners.simulate import run
 from tests.conftest import REPO, write_tiny_config
@@ -57,6 +58,8 @@ def test_simulated_run_finishes_every_trajectory_with_every_transition(tmp_path:
     disaggregated = {"colocated": False, "colocated-sticky": False, "static": True}.get(policy)  # None: roles change
     assert incomplete_trajectories(events, finished, disaggregated) == {}
     assert summary["incomplete_trajectories"] == 0
+    rollouts = events.filter(pl.col("kind") == "rollout_done").sort("step")
+    assert rollouts["detail"].to_list() == ["", FINAL_STEP]  # the trainer marks the run's last step
 
 
 def test_every_allocator_tick_is_recorded_with_the_reason_each_switch_logged(tmp_path: Path):

@@ -20,7 +20,7 @@ from actors.trainer.async_loop import AsyncTrainerLoop
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.control import CommandAck, LoadPolicy
-from bus_schemas.lifecycle import EventKind
+from bus_schemas.lifecycle import FINAL_STEP, EventKind
 from bus_schemas.status import ActorStatus
 from bus_schemas.streams import finished_consumer, pull_subscription
 from bus_schemas.train import FinishedTrajectory, PolicyVersion, StepReport, TaskAssignment
@@ -67,7 +67,8 @@ class TrainerActor(AsyncTrainerLoop, Actor):
         wanted = await self._assign(step, version, started_s)
         batch = await self._collect(wanted)
         rollout_done_s = max(f.finished_at_s for f in batch)
-        self.event(EventKind.ROLLOUT_DONE, step=step, policy_version=version, at_s=rollout_done_s)
+        final = FINAL_STEP if step == self.config.trainer.steps - 1 else ""
+        self.event(EventKind.ROLLOUT_DONE, step=step, policy_version=version, at_s=rollout_done_s, detail=final)
         train_s = await self._train(batch, version + 1)
         self.policy_version = version + 1
         published = PolicyVersion(
