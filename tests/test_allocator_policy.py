@@ -236,6 +236,7 @@ def test_a_prefill_engine_turn_moves_only_to_keep_another_from_running_dry():
     for s in (_status("e0", C, 20_000), _status("e1", C, 5000)):
         colocated.observe(s)
     assert colocated.route("e0", "e0", 4000, 3000) == "e1"
+    assert router.counters()["turns_routed"] == 2 and colocated.counters()["turns_routed"] == 1  # every turn counts, wherever it goes
 
 
 def test_a_short_append_leaving_a_busy_decode_engine_goes_to_its_prefix_holder():

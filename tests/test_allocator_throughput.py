@@ -9,7 +9,18 @@ from actors.allocator.capacity import CapacityModel
 from actors.allocator.loads import relocation_s
 from actors.allocator.policy import Split
 from actors.allocator.state import Demand, EngineState, Fleet
-from actors.allocator.throughput import RATIO_MIN_TICKS, RatioMeter, colocated_rate, lockstep_rate, saturated, saturated_ratio, split_rate
+from actors.allocator.throughput import (
+    RATIO_MIN_TICKS,
+    RatioMeter,
+    arrangement_ratio,
+    colocated_rate,
+    history_miss_share,
+    history_pools_tokens,
+    lockstep_rate,
+    saturated,
+    saturated_ratio,
+    split_rate,
+)
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from bus_schemas.control import Role
 
@@ -215,3 +226,65 @@ def test_a_saturated_fleets_tail_buys_no_split():
     policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
     assert _run_colocated(policy, tail, held) == [], policy.last_reason
     assert "saturated" in policy.last_reason  # the regime judged it, and bought nothing
+
+
+def moe_dp4(**engines) -> EngineSection:
+    """The bench's moe-stage fleet with its stage layouts off: 8 engines of 4 GPUs, every role
+    DP attention + EP4 (the ablation row where a split's prefill side kept too few histories)."""
+    return EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), **engines)
+
+
+def test_an_arrangement_that_keeps_fewer_live_histories_is_rated_at_the_recompute_it_adds():
+    """Write-back to the prefill side: a split keeps every live history in its prefill
+    engines' pools, colocation in every engine's. Histories that just fit the colocated pools
+    fit a quarter of them in 2:6, so 2:6 misses 3 of 4 turns, each recomputing its history."""
+    cap = CapacityModel(moe_dp4(), 2.0).at(20_000)
+    assert cap.histories_on_prefill and cap.prefill_kv_tokens == cap.colocated_kv_tokens
+    live = history_pools_tokens(cap, 8, 0)  # the colocated pools, exactly full
+    assert history_pools_tokens(cap, 8, 2) == live / 4
+    assert history_miss_share(live, history_pools_tokens(cap, 8, 0)) == 0.0
+    assert abs(history_miss_share(live, history_pools_tokens(cap, 8, 2)) - 0.75) < 1e-12
+    q, floor, per_decode = 2.0, 0.5, 24.0  # 24 history tokens per decode token: 20k-token histories, 830 decode tokens a turn
+    assert arrangement_ratio(q, floor, cap, 8, 0, 0, live, per_decode) == q  # what was measured
+    assert abs(arrangement_ratio(q, floor, cap, 8, 2, 0, live, per_decode) - (q + 0.75 * per_decode)) < 1e-9
+    assert arrangement_ratio(q, floor, cap, 8, 4, 0, live, per_decode) < arrangement_ratio(q, floor, cap, 8, 2, 0, live, per_decode)
+    # read in 2:6, colocation would recompute less, down to the turns' new tokens at most
+    assert abs(arrangement_ratio(20.0, floor, cap, 8, 0, 2, live, per_decode) - (20.0 - 0.75 * per_decode)) < 1e-9
+    assert arrangement_ratio(q, floor, cap, 8, 0, 2, live, per_decode) == floor
+    # histories that fit every arrangement's pools, or kept elsewhere (no write-back: on the
+    # decode engines; a store tier: for any engine): one q for all
+    assert arrangement_ratio(q, floor, cap, 8, 2, 0, live / 5, per_decode) == q
+    for writeback in ("none", "store"):
+        other = CapacityModel(moe_dp4(kv_writeback=writeback), 2.0).at(20_000)
+        assert arrangement_ratio(q, floor, other, 8, 2, 0, live, per_decode) == q
+
+
+def test_a_saturated_fleet_stays_colocated_where_a_split_would_recompute_the_histories_it_cannot_keep():
+    """The ablation row at 409 s (moe-stage SWE at 64 per GPU, stage layouts off): 1,645 live
+    trajectories hold 31.9M tokens of history, the colocated pools' worth; colocation computes
+    2.1 prefill tokens per decode token. Rated at that q, 2:6 turns over 1.32x colocation and
+    was bought; it then missed most histories on its two prefill engines and lost 2.9%. Rated
+    at the recompute its pools imply, every split is slower and the fleet stays colocated;
+    without the turns counted (histories per decode token unknown) the split is still bought."""
+    engines = moe_dp4()
+    demand = Demand(
+        50_979.0, 1_474.0, 20_185.0, "test", remote_share=0.65, kv_working_set_tokens=35.7e6,
+        prefill_new_tokens_per_s=20_657.0, live_trajectories=1_645.0, live_context_tokens=31.9e6,
+    )  # fmt: skip
+
+    def run(turns_counted: bool) -> tuple[list, str]:
+        policy = Split("prorsa", engines, AllocatorSection(saturated_regime=True))
+        changes: list = []
+        for tick in range(300):
+            decoded = 1_000_000 * tick
+            fleet = _fleet([C] * 8, 400.0 + 2 * tick, int(2.1 * decoded), decoded, int(35.7e6))
+            fleet = replace(fleet, new_tokens_total=int(0.66 * decoded), turns_total=decoded // 830 if turns_counted else 0)
+            changes = policy.decide(demand, fleet)
+            if changes:
+                break
+        return changes, policy.last_reason
+
+    changes, reason = run(turns_counted=True)
+    assert changes == [] and reason.startswith("colocated, saturated"), reason
+    changes, reason = run(turns_counted=False)
+    assert {c.role for c in changes} == {P, D} and "saturated" in reason, reason

@@ -76,6 +76,7 @@ class AllocatorActor(Actor):
         )
         self.last_demand: Demand | None = None
         self.env_tokens: dict[str, tuple[int, int]] = {}  # environment -> (short, long) prefill tokens, cumulative
+        self.env_turns: dict[str, int] = {}  # environment -> turns it routed, cumulative
         self._seen_tokens = (0, 0)
         self.remote_share = 1.0  # share of prefill tokens that go to prefill engines (EWMA per tick)
 
@@ -110,6 +111,7 @@ class AllocatorActor(Actor):
         if status is not None:
             c = status.counters
             self.env_tokens[status.actor_id] = (c.get("prefill_short_tokens", 0), c.get("prefill_long_tokens", 0))
+            self.env_turns[status.actor_id] = c.get("turns_routed", 0)
 
     def _update_remote_share(self) -> float:
         short = sum(s for s, _ in self.env_tokens.values())
@@ -175,7 +177,7 @@ class AllocatorActor(Actor):
                 )
             )
         new_tokens = sum(short + long for short, long in self.env_tokens.values())
-        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines), new_tokens_total=new_tokens)
+        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines), new_tokens_total=new_tokens, turns_total=sum(self.env_turns.values()))
 
     def demand(self, fleet: Fleet) -> Demand | None:
         horizon_s = self.config.allocator.horizon_s

@@ -38,6 +38,10 @@ class Capacity:
     # (the next turn reuses it there or recomputes it); with write-back it goes back to the
     # prefill side, and the decode side holds only the sequences it decodes
     decode_holds_histories: bool = True
+    # with write-back to the prefill side ("to-prefill"), a split keeps every live trajectory's
+    # history between turns in its prefill engines' pools (`throughput.history_pools_tokens`)
+    histories_on_prefill: bool = False
+    prefill_kv_tokens: int = 1  # KV pool of a prefill engine
     # the KV-bound regime (throughput.py): sequences an engine's pool holds at the context and
     # the step time of that batch at graph speed, colocated and on a decode engine; a decode
     # engine's own prefill cost and lockstep ranks (short appends prefilled where their KV is)
@@ -139,6 +143,8 @@ class CapacityModel:
             colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
             colocated_lockstep_ranks=colocated.dp_ranks if lockstep and colocated.dp_sync == "sglang" else 1,
             decode_holds_histories=engines.kv_writeback == "none",
+            histories_on_prefill=engines.kv_writeback == "to-prefill",
+            prefill_kv_tokens=prefill.kv_capacity_tokens,
             colocated_kv_seqs=colocated_cap,
             colocated_kv_step_s=decode_step_s(colocated, colocated_cap, context_tokens),
             decode_kv_seqs=cap,

@@ -68,7 +68,7 @@ from actors.allocator.loads import (
     working_set_tokens,
 )
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
-from actors.allocator.throughput import RatioMeter, colocated_rate, fleet_saturated, saturated_ratio, split_rate
+from actors.allocator.throughput import RatioMeter, arrangement_ratio, colocated_rate, fleet_saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -150,7 +150,7 @@ class Split:
         settled = all(fleet.now_s - e.role_since_s >= SETTLE_HORIZONS * self.config.horizon_s for e in usable)
         q_settled = settled and fleet.now_s >= self.q_settles_at_s and not any(e.switching for e in usable)
         prefill_engines = sum(e.role is Role.PREFILL for e in usable)
-        self.ratios.observe(*fleet.token_totals, prefill_engines if q_settled and (colocated_now or pd_now) else None)
+        self.ratios.observe(*fleet.token_totals, prefill_engines if q_settled and (colocated_now or pd_now) else None, fleet.turns_total)
         if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
             self.last_reason = "a switch is under way or within its dwell"
             return []
@@ -211,13 +211,16 @@ class Split:
         q = saturated_ratio(self.ratios, histories_follow=not cap.decode_holds_histories)
         if q is None:
             return None
-        coloc = colocated_rate(cap, n, q)
+        qs = self._arrangement_ratios(demand, cap, n, q)
+        coloc = colocated_rate(cap, n, qs[0])
         # a split's decode engines run KV-full here: under lockstep the router sends them no
         # appends (environment/router.py), so their prefill side computes every token
         remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
-        rates = {p: split_rate(cap, n, p, q, remote_share) for p in range(1, n)}
+        rates = {p: split_rate(cap, n, p, qs[p], remote_share) for p in range(1, n)}
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
-        note = f"saturated: colocated {coloc:.0f} vs {best}:{n - best} {rates[best]:.0f} decode tokens/s ({demand.source})"
+        note = (
+            f"saturated: colocated {coloc:.0f} (q {qs[0]:.2f}) vs {best}:{n - best} {rates[best]:.0f} (q {qs[best]:.2f}) decode tokens/s ({demand.source})"
+        )
         if colocated_now:
             # the rates are a busy fleet's: a faster arrangement saves what it would of the work
             # there is (a step's tail, a few sequences left, saves next to nothing)
@@ -240,6 +243,19 @@ class Split:
                 return self._colocate_all(usable)
         self.last_reason = f"hold {current}:{n - current}, {note} ({current}:{n - current} {now_rate:.0f})"
         return []
+
+    def _arrangement_ratios(self, demand: Demand, cap: Capacity, n: int, q: float) -> list[float]:
+        """q for each arrangement (index: prefill engines, 0 colocated), from the q measured in
+        the arrangement the meter read (`throughput.arrangement_ratio`): where the live
+        histories outgrow the pools an arrangement keeps them in, its turns recompute them.
+        The same q for every arrangement where the live histories or the turns are not known."""
+        reading, turns_per_decode = self.ratios.reading(), self.ratios.turns_per_decode
+        live_tokens = demand.live_context_tokens
+        if reading is None or not turns_per_decode or live_tokens <= 0 or demand.live_trajectories <= 0:
+            return [q] * n
+        history_per_decode = live_tokens / demand.live_trajectories * turns_per_decode
+        floor = self.ratios.new_ratio or 0.0
+        return [arrangement_ratio(q, floor, cap, n, p, reading[0], live_tokens, history_per_decode) for p in range(n)]
 
     def _penalty_s(self) -> float:
         kind, at_s = self.last_change

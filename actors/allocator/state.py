@@ -39,6 +39,7 @@ class Fleet:
     now_s: float
     engines: tuple[EngineState, ...]
     new_tokens_total: int = 0  # the turns' new tokens the environments routed (cumulative)
+    turns_total: int = 0  # the turns the environments routed (cumulative)
 
     def count(self, role: Role) -> int:
         return sum(e.role is role for e in self.engines)

@@ -21,6 +21,19 @@ docs/allocation.md):
 s: engine-seconds per prefill token on that engine, r: the share of prefill tokens computed
 on prefill engines (the rest are short appends prefilled where their KV lives, on the decode
 engines). Units: D in decode tokens per second of the whole fleet.
+
+q is measured in the arrangement the fleet runs. Another arrangement computes more or less
+where it keeps fewer or more of the live histories between turns: a turn whose history was
+evicted recomputes all of it. Colocated, every engine's pool keeps them; a split with KV
+write-back to its prefill side keeps them in its prefill engines' pools alone (its decode
+engines hold only what they decode). With the live histories L and the pools that keep them
+H, a share max(0, 1 - H / L) of the turns misses (the turns come back in no order an LRU
+cache could exploit), and each miss recomputes a history of L / (live trajectories) tokens:
+
+    q(arrangement) = q(now) + (miss(arrangement) - miss(now)) x history tokens per decode token
+
+(`arrangement_ratio`; history tokens per decode token: the mean history times the turns
+routed per decode token, both measured).
 """
 
 from __future__ import annotations
@@ -81,6 +94,32 @@ def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_sha
     return min(prefill_bound, decode_bound)
 
 
+def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
+    """KV an arrangement keeps the live histories in between turns (at the 90% pool occupancy
+    loads are sized to): colocated, every engine's pool; a split with write-back to its
+    prefill side, its prefill engines' pools; otherwise every engine's (no write-back: the
+    decode engines keep the histories they decoded; a store tier keeps them for any engine)."""
+    if prefill_engines < 1 or not cap.histories_on_prefill:
+        return 0.9 * n * cap.colocated_kv_tokens
+    return 0.9 * prefill_engines * cap.prefill_kv_tokens
+
+
+def history_miss_share(live_history_tokens: float, pools_tokens: float) -> float:
+    """Share of the turns whose history is no longer cached where they prefill."""
+    if live_history_tokens <= 0:
+        return 0.0
+    return max(0.0, 1.0 - pools_tokens / live_history_tokens)
+
+
+def arrangement_ratio(q: float, q_floor: float, cap: Capacity, n: int, prefill_engines: int, measured_at: int, live_history_tokens: float, history_per_decode: float) -> float:
+    """q for the arrangement with `prefill_engines` (0: colocated), from q measured in the one
+    with `measured_at`: more where it keeps fewer of the live histories, each miss recomputing
+    `history_per_decode` tokens per decode token; never below `q_floor` (the turns' new tokens)."""
+    miss = history_miss_share(live_history_tokens, history_pools_tokens(cap, n, prefill_engines))
+    miss_measured = history_miss_share(live_history_tokens, history_pools_tokens(cap, n, measured_at))
+    return max(q_floor, q + (miss - miss_measured) * history_per_decode)
+
+
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
     """Whether the live trajectories' KV exceeds what the whole fleet holds (at the 90% pool
     occupancy loads are sized to), with engines that queue what does not fit."""
@@ -134,11 +173,14 @@ class RatioMeter:
     ticks: int = 0  # ticks counted into `sums`
     before: tuple[int, float] | None = None  # (prefill engines, q) of the arrangement before
     new: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [new, decode]
+    turns: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [turns routed, decode]
+    last_turns: int | None = None
 
-    def observe(self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None) -> None:
-        """Count the tokens since the last call; q toward the arrangement with
-        `prefill_engines` (None: a change settling, not q)."""
+    def observe(self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None, turns_total: int | None = None) -> None:
+        """Count the tokens (and the turns routed) since the last call; q toward the arrangement
+        with `prefill_engines` (None: a change settling, not q)."""
         last, self.last = self.last, (prefilled_total, decoded_total, new_total)
+        last_turns, self.last_turns = self.last_turns, turns_total
         if prefill_engines is not None and prefill_engines != self.measured_at:
             reading = self.reading()
             self.before = reading if reading is not None else self.before
@@ -150,6 +192,9 @@ class RatioMeter:
             return
         self.new[0] = RATIO_DECAY * self.new[0] + d_new
         self.new[1] = RATIO_DECAY * self.new[1] + d_decode
+        if turns_total is not None and last_turns is not None and turns_total >= last_turns:
+            self.turns[0] = RATIO_DECAY * self.turns[0] + turns_total - last_turns
+            self.turns[1] = RATIO_DECAY * self.turns[1] + d_decode
         if prefill_engines is not None:
             self.sums[0] = RATIO_DECAY * self.sums[0] + d_prefill
             self.sums[1] = RATIO_DECAY * self.sums[1] + d_decode
@@ -166,3 +211,8 @@ class RatioMeter:
     @property
     def new_ratio(self) -> float | None:
         return self.new[0] / self.new[1] if self.new[1] > 0 else None
+
+    @property
+    def turns_per_decode(self) -> float | None:
+        """Turns routed per decode token generated (None: none counted)."""
+        return self.turns[0] / self.turns[1] if self.turns[1] > 0 and self.turns[0] > 0 else None

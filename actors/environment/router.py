@@ -111,6 +111,7 @@ class Router:
         self.routed_local = 0
         self.routed_home = 0
         self.routed_balance = 0
+        self.turns = 0  # turns routed (every call of `route`)
 
     def observe(self, status: EngineStatus, seen_at_s: float | None = None) -> None:
         """`seen_at_s`: when the heartbeat arrived (model seconds), for the lease."""
@@ -131,6 +132,7 @@ class Router:
         `prefix_engine_id` prefilled it (it holds the context up to that turn's output; with
         write-back, all of it). With `now_s`, an engine whose last heartbeat is older than the
         lease is not a candidate until it reports again."""
+        self.turns += 1
         ready = {e: s for e, s in self.engines.items() if not s.switching and not self._expired(s, now_s)}
         local = self.local_prefill_max_tokens > 0 and not self._stalls_lockstep(ready.get(kv_engine_id))
         # without write-back, a prefill engine would recompute the last output: an append small
@@ -194,6 +196,7 @@ class Router:
         return {
             "prefill_short_tokens": self.short_tokens,
             "prefill_long_tokens": self.long_tokens,
+            "turns_routed": self.turns,
             "routed_local": self.routed_local,
             "routed_home": self.routed_home,
             "routed_balance": self.routed_balance,
