@@ -244,47 +244,61 @@ def test_an_arrangement_that_keeps_fewer_live_histories_is_rated_at_the_recomput
     assert history_pools_tokens(cap, 8, 2) == live / 4
     assert history_miss_share(live, history_pools_tokens(cap, 8, 0)) == 0.0
     assert abs(history_miss_share(live, history_pools_tokens(cap, 8, 2)) - 0.75) < 1e-12
-    q, floor, per_decode = 2.0, 0.5, 24.0  # 24 history tokens per decode token: 20k-token histories, 830 decode tokens a turn
-    assert arrangement_ratio(q, floor, cap, 8, 0, 0, live, per_decode) == q  # what was measured
-    assert abs(arrangement_ratio(q, floor, cap, 8, 2, 0, live, per_decode) - (q + 0.75 * per_decode)) < 1e-9
-    assert arrangement_ratio(q, floor, cap, 8, 4, 0, live, per_decode) < arrangement_ratio(q, floor, cap, 8, 2, 0, live, per_decode)
-    # read in 2:6, colocation would recompute less, down to the turns' new tokens at most
-    assert abs(arrangement_ratio(20.0, floor, cap, 8, 0, 2, live, per_decode) - (20.0 - 0.75 * per_decode)) < 1e-9
-    assert arrangement_ratio(q, floor, cap, 8, 0, 2, live, per_decode) == floor
+    q, per_decode = 2.0, 24.0  # 24 history tokens per decode token: 20k-token histories, 830 decode tokens a turn
+    assert arrangement_ratio(q, 0.5, cap, 8, 0, 0, live, 0.0, per_decode) == q  # what was measured
+    assert abs(arrangement_ratio(q, 0.5, cap, 8, 2, 0, live, 0.0, per_decode) - (q + 0.75 * per_decode)) < 1e-9
+    assert q < arrangement_ratio(q, 0.5, cap, 8, 4, 0, live, 0.0, per_decode) < arrangement_ratio(q, 0.5, cap, 8, 2, 0, live, 0.0, per_decode)
+    # read in 2:6 (its misses in the reading, with whatever it relocated), colocation is rated
+    # at that reading, not credited for the histories it would keep
+    assert arrangement_ratio(20.0, 0.5, cap, 8, 0, 2, live, 0.0, per_decode) == 20.0
     # histories that fit every arrangement's pools, or kept elsewhere (no write-back: on the
     # decode engines; a store tier: for any engine): one q for all
-    assert arrangement_ratio(q, floor, cap, 8, 2, 0, live / 5, per_decode) == q
+    assert arrangement_ratio(q, 0.5, cap, 8, 2, 0, live / 5, 0.0, per_decode) == q
     for writeback in ("none", "store"):
         other = CapacityModel(moe_dp4(kv_writeback=writeback), 2.0).at(20_000)
-        assert arrangement_ratio(q, floor, other, 8, 2, 0, live, per_decode) == q
+        assert arrangement_ratio(q, 0.5, other, 8, 2, 0, live, 0.0, per_decode) == q
+    # histories past the colocated pools, and colocation already recomputing most of them (q
+    # 20.5: 20 tokens a decode token beyond the new ones, 5 in 6 turns miss; its pools keep
+    # less than the model's 90%, as they also hold the decoding sequences' growth): a split's
+    # pools, scaled alike, miss at most every turn, and 3:5 adds only what that leaves
+    thrashing = 2 * live
+    miss_coloc = 20.0 / per_decode
+    assert arrangement_ratio(20.5, 0.5, cap, 8, 0, 0, thrashing, 0.0, per_decode) == 20.5
+    kept_3_5 = (1 - miss_coloc) * thrashing * 3 / 8
+    expected = 20.5 + (1 - kept_3_5 / thrashing - miss_coloc) * per_decode
+    assert abs(arrangement_ratio(20.5, 0.5, cap, 8, 3, 0, thrashing, 0.0, per_decode) - expected) < 1e-9
+    unscaled = (history_miss_share(thrashing, history_pools_tokens(cap, 8, 3)) - history_miss_share(thrashing, history_pools_tokens(cap, 8, 0))) * per_decode
+    assert 0 < expected - 20.5 < 3.0 < unscaled  # 2.5 where the pools as sized would add 7.5
 
 
-def test_a_saturated_fleet_stays_colocated_where_a_split_would_recompute_the_histories_it_cannot_keep():
+def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_cannot_keep():
     """The ablation row at 409 s (moe-stage SWE at 64 per GPU, stage layouts off): 1,645 live
-    trajectories hold 31.9M tokens of history, the colocated pools' worth; colocation computes
-    2.1 prefill tokens per decode token. Rated at that q, 2:6 turns over 1.32x colocation and
-    was bought; it then missed most histories on its two prefill engines and lost 2.9%. Rated
-    at the recompute its pools imply, every split is slower and the fleet stays colocated;
-    without the turns counted (histories per decode token unknown) the split is still bought."""
+    trajectories hold 31.9M tokens of history, the colocated pools' worth, 1,474 of them
+    decoding; colocation computes 2.1 prefill tokens per decode token. Rated at that q, 2:6
+    turns over 1.32x colocation and was bought; its two prefill engines then missed most
+    histories and the row lost 2.9%. With the turns counted, 2:6 is rated at the histories
+    its prefill pools cannot keep (all but what its six decode engines hold while they
+    decode) and falls below colocation; without them, one q for all, as before."""
     engines = moe_dp4()
     demand = Demand(
         50_979.0, 1_474.0, 20_185.0, "test", remote_share=0.65, kv_working_set_tokens=35.7e6,
         prefill_new_tokens_per_s=20_657.0, live_trajectories=1_645.0, live_context_tokens=31.9e6,
     )  # fmt: skip
+    cap = CapacityModel(engines, 2.0).at(demand.decode_context_tokens)
 
-    def run(turns_counted: bool) -> tuple[list, str]:
+    def ratings(turns_counted: bool) -> list[float]:
         policy = Split("prorsa", engines, AllocatorSection(saturated_regime=True))
-        changes: list = []
-        for tick in range(300):
+        for tick in range(2 * RATIO_MIN_TICKS):  # a window of colocation's reading, then a few ticks
             decoded = 1_000_000 * tick
             fleet = _fleet([C] * 8, 400.0 + 2 * tick, int(2.1 * decoded), decoded, int(35.7e6))
             fleet = replace(fleet, new_tokens_total=int(0.66 * decoded), turns_total=decoded // 830 if turns_counted else 0)
-            changes = policy.decide(demand, fleet)
-            if changes:
-                break
-        return changes, policy.last_reason
+            policy.decide(demand, fleet)
+        assert abs(policy.ratios.reading()[1] - 2.1) < 1e-6
+        return policy._arrangement_ratios(demand, cap, 8, 2.1)
 
-    changes, reason = run(turns_counted=True)
-    assert changes == [] and reason.startswith("colocated, saturated"), reason
-    changes, reason = run(turns_counted=False)
-    assert {c.role for c in changes} == {P, D} and "saturated" in reason, reason
+    one_q = ratings(turns_counted=False)
+    assert one_q == [2.1] * 8
+    assert split_rate(cap, 8, 2, 2.1, 1.0) > 1.3 * colocated_rate(cap, 8, 2.1)  # what bought 2:6
+    qs = ratings(turns_counted=True)
+    assert qs[0] == 2.1 and all(a >= b for a, b in zip(qs[1:], qs[2:]))  # fewer prefill pools, more recompute
+    assert qs[2] > 4.0 and split_rate(cap, 8, 2, qs[2], 1.0) < colocated_rate(cap, 8, qs[0])

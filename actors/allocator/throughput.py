@@ -22,18 +22,27 @@ s: engine-seconds per prefill token on that engine, r: the share of prefill toke
 on prefill engines (the rest are short appends prefilled where their KV lives, on the decode
 engines). Units: D in decode tokens per second of the whole fleet.
 
-q is measured in the arrangement the fleet runs. Another arrangement computes more or less
-where it keeps fewer or more of the live histories between turns: a turn whose history was
-evicted recomputes all of it. Colocated, every engine's pool keeps them; a split with KV
-write-back to its prefill side keeps them in its prefill engines' pools alone (its decode
-engines hold only what they decode). With the live histories L and the pools that keep them
-H, a share max(0, 1 - H / L) of the turns misses (the turns come back in no order an LRU
-cache could exploit), and each miss recomputes a history of L / (live trajectories) tokens:
+q is measured in the arrangement the fleet runs. Another arrangement computes more where it
+keeps fewer of the live histories between turns: a turn whose history was evicted recomputes
+all of it. Colocated, every engine's pool keeps them (L, the live histories, in H, the
+fleet's pools). A split with KV write-back to its prefill side keeps them in its prefill
+engines' pools alone, all but what its decode engines hold while they decode (the write-back
+restores a decoded turn's whole context): L less (n - P) / n of the decoding sequences' KV,
+in P pools. A share max(0, 1 - H / kept) of the turns misses (they come back in no order an
+LRU cache could exploit), and each miss recomputes a history of L / (live trajectories):
 
-    q(arrangement) = q(now) + (miss(arrangement) - miss(now)) x history tokens per decode token
+    q(arrangement) = q(measured) + max(0, miss(arrangement) - miss(measured))
+                                   x history tokens per decode token
 
 (`arrangement_ratio`; history tokens per decode token: the mean history times the turns
-routed per decode token, both measured).
+routed per decode token, both measured). Where the measured arrangement already misses
+(its histories past its pools), its miss share is read from q and every arrangement's pools
+are scaled by what its own kept that share for. The term only adds: an arrangement that
+keeps more histories than the measured one is rated at the measured q, not below it, because
+that q also carries recompute the term does not see (a split's relocation right after it
+was bought, colocation's preemptions as its sequences grow); credited, DeepSeek SWE at 64
+per GPU went back to colocation on a split's reading taken while it relocated (6,917.9 s
+against 4,730.6). The policy applies it to the splits a colocated fleet might buy.
 """
 
 from __future__ import annotations
@@ -104,20 +113,49 @@ def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
     return 0.9 * prefill_engines * cap.prefill_kv_tokens
 
 
-def history_miss_share(live_history_tokens: float, pools_tokens: float) -> float:
-    """Share of the turns whose history is no longer cached where they prefill."""
-    if live_history_tokens <= 0:
+def kept_histories_tokens(cap: Capacity, n: int, prefill_engines: int, live_history_tokens: float, decoding_tokens: float) -> float:
+    """The live histories an arrangement's history pools must keep: colocated, all of them
+    (the decoding sequences' KV is in the same pools); a split with write-back to its prefill
+    side, all but what its decode engines hold while they decode (the write-back restores a
+    decoded turn's whole context to a prefill engine that lost its prefix). Its decode
+    engines hold what colocated engines hold per engine of the decoding sequences' KV (both
+    KV-bound here), `decoding_tokens` up to the colocated pools."""
+    if prefill_engines < 1 or not cap.histories_on_prefill:
+        return live_history_tokens
+    decoding_held = min(decoding_tokens, history_pools_tokens(cap, n, 0)) * (n - prefill_engines) / n
+    return max(0.0, live_history_tokens - decoding_held)
+
+
+def history_miss_share(kept_tokens: float, pools_tokens: float) -> float:
+    """Share of the turns whose history is no longer cached where they prefill, for histories
+    of `kept_tokens` in pools of `pools_tokens`."""
+    if kept_tokens <= 0:
         return 0.0
-    return max(0.0, 1.0 - pools_tokens / live_history_tokens)
+    return max(0.0, 1.0 - pools_tokens / kept_tokens)
 
 
-def arrangement_ratio(q: float, q_floor: float, cap: Capacity, n: int, prefill_engines: int, measured_at: int, live_history_tokens: float, history_per_decode: float) -> float:
+def arrangement_ratio(
+    q: float, q_new: float, cap: Capacity, n: int, prefill_engines: int, measured_at: int,
+    live_history_tokens: float, decoding_tokens: float, history_per_decode: float,
+) -> float:  # fmt: skip
     """q for the arrangement with `prefill_engines` (0: colocated), from q measured in the one
-    with `measured_at`: more where it keeps fewer of the live histories, each miss recomputing
-    `history_per_decode` tokens per decode token; never below `q_floor` (the turns' new tokens)."""
-    miss = history_miss_share(live_history_tokens, history_pools_tokens(cap, n, prefill_engines))
-    miss_measured = history_miss_share(live_history_tokens, history_pools_tokens(cap, n, measured_at))
-    return max(q_floor, q + (miss - miss_measured) * history_per_decode)
+    with `measured_at` (q_new of it the turns' new tokens): more where it keeps fewer of the
+    live histories, each miss recomputing `history_per_decode` tokens per decode token; never
+    less (see the module's docstring). Where the live histories outgrow the measured
+    arrangement's pools, its misses are read from q (what it computes beyond the new tokens,
+    in histories) and the pools it keeps them in count for that much (they also hold the
+    decoding sequences' growth): each arrangement's pools are scaled alike."""
+
+    def miss(p: int, scale: float) -> float:
+        kept = kept_histories_tokens(cap, n, p, live_history_tokens, decoding_tokens)
+        return history_miss_share(kept, scale * history_pools_tokens(cap, n, p))
+
+    miss_measured, scale = miss(measured_at, 1.0), 1.0
+    if miss_measured > 0.0 and history_per_decode > 0.0:
+        kept = kept_histories_tokens(cap, n, measured_at, live_history_tokens, decoding_tokens)
+        miss_measured = min(1.0, max(miss_measured, (q - q_new) / history_per_decode))
+        scale = (1.0 - miss_measured) * kept / history_pools_tokens(cap, n, measured_at)
+    return q + max(0.0, miss(prefill_engines, scale) - miss_measured) * history_per_decode
 
 
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
