@@ -38,8 +38,8 @@ class Capacity:
     # (the next turn reuses it there or recomputes it); with write-back it goes back to the
     # prefill side, and the decode side holds only the sequences it decodes
     decode_holds_histories: bool = True
-    # with write-back to the prefill side ("to-prefill"), a split keeps every live trajectory's
-    # history between turns in its prefill engines' pools (`throughput.history_pools_tokens`)
+    # with write-back to the prefill side ("to-prefill"), a split keeps the live trajectories'
+    # histories between turns in its prefill engines' pools (`throughput.kept_histories_tokens`)
     histories_on_prefill: bool = False
     prefill_kv_tokens: int = 1  # KV pool of a prefill engine
     # the KV-bound regime (throughput.py): sequences an engine's pool holds at the context and
