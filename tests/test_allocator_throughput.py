@@ -13,6 +13,7 @@ from actors.allocator.throughput import (
     RATIO_MIN_TICKS,
     RatioMeter,
     arrangement_ratio,
+    arrangement_ratios,
     colocated_rate,
     history_miss_share,
     history_pools_tokens,
@@ -294,7 +295,7 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
             fleet = replace(fleet, new_tokens_total=int(0.66 * decoded), turns_total=decoded // 830 if turns_counted else 0)
             policy.decide(demand, fleet)
         assert abs(policy.ratios.reading()[1] - 2.1) < 1e-6
-        return policy._arrangement_ratios(demand, cap, 8, 2.1)
+        return arrangement_ratios(policy.ratios, demand, cap, 8, 2.1)
 
     one_q = ratings(turns_counted=False)
     assert one_q == [2.1] * 8

@@ -44,7 +44,7 @@ Colocation is one of the choices (`allocator.colocation`):
     per decode token, measured; the veto and the go-back rule above (whose premise is a
     decode side that preempts) give way to that rating, bought and undone the same way. A
     split a colocated fleet might buy is rated at the histories its prefill pools could not
-    keep, recomputed (`throughput.arrangement_ratio`).
+    keep, recomputed (`throughput.arrangement_ratios`).
 * "thresholds": the earlier rule — colocated while the long prefills would not keep
   `disaggregate_above_engines` of an engine busy or too little is decoding for them to stall
   (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
@@ -70,7 +70,7 @@ from actors.allocator.loads import (
     working_set_tokens,
 )
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
-from actors.allocator.throughput import RatioMeter, arrangement_ratio, colocated_rate, fleet_saturated, saturated_ratio, split_rate
+from actors.allocator.throughput import RatioMeter, arrangement_ratios, colocated_rate, fleet_saturated, saturated_ratio, split_rate
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -215,7 +215,7 @@ class Split:
             return None
         # the history term prices a split before it is bought; once split, one q judges it, as
         # the hold and the way back were built on (docs/allocation.md, stop 39)
-        qs = self._arrangement_ratios(demand, cap, n, q) if colocated_now else [q] * n
+        qs = arrangement_ratios(self.ratios, demand, cap, n, q) if colocated_now else [q] * n
         coloc = colocated_rate(cap, n, qs[0])
         # a split's decode engines run KV-full here: under lockstep the router sends them no
         # appends (environment/router.py), so their prefill side computes every token
@@ -247,21 +247,6 @@ class Split:
                 return self._colocate_all(usable)
         self.last_reason = f"hold {current}:{n - current}, {note} ({current}:{n - current} {now_rate:.0f})"
         return []
-
-    def _arrangement_ratios(self, demand: Demand, cap: Capacity, n: int, q: float) -> list[float]:
-        """q for each arrangement (index: prefill engines, 0 colocated), from the q measured in
-        the arrangement the meter read (`throughput.arrangement_ratio`): where the live
-        histories outgrow the pools an arrangement keeps them in, more than in the measured
-        one's, its turns recompute them.
-        The same q for every arrangement where the live histories or the turns are not known."""
-        reading, turns_per_decode = self.ratios.reading(), self.ratios.turns_per_decode
-        live_tokens = demand.live_context_tokens
-        if reading is None or not turns_per_decode or live_tokens <= 0 or demand.live_trajectories <= 0:
-            return [q] * n
-        history_per_decode = live_tokens / demand.live_trajectories * turns_per_decode
-        q_new = self.ratios.new_ratio or 0.0
-        decoding_tokens = demand.decode_seqs * demand.decode_context_tokens
-        return [arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, decoding_tokens, history_per_decode) for p in range(n)]
 
     def _penalty_s(self) -> float:
         kind, at_s = self.last_change

@@ -146,16 +146,29 @@ def arrangement_ratio(
     in histories) and the pools it keeps them in count for that much (they also hold the
     decoding sequences' growth): each arrangement's pools are scaled alike."""
 
-    def miss(p: int, scale: float) -> float:
-        kept = kept_histories_tokens(cap, n, p, live_history_tokens, decoding_tokens)
-        return history_miss_share(kept, scale * history_pools_tokens(cap, n, p))
-
-    miss_measured, scale = miss(measured_at, 1.0), 1.0
+    kept_measured = kept_histories_tokens(cap, n, measured_at, live_history_tokens, decoding_tokens)
+    pools_measured = history_pools_tokens(cap, n, measured_at)
+    miss_measured, scale = history_miss_share(kept_measured, pools_measured), 1.0
     if miss_measured > 0.0 and history_per_decode > 0.0:
-        kept = kept_histories_tokens(cap, n, measured_at, live_history_tokens, decoding_tokens)
         miss_measured = min(1.0, max(miss_measured, (q - q_new) / history_per_decode))
-        scale = (1.0 - miss_measured) * kept / history_pools_tokens(cap, n, measured_at)
-    return q + max(0.0, miss(prefill_engines, scale) - miss_measured) * history_per_decode
+        scale = (1.0 - miss_measured) * kept_measured / pools_measured
+    kept = kept_histories_tokens(cap, n, prefill_engines, live_history_tokens, decoding_tokens)
+    miss = history_miss_share(kept, scale * history_pools_tokens(cap, n, prefill_engines))
+    return q + max(0.0, miss - miss_measured) * history_per_decode
+
+
+def arrangement_ratios(meter: RatioMeter, demand: Demand, cap: Capacity, n: int, q: float) -> list[float]:
+    """q for each arrangement (index: prefill engines, 0 colocated), from `q` measured in the
+    arrangement the meter read (`arrangement_ratio`); the same q for every arrangement where
+    the live histories or the turns are not known."""
+    reading, turns_per_decode = meter.reading(), meter.turns_per_decode
+    live_tokens = demand.live_context_tokens
+    if reading is None or not turns_per_decode or live_tokens <= 0 or demand.live_trajectories <= 0:
+        return [q] * n
+    history_per_decode = live_tokens / demand.live_trajectories * turns_per_decode
+    decoding_tokens = demand.decode_seqs * demand.decode_context_tokens
+    q_new = meter.new_ratio or 0.0
+    return [arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, decoding_tokens, history_per_decode) for p in range(n)]
 
 
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
