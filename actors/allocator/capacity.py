@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import EngineSection
+from actors.engine.core import KV_HIGH_WATERMARK
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_iteration_s, switch_reconfig_s
 from bus_schemas.control import Role
 
@@ -123,10 +124,10 @@ class CapacityModel:
     def _compute(self, context_tokens: int) -> Capacity:
         engines = self.engines
         prefill, decode = engines.cost_preset(Role.PREFILL), engines.cost_preset(Role.DECODE)
-        kv_seq_cap = max(decode.dp_ranks, int(0.9 * decode.kv_capacity_tokens / context_tokens))
+        kv_seq_cap = max(decode.dp_ranks, int(KV_HIGH_WATERMARK * decode.kv_capacity_tokens / context_tokens))
         cap = min(engines.max_decode_seqs * decode.dp_ranks, kv_seq_cap)
         colocated = engines.cost_preset(Role.COLOCATED)
-        colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(0.9 * colocated.kv_capacity_tokens / context_tokens)))
+        colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(KV_HIGH_WATERMARK * colocated.kv_capacity_tokens / context_tokens)))
         lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
         return Capacity(
             prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from actors.allocator.capacity import Capacity
+from actors.allocator.capacity import KV_HIGH_WATERMARK, Capacity
 from actors.allocator.state import Demand
 
 # Resize deadband: rounding alone flips between neighbours at x.5; a quarter engine beyond it [A]
@@ -33,7 +33,7 @@ def stage_loads(demand: Demand, cap: Capacity, util: float) -> tuple[float, floa
     local = demand.prefill_tokens_per_s - remote
     s_per_token = cap.prefill_s_at(demand.prefill_attention_tokens)
     prefill = remote * s_per_token / util
-    decode = max(demand.decode_seqs / cap.decode_full_seqs, decode_side_kv_tokens(demand, cap) / (0.9 * cap.decode_kv_tokens))
+    decode = max(demand.decode_seqs / cap.decode_full_seqs, decode_side_kv_tokens(demand, cap) / (KV_HIGH_WATERMARK * cap.decode_kv_tokens))
     return prefill, decode + local * s_per_token
 
 
@@ -68,8 +68,8 @@ def decode_side_kv_tokens(demand: Demand, cap: Capacity, entering: bool = False)
 
 def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int, entering: bool = False) -> bool:
     """Whether `decode_engines` decode engines hold the KV the decode side must
-    (`decode_side_kv_tokens`, at the 90% pool occupancy the decode load is sized to)."""
-    return decode_side_kv_tokens(demand, cap, entering) <= 0.9 * decode_engines * cap.decode_kv_tokens
+    (`decode_side_kv_tokens`, at `KV_HIGH_WATERMARK`, the pool occupancy the decode load is sized to)."""
+    return decode_side_kv_tokens(demand, cap, entering) <= KV_HIGH_WATERMARK * decode_engines * cap.decode_kv_tokens
 
 
 def working_set_tokens(demand: Demand) -> float:
@@ -120,7 +120,7 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
     * otherwise (vLLM's piecewise steps): decode steps run eager while a peer prefills (the
       prefill share times the decode load, times the eager factor - 1)."""
     prefill = demand.prefill_tokens_per_s * cap.prefill_s_at(demand.prefill_attention_tokens, colocated=True) / util
-    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, live_kv_tokens(demand) / (0.9 * cap.colocated_kv_tokens))
+    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, live_kv_tokens(demand) / (KV_HIGH_WATERMARK * cap.colocated_kv_tokens))
     share = min(1.0, prefill / max(n, 1))
     if cap.colocated_lockstep_ranks > 1:
         return max(prefill, n * (1.0 - (1.0 - share) ** cap.colocated_lockstep_ranks)) + decode

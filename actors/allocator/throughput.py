@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.allocator.capacity import Capacity
+from actors.allocator.capacity import KV_HIGH_WATERMARK, Capacity
 from actors.allocator.loads import decode_side_holds, working_set_tokens
 from actors.allocator.state import Demand
 
@@ -104,13 +104,13 @@ def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_sha
 
 
 def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
-    """KV an arrangement keeps the live histories in between turns (at the 90% pool occupancy
-    loads are sized to): colocated, every engine's pool; a split with write-back to its
+    """KV an arrangement keeps the live histories in between turns (at `KV_HIGH_WATERMARK`,
+    the pool occupancy loads are sized to): colocated, every engine's pool; a split with write-back to its
     prefill side, its prefill engines' pools; otherwise every engine's (no write-back: the
     decode engines keep the histories they decoded; a store tier keeps them for any engine)."""
     if prefill_engines < 1 or not cap.histories_on_prefill:
-        return 0.9 * n * cap.colocated_kv_tokens
-    return 0.9 * prefill_engines * cap.prefill_kv_tokens
+        return KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens
+    return KV_HIGH_WATERMARK * prefill_engines * cap.prefill_kv_tokens
 
 
 def kept_histories_tokens(cap: Capacity, n: int, prefill_engines: int, live_history_tokens: float, decoding_tokens: float) -> float:
@@ -172,9 +172,9 @@ def arrangement_ratios(meter: RatioMeter, demand: Demand, cap: Capacity, n: int,
 
 
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
-    """Whether the live trajectories' KV exceeds what the whole fleet holds (at the 90% pool
-    occupancy loads are sized to), with engines that queue what does not fit."""
-    return cap.admission_queues and working_set_tokens > 0.9 * n * cap.colocated_kv_tokens
+    """Whether the live trajectories' KV exceeds what the whole fleet holds (at
+    `KV_HIGH_WATERMARK`, the pool occupancy loads are sized to), with engines that queue what does not fit."""
+    return cap.admission_queues and working_set_tokens > KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens
 
 
 def saturated_ratio(meter: RatioMeter, histories_follow: bool) -> float | None:
