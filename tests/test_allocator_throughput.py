@@ -303,3 +303,23 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
     qs = ratings(turns_counted=True)
     assert qs[0] == 2.1 and all(a >= b for a, b in zip(qs[1:], qs[2:]))  # fewer prefill pools, more recompute
     assert qs[2] > 4.0 and split_rate(cap, 8, 2, qs[2], 1.0) < colocated_rate(cap, 8, qs[0])
+
+
+def test_a_fleet_with_fewer_live_trajectories_than_its_pools_hold_decodes_them_at_their_own_batch():
+    """The ablation row's tail at 691 s (160 live trajectories, 8 engines whose pools hold 244
+    sequences each at the context): the rates count a step of at most the live trajectories,
+    and a smaller batch's shorter step, not the KV-bound batch the pools would hold."""
+    cap = CapacityModel(moe_dp4(), 2.0).at(30_667)
+    full = cap.colocated_kv_seqs
+    assert full > 200 and cap.kv_step_s_at(full, colocated=True) == cap.colocated_kv_step_s
+    # the step shrinks with the batch, but not in proportion (weights and ranks' fixed costs)
+    small_s = cap.kv_step_s_at(20, colocated=True)
+    assert 20 / full * cap.colocated_kv_step_s < small_s < cap.colocated_kv_step_s
+    assert colocated_rate(cap, 8, 0.73, live=None) == colocated_rate(cap, 8, 0.73, live=10 * 8 * full)
+    tail = colocated_rate(cap, 8, 0.73, live=160.0)
+    assert tail < 0.6 * colocated_rate(cap, 8, 0.73)
+    assert abs(tail - lockstep_rate(160 / small_s, 0.73 * cap.colocated_prefill_s_per_token / 8, cap.colocated_lockstep_ranks)) < 1e-6
+    # fewer decodes bring less prefill to stall the lockstep groups: a split's edge shrinks
+    edge = max(split_rate(cap, 8, p, 0.73, 1.0) for p in (1, 2)) / colocated_rate(cap, 8, 0.73)
+    tail_edge = max(split_rate(cap, 8, p, 0.73, 1.0, live=160.0) for p in (1, 2)) / tail
+    assert 1.0 < tail_edge < edge - 0.04

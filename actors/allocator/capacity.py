@@ -50,6 +50,11 @@ class Capacity:
     colocated_kv_step_s: float = 1.0
     decode_kv_seqs: int = 1
     decode_kv_step_s: float = 1.0
+    # ... and a step's time at a smaller batch (fewer live trajectories than the pools hold),
+    # linear from one sequence per rank to that batch: engine-seconds per sequence
+    # (`kv_step_s_at`)
+    colocated_step_s_per_seq: float = 0.0
+    decode_step_s_per_seq: float = 0.0
     decode_prefill_s_per_token: float = 0.0
     decode_lockstep_ranks: int = 1
     # engines queue what their KV cannot take instead of admitting it and preempting
@@ -62,6 +67,15 @@ class Capacity:
     prefill_attention_tokens: float = 0.0
     prefill_s_per_token_per_context: float = 0.0
     colocated_prefill_s_per_token_per_context: float = 0.0
+
+    def kv_step_s_at(self, seqs: float, colocated: bool) -> float:
+        """A step of `seqs` sequences per engine (at most the KV-bound batch) at graph speed."""
+        full_seqs, full_s, per_seq_s = (
+            (self.colocated_kv_seqs, self.colocated_kv_step_s, self.colocated_step_s_per_seq)
+            if colocated
+            else (self.decode_kv_seqs, self.decode_kv_step_s, self.decode_step_s_per_seq)
+        )
+        return full_s - per_seq_s * max(0.0, full_seqs - seqs)
 
     def prefill_s_at(self, attention_tokens: float, colocated: bool = False) -> float:
         """Engine-seconds per prefill token (full chunks) for tokens that attend over
@@ -89,6 +103,13 @@ def decode_step_s(preset: CostPreset, seqs: int, context_tokens: int) -> float:
     ranks = preset.dp_ranks
     per_rank = [seqs // ranks + (1 if r < seqs % ranks else 0) for r in range(ranks)]
     return group_iteration_s(preset, [RankLoad((), n, n * context_tokens) for n in per_rank])
+
+
+def step_s_per_seq(preset: CostPreset, full_seqs: int, context_tokens: int) -> float:
+    """The slope of a decode step's time from one sequence per rank to `full_seqs`."""
+    if full_seqs <= preset.dp_ranks:
+        return 0.0
+    return (decode_step_s(preset, full_seqs, context_tokens) - decode_step_s(preset, preset.dp_ranks, context_tokens)) / (full_seqs - preset.dp_ranks)
 
 
 def decode_full_seqs(preset: CostPreset, context_tokens: int, slack: float, cap: int, limit_s: float | None = None) -> int:
@@ -150,6 +171,8 @@ class CapacityModel:
             colocated_kv_step_s=decode_step_s(colocated, colocated_cap, context_tokens),
             decode_kv_seqs=cap,
             decode_kv_step_s=decode_step_s(decode, cap, context_tokens),
+            colocated_step_s_per_seq=step_s_per_seq(colocated, colocated_cap, context_tokens),
+            decode_step_s_per_seq=step_s_per_seq(decode, cap, context_tokens),
             decode_prefill_s_per_token=prefill_s_per_token(decode, engines.max_batch_tokens, context_tokens),
             decode_lockstep_ranks=decode.dp_ranks if engines.decode_lockstep else 1,
             admission_queues=engines.admission == "sglang",

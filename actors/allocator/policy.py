@@ -216,11 +216,13 @@ class Split:
         # the history term prices a split before it is bought; once split, one q judges it, as
         # the hold and the way back were built on (docs/allocation.md, stop 39)
         qs = arrangement_ratios(self.ratios, demand, cap, n, q) if colocated_now else [q] * n
-        coloc = colocated_rate(cap, n, qs[0])
+        # at most the live trajectories decode at once (a step's tail leaves the pools part-empty)
+        live = demand.live_trajectories if demand.live_trajectories > 0 else None
+        coloc = colocated_rate(cap, n, qs[0], live)
         # a split's decode engines run KV-full here: under lockstep the router sends them no
         # appends (environment/router.py), so their prefill side computes every token
         remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
-        rates = {p: split_rate(cap, n, p, qs[p], remote_share) for p in range(1, n)}
+        rates = {p: split_rate(cap, n, p, qs[p], remote_share, live) for p in range(1, n)}
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
         note = (
             f"saturated: colocated {coloc:.0f} (q {qs[0]:.2f}) vs {best}:{n - best} {rates[best]:.0f} (q {qs[best]:.2f}) decode tokens/s ({demand.source})"

@@ -9,7 +9,9 @@ loads built on them cannot tell a faster arrangement from a slower one.
 
 So in this regime each arrangement is rated by the decode tokens per second D it sustains,
 given q, the prefill tokens the fleet computes per decode token it generates (measured on
-the fleet: `RatioMeter`). A KV-bound engine decodes B sequences at step time t; under
+the fleet: `RatioMeter`). A KV-bound engine decodes B sequences at step time t (B: what its
+pool holds at the context, or its share of the live trajectories where they are fewer, as
+in a step's tail, with the shorter step of that batch: `decode_rate`); under
 SGLang's prefill-first lockstep (R ranks) its decodes advance only in steps in which no rank
 prefills, (1 - p)^R of the time, where p is a rank's prefill share (the turn-rate model of
 docs/allocation.md):
@@ -83,23 +85,35 @@ def lockstep_rate(decode_rate: float, prefill_per_engine: float, ranks: int) -> 
     return lo
 
 
-def colocated_rate(cap: Capacity, n: int, q: float) -> float:
-    """Decode tokens per second a saturated colocated fleet of `n` engines sustains."""
+def decode_rate(cap: Capacity, engines: int, live: float | None, colocated: bool) -> float:
+    """Decode tokens per second `engines` engines reach with no prefill: each decodes its
+    KV-bound batch, or its share of the `live` trajectories where they are fewer (a step's
+    tail: the pools hold more than is left to decode, and a step of fewer sequences is
+    shorter). None: as many as the pools hold."""
+    full_seqs = cap.colocated_kv_seqs if colocated else cap.decode_kv_seqs
+    seqs = full_seqs if live is None else min(full_seqs, max(1.0, live / engines))
+    return engines * seqs / cap.kv_step_s_at(seqs, colocated)
+
+
+def colocated_rate(cap: Capacity, n: int, q: float, live: float | None = None) -> float:
+    """Decode tokens per second a saturated colocated fleet of `n` engines sustains, with at
+    most `live` trajectories to decode (`decode_rate`)."""
     if n < 1:
         return 0.0
-    return lockstep_rate(n * cap.colocated_kv_seqs / cap.colocated_kv_step_s, q * cap.colocated_prefill_s_per_token / n, cap.colocated_lockstep_ranks)
+    return lockstep_rate(decode_rate(cap, n, live, colocated=True), q * cap.colocated_prefill_s_per_token / n, cap.colocated_lockstep_ranks)
 
 
-def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_share: float) -> float:
+def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_share: float, live: float | None = None) -> float:
     """Decode tokens per second a saturated `prefill_engines`:(n - prefill_engines) split
-    sustains: its prefill side's bound, or its decode side's (which prefills the local share)."""
+    sustains: its prefill side's bound, or its decode side's (which prefills the local share),
+    with at most `live` trajectories to decode (`decode_rate`)."""
     decode_engines = n - prefill_engines
     if prefill_engines < 1 or decode_engines < 1:
         return 0.0
     remote_tokens_s = q * remote_share * cap.prefill_s_per_token  # prefill engine-s per decode token
     prefill_bound = prefill_engines / remote_tokens_s if remote_tokens_s > 0 else float("inf")
     local_s = q * (1.0 - remote_share) * cap.decode_prefill_s_per_token / decode_engines
-    decode_bound = lockstep_rate(decode_engines * cap.decode_kv_seqs / cap.decode_kv_step_s, local_s, cap.decode_lockstep_ranks)
+    decode_bound = lockstep_rate(decode_rate(cap, decode_engines, live, colocated=False), local_s, cap.decode_lockstep_ranks)
     return min(prefill_bound, decode_bound)
 
 
