@@ -42,7 +42,7 @@ def kv_tokens(demand: Demand) -> float:
     the whole working set where that is larger — per-turn placement keeps each trajectory's
     history where it last decoded, so between turns it stays on the decode engines (or is
     recomputed)."""
-    return max(demand.decode_seqs * demand.decode_context_tokens, working_set_tokens(demand))
+    return max(demand.decoding_kv_tokens, working_set_tokens(demand))
 
 
 def live_kv_tokens(demand: Demand) -> float:
@@ -52,7 +52,7 @@ def live_kv_tokens(demand: Demand) -> float:
     working set it leaves out the cached prefixes of finished trajectories."""
     if demand.live_context_tokens <= 0:
         return kv_tokens(demand)
-    return max(demand.decode_seqs * demand.decode_context_tokens, demand.live_context_tokens)
+    return max(demand.decoding_kv_tokens, demand.live_context_tokens)
 
 
 def decode_side_kv_tokens(demand: Demand, cap: Capacity, entering: bool = False) -> float:
@@ -63,12 +63,13 @@ def decode_side_kv_tokens(demand: Demand, cap: Capacity, entering: bool = False)
     working set (`kv_tokens`)."""
     if entering or cap.decode_holds_histories:
         return kv_tokens(demand)
-    return demand.decode_seqs * demand.decode_context_tokens
+    return demand.decoding_kv_tokens
 
 
 def decode_side_holds(demand: Demand, cap: Capacity, decode_engines: int, entering: bool = False) -> bool:
     """Whether `decode_engines` decode engines hold the KV the decode side must
-    (`decode_side_kv_tokens`, at `KV_HIGH_WATERMARK`, the pool occupancy the decode load is sized to)."""
+    (`decode_side_kv_tokens`, at `KV_HIGH_WATERMARK`, the pool occupancy the decode load is
+    sized to)."""
     return decode_side_kv_tokens(demand, cap, entering) <= KV_HIGH_WATERMARK * decode_engines * cap.decode_kv_tokens
 
 

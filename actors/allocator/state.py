@@ -100,6 +100,11 @@ class Demand:
         """The horizon's prefill flow, without the backlog of now."""
         return max(0.0, self.prefill_tokens_per_s - self.prefill_backlog_tokens_per_s)
 
+    @property
+    def decoding_kv_tokens(self) -> float:
+        """KV of the sequences decoding at once, at their mean context."""
+        return self.decode_seqs * self.decode_context_tokens
+
     def with_prefill_flow(self, flow_tokens_per_s: float) -> Demand:
         """This demand with another prefill flow; the backlog of now stays."""
         return replace(self, prefill_tokens_per_s=flow_tokens_per_s + self.prefill_backlog_tokens_per_s)

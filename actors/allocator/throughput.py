@@ -119,9 +119,10 @@ def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_sha
 
 def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
     """KV an arrangement keeps the live histories in between turns (at `KV_HIGH_WATERMARK`,
-    the pool occupancy loads are sized to): colocated, every engine's pool; a split with write-back to its
-    prefill side, its prefill engines' pools; otherwise every engine's (no write-back: the
-    decode engines keep the histories they decoded; a store tier keeps them for any engine)."""
+    the pool occupancy loads are sized to): colocated, every engine's pool; a split with
+    write-back to its prefill side, its prefill engines' pools; otherwise every engine's (no
+    write-back: the decode engines keep the histories they decoded; a store tier keeps them
+    for any engine)."""
     if prefill_engines < 1 or not cap.histories_on_prefill:
         return KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens
     return KV_HIGH_WATERMARK * prefill_engines * cap.prefill_kv_tokens
@@ -159,7 +160,6 @@ def arrangement_ratio(
     arrangement's pools, its misses are read from q (what it computes beyond the new tokens,
     in histories) and the pools it keeps them in count for that much (they also hold the
     decoding sequences' growth): each arrangement's pools are scaled alike."""
-
     kept_measured = kept_histories_tokens(cap, n, measured_at, live_history_tokens, decoding_tokens)
     pools_measured = history_pools_tokens(cap, n, measured_at)
     miss_measured, scale = history_miss_share(kept_measured, pools_measured), 1.0
@@ -180,14 +180,14 @@ def arrangement_ratios(meter: RatioMeter, demand: Demand, cap: Capacity, n: int,
     if reading is None or not turns_per_decode or live_tokens <= 0 or demand.live_trajectories <= 0:
         return [q] * n
     history_per_decode = live_tokens / demand.live_trajectories * turns_per_decode
-    decoding_tokens = demand.decode_seqs * demand.decode_context_tokens
     q_new = meter.new_ratio or 0.0
-    return [arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, decoding_tokens, history_per_decode) for p in range(n)]
+    return [arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, demand.decoding_kv_tokens, history_per_decode) for p in range(n)]
 
 
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
     """Whether the live trajectories' KV exceeds what the whole fleet holds (at
-    `KV_HIGH_WATERMARK`, the pool occupancy loads are sized to), with engines that queue what does not fit."""
+    `KV_HIGH_WATERMARK`, the pool occupancy loads are sized to), with engines that queue
+    what does not fit."""
     return cap.admission_queues and working_set_tokens > KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens
 
 
