@@ -150,3 +150,53 @@ async def test_an_interrupting_update_resumes_each_cut_turn_on_the_new_weights_w
         else:  # finished before the update, or started after it
             assert bool(matches[r.policy_version].all()), (traj, r.policy_version, r.oldest_policy_version)
     assert cut > 0
+
+
+async def test_kv_that_lands_after_an_interrupting_update_began_is_prefilled_again_on_the_new_weights(bus, tmp_path, checkpoint):
+    """The race the interrupt cannot cut: a turn whose KV (version 0) is on the wire when the
+    update runs is admitted only after it, so no cut reaches it. The decode engine must refuse
+    that KV and send the turn back to prefill; admitted, it would decode on version 1's weights
+    over version 0's KV and report version 0. The update is made to land inside the real KV
+    fetch by running it from a wrapper around the decode engine's fetch."""
+    config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
+    config = msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, mode="async"), engines=msgspec.structs.replace(config.engines, inflight_on_update="interrupt")
+    )
+    models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
+    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
+    payload = weights_to_bytes(models[1])
+    trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
+    await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+
+    watch = TurnWatch(1, decoding_on="e1")
+    await watch.subscribe(bus, subjects.result("env0"))
+    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    fetch, acks = decode_._fetch_kv, []
+
+    async def fetch_then_update(*args):
+        got = await fetch(*args)
+        if not acks:  # the first hand-off only: version 1 lands on both engines before it is admitted
+            acks.extend(await asyncio.gather(*(
+                bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+            )))  # fmt: skip
+        return got
+
+    decode_._fetch_kv = fetch_then_update
+    runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
+    prompt = prompt_ids(300, 33)
+    try:
+        await asyncio.wait_for(asyncio.gather(prefill.ready.wait(), decode_.ready.wait()), timeout=30)
+        await bus.jetstream().publish(subjects.work_prefill(), encode(real_work("late", prompt, out=OUT)))
+        await asyncio.wait_for(watch.all_in.wait(), timeout=60)
+    finally:
+        for engine in (prefill, decode_):
+            engine.request_stop("test over")
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+
+    assert len(acks) == 2 and all(decode(CommandAck, a.data).ok for a in acks)
+    assert decode_.counters["kv_stale_version"] == 1
+    r = watch.got["late"]
+    assert r.policy_version == 1 and len(r.token_ids) == len(r.logprobs) == OUT
+    expected = forward_logprobs(models[1], prompt, list(r.token_ids))
+    assert (torch.tensor(r.logprobs) - expected).abs().max().item() < LOGPROB_ATOL  # every token, the first included, of version 1

@@ -135,9 +135,9 @@ class EngineHandoff:
                 return
             duration_s = transfer_s(self.link, chunk.kv_bytes)
             await self.clock.sleep(duration_s)
-            if item.prefill.policy_version < max(self.policy_version, self._interrupting_to):  # an update cut in meanwhile
-                self.counters["kv_stale_version"] += 1
-                await self._reprefill(item.prefill, f"KV of policy {item.prefill.policy_version} landed after an update began")
+            stale = self._stale_on_landing(item.prefill.policy_version)
+            if stale is not None:
+                await self._reprefill(item.prefill, stale)
                 await msg.ack()
                 return
             seq = self.core.admit_decode(item)
@@ -148,6 +148,17 @@ class EngineHandoff:
             self._pending_transfers -= 1
             self._wake.set()
             self._progress.set()
+
+    def _stale_on_landing(self, policy_version: int) -> str | None:
+        """Why KV of `policy_version` that has just landed must not be admitted: a weight update
+        began or finished while it was on the wire (an interrupting update cuts only the turns
+        already admitted, so one admitted after the cut would decode on the new weights over
+        the old version's KV). Counted; None when it is current."""
+        now = max(self.policy_version, self._interrupting_to)
+        if policy_version >= now:
+            return None
+        self.counters["kv_stale_version"] += 1
+        return f"KV of policy {policy_version} landed after an update to {now} began"
 
     async def _request_kv(self, handle: KvHandle, request: KvFetch | None = None) -> tuple[str | None, KvChunk | None]:
         """One KV request to the engine holding `handle` (the whole hand-off unless `request`

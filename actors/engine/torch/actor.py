@@ -347,6 +347,8 @@ class TorchEngineActor(EngineActor):
                 error, payload = await self._fetch_kv(item.kv, have, len(ids) - have)
                 target = None
                 if error is None:
+                    error = self._stale_on_landing(w.policy_version)
+                if error is None:
                     try:
                         target = self.torch.admit_decode(w.work_id, w, item.first_token_id, item.first_logprob, have, payload)
                     except KvError as err:
