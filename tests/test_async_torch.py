@@ -52,21 +52,53 @@ def forward_logprobs(lm, prompt: list[int], generated: list[int]) -> torch.Tenso
     return rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
 
 
-async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp_path, checkpoint):
+def async_config(tmp_path, checkpoint, inflight_on_update: str | None = None):
+    """The torch test config in async mode (and the given inflight_on_update)."""
     config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
     config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, mode="async"))
-    models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
-    # the trainer's weight service, serving version 1 as it does after training it
-    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
-    payload = weights_to_bytes(models[1])
+    if inflight_on_update is None:
+        return config
+    return msgspec.structs.replace(config, engines=msgspec.structs.replace(config.engines, inflight_on_update=inflight_on_update))
+
+
+async def serve_version_one(bus, config, lm) -> None:
+    """The trainer's weight service (`train.weights`), serving `lm` as version 1 as it does after training it."""
+    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=lm, tokenizer=ByteTokenizer())
+    payload = weights_to_bytes(lm)
     trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
     await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+
+
+def engine_pair(config, bus, checkpoint) -> tuple[TorchEngineActor, TorchEngineActor]:
+    """A prefill engine e0 and a decode engine e1, both on version 0."""
+    return tuple(
+        TorchEngineActor(e, config, bus, clock(), role, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+        for e, role in (("e0", Role.PREFILL), ("e1", Role.DECODE))
+    )  # fmt: skip
+
+
+async def load_version_one(bus) -> list:
+    """Ask both engines to take version 1; their replies."""
+    return list(await asyncio.gather(*(
+        bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
+    )))  # fmt: skip
+
+
+async def stop(engines, runs) -> None:
+    for engine in engines:
+        engine.request_stop("test over")
+    await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+
+
+async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp_path, checkpoint):
+    config = async_config(tmp_path, checkpoint)
+    models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
+    await serve_version_one(bus, config, models[1])
 
     watch = TurnWatch(2 * TURNS, decoding_on="e1")
     await watch.subscribe(bus, subjects.result("env0"))
     got, all_in, decoding = watch.got, watch.all_in, watch.decoding
-    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
-    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    prefill, decode_ = engine_pair(config, bus, checkpoint)
     runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
     prompts = {f"old{i}": prompt_ids(i, 20 + 7 * i) for i in range(TURNS)} | {f"new{i}": prompt_ids(100 + i, 15 + 5 * i) for i in range(TURNS)}
     js = bus.jetstream()
@@ -75,17 +107,13 @@ async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp
         for i in range(TURNS):
             await js.publish(subjects.work_prefill(), encode(real_work(f"old{i}", prompts[f"old{i}"], out=OUT)))
         await asyncio.wait_for(decoding.wait(), timeout=30)
-        acks = await asyncio.gather(*(
-            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
-        ))  # fmt: skip
+        acks = await load_version_one(bus)
         assert all(decode(CommandAck, a.data).ok and decode(CommandAck, a.data).policy_version == 1 for a in acks)
         for i in range(TURNS):  # assigned at version 0 (a trajectory started before the update): run on 1
             await js.publish(subjects.work_prefill(), encode(real_work(f"new{i}", prompts[f"new{i}"], out=OUT)))
         await asyncio.wait_for(all_in.wait(), timeout=60)
     finally:
-        for engine in (prefill, decode_):
-            engine.request_stop("test over")
-        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+        await stop((prefill, decode_), runs)
 
     assert sorted(got) == sorted(prompts)
     versions = {t: r.policy_version for t, r in got.items()}
@@ -105,20 +133,13 @@ async def test_an_interrupting_update_resumes_each_cut_turn_on_the_new_weights_w
     """engines.inflight_on_update = "interrupt": turns decoding when version 1 lands are cut,
     recomputed under version 1 with their tokens so far, and decode on. Each token's logprob
     is that of the weights it was sampled under: a prefix of version 0's, the rest version 1's."""
-    config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
-    config = msgspec.structs.replace(
-        config, run=msgspec.structs.replace(config.run, mode="async"), engines=msgspec.structs.replace(config.engines, inflight_on_update="interrupt")
-    )
+    config = async_config(tmp_path, checkpoint, inflight_on_update="interrupt")
     models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
-    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
-    payload = weights_to_bytes(models[1])
-    trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
-    await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+    await serve_version_one(bus, config, models[1])
 
     watch = TurnWatch(TURNS, decoding_on="e1")
     await watch.subscribe(bus, subjects.result("env0"))
-    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
-    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    prefill, decode_ = engine_pair(config, bus, checkpoint)
     runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
     prompts = {f"cut{i}": prompt_ids(200 + i, 20 + 7 * i) for i in range(TURNS)}
     js = bus.jetstream()
@@ -127,15 +148,11 @@ async def test_an_interrupting_update_resumes_each_cut_turn_on_the_new_weights_w
         for traj, prompt in prompts.items():
             await js.publish(subjects.work_prefill(), encode(real_work(traj, prompt, out=4 * OUT)))
         await asyncio.wait_for(watch.decoding.wait(), timeout=30)
-        acks = await asyncio.gather(*(
-            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
-        ))  # fmt: skip
+        acks = await load_version_one(bus)
         assert all(decode(CommandAck, a.data).ok for a in acks)
         await asyncio.wait_for(watch.all_in.wait(), timeout=120)
     finally:
-        for engine in (prefill, decode_):
-            engine.request_stop("test over")
-        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+        await stop((prefill, decode_), runs)
 
     assert decode_.counters["turns_interrupted"] > 0
     cut = 0
@@ -158,28 +175,19 @@ async def test_kv_that_lands_after_an_interrupting_update_began_is_prefilled_aga
     that KV and send the turn back to prefill; admitted, it would decode on version 1's weights
     over version 0's KV and report version 0. The update is made to land inside the real KV
     fetch by running it from a wrapper around the decode engine's fetch."""
-    config = torch_config(tmp_path, checkpoint, kv_chunk_bytes=64 * 1024)
-    config = msgspec.structs.replace(
-        config, run=msgspec.structs.replace(config.run, mode="async"), engines=msgspec.structs.replace(config.engines, inflight_on_update="interrupt")
-    )
+    config = async_config(tmp_path, checkpoint, inflight_on_update="interrupt")
     models = {0: load_model(checkpoint), 1: version_one(checkpoint)}
-    trainer = TorchTrainerActor("trainer", config, bus, clock(), lm=models[1], tokenizer=ByteTokenizer())
-    payload = weights_to_bytes(models[1])
-    trainer._weights[1] = (split_chunks(payload, config.model.kv_chunk_bytes), checksum(payload), len(payload))
-    await bus.subscribe(subjects.train_weights(), cb=trainer._on_weights_fetch)
+    await serve_version_one(bus, config, models[1])
 
     watch = TurnWatch(1, decoding_on="e1")
     await watch.subscribe(bus, subjects.result("env0"))
-    prefill = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
-    decode_ = TorchEngineActor("e1", config, bus, clock(), Role.DECODE, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
+    prefill, decode_ = engine_pair(config, bus, checkpoint)
     fetch, acks = decode_._fetch_kv, []
 
     async def fetch_then_update(*args):
         got = await fetch(*args)
         if not acks:  # the first hand-off only: version 1 lands on both engines before it is admitted
-            acks.extend(await asyncio.gather(*(
-                bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
-            )))  # fmt: skip
+            acks.extend(await load_version_one(bus))
         return got
 
     decode_._fetch_kv = fetch_then_update
@@ -190,9 +198,7 @@ async def test_kv_that_lands_after_an_interrupting_update_began_is_prefilled_aga
         await bus.jetstream().publish(subjects.work_prefill(), encode(real_work("late", prompt, out=OUT)))
         await asyncio.wait_for(watch.all_in.wait(), timeout=60)
     finally:
-        for engine in (prefill, decode_):
-            engine.request_stop("test over")
-        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+        await stop((prefill, decode_), runs)
 
     assert len(acks) == 2 and all(decode(CommandAck, a.data).ok for a in acks)
     assert decode_.counters["kv_stale_version"] == 1
