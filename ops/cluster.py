@@ -48,7 +48,7 @@ from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 from ops.access import User, write_credentials
-from ops.natsserver import EmbeddedNats, free_port
+from ops.natsserver import PORT_TRIES, EmbeddedNats, PortInUseError, exited_error, free_port
 
 CLUSTER_NAME = "prorsa"
 READY_STREAM = "CLUSTER_READY"  # created on every server, then deleted, before start() returns
@@ -76,13 +76,20 @@ class LocalCluster:
         self.root = Path(root)
         # account name -> its one user (same name, fresh password); empty: no authorization
         self.accounts = {a: User(a, secrets.token_urlsafe(24), (">",), (">",)) for a in accounts}
-        auth = accounts_block(self.accounts) if accounts else ""
-        route_ports = [free_port() for _ in range(servers)]
+        self.name, self.sync_interval, self.n_servers = name, sync_interval, servers
         self.servers: list[EmbeddedNats] = []
-        for i, route_port in enumerate(route_ports):
-            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(route_ports) if j != i)
-            block = f'cluster {{\n  name: "{name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
-            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=sync_interval, authorization=auth, server_name=f"n{i}", cluster=block))
+        self.route_ports: list[int] = []
+        self.configure()
+
+    def configure(self) -> None:
+        """Pick each server's client and route port and write nothing yet (start() writes the configs)."""
+        auth = accounts_block(self.accounts) if self.accounts else ""
+        self.route_ports = [free_port() for _ in range(self.n_servers)]
+        self.servers = []
+        for i, route_port in enumerate(self.route_ports):
+            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(self.route_ports) if j != i)
+            block = f'cluster {{\n  name: "{self.name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
+            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=self.sync_interval, authorization=auth, server_name=f"n{i}", cluster=block))
 
     @property
     def urls(self) -> list[str]:
@@ -100,17 +107,25 @@ class LocalCluster:
     def start(self) -> list[str]:
         if self.accounts:
             write_credentials(self.root / "accounts", self.accounts)
-        offsets = [self._log_size(s) for s in self.servers]
-        try:
-            for server in self.servers:
-                server.start()
-            self._wait_meta_leader(offsets)
-            with ThreadPoolExecutor(1) as pool:  # its own event loop: a caller may be inside one
-                pool.submit(asyncio.run, self._wait_replicated_stream()).result()
-        except BaseException:
-            self.stop()
-            raise
-        return self.urls
+        for attempt in range(PORT_TRIES):
+            offsets = [self._log_size(s) for s in self.servers]
+            try:
+                for server in self.servers:
+                    server.start()
+                self._wait_meta_leader(offsets)
+                with ThreadPoolExecutor(1) as pool:  # its own event loop: a caller may be inside one
+                    pool.submit(asyncio.run, self._wait_replicated_stream()).result()
+                return self.urls
+            except PortInUseError as err:
+                self.stop()
+                if attempt == PORT_TRIES - 1:
+                    raise
+                LOG.warning("%s; picking new ports", err)
+                self.configure()  # a route port taken between our pick and the server's bind
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def kill(self, i: int) -> int:
         """SIGKILL server i (no shutdown, no flush): the loss of a machine. Returns its pid."""
@@ -150,6 +165,9 @@ class LocalCluster:
         waiting = {i for i, offset in enumerate(offsets) if offset is not None}
         while waiting and time.monotonic() < deadline:
             for i in list(waiting):
+                proc = self.servers[i].proc
+                if proc is not None and proc.poll() is not None:  # e.g. its route port was taken after "ready"
+                    raise exited_error(proc, self.servers[i].log_path, offsets[i])
                 tail = self.servers[i].log_path.read_bytes()[offsets[i]:]
                 if any(line in tail for line in META_LEADER_LINES):
                     waiting.discard(i)

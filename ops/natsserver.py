@@ -23,6 +23,20 @@ from ops.procs import die_with_parent
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 READY_TIMEOUT_WALL_S = 20.0
+PORT_TRIES = 3  # a port picked free can be taken before the server binds it: pick again
+PORT_IN_USE = b"address already in use"
+
+
+class PortInUseError(RuntimeError):
+    """The server exited because one of its ports was taken between our pick and its bind."""
+
+
+def exited_error(proc: subprocess.Popen, log_path: Path, log_offset: int) -> RuntimeError:
+    """Why a server exited, in one line: a taken port is its own error (its caller may pick again)."""
+    tail = log_path.read_bytes()[log_offset:] if log_path.exists() else b""
+    cls = PortInUseError if PORT_IN_USE in tail else RuntimeError
+    last = tail.strip().splitlines()[-1].decode(errors="replace") if tail.strip() else "no log"
+    return cls(f"nats-server exited with {proc.returncode} ({last}); see {log_path}")
 
 
 def nats_server_binary() -> str:
@@ -47,12 +61,14 @@ class EmbeddedNats:
         server_name: str = "", cluster: str = "",
     ) -> None:  # fmt: skip
         self.root = Path(root)
+        self.port_given = port is not None  # a given port is kept even if taken; a picked one is picked again
         self.port = port or free_port()
         self.sync_interval = sync_interval  # JetStream fsync: "always", or a period such as "2m"
         self.authorization = authorization  # the config's `authorization` block ("" : none)
         self.server_name = server_name  # required in a JetStream cluster ("" : the server picks one)
         self.cluster = cluster  # the config's `cluster` block ("" : a lone server)
         self.proc: subprocess.Popen | None = None
+        self.was_ready = False  # started once: a restart keeps its port
 
     @property
     def url(self) -> str:
@@ -80,6 +96,18 @@ class EmbeddedNats:
         return conf
 
     def start(self) -> str:
+        """Start and wait until ready. A first start on a picked port that turns out taken picks
+        another (up to PORT_TRIES); a restart keeps its port, as its clients expect."""
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._start_once()
+            except PortInUseError:
+                if self.port_given or self.was_ready or attempt == PORT_TRIES - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> str:
         conf = self.write_config()
         log = open(self.log_path, "ab")
         log_offset = log.tell()  # a restart appends: readiness is read after this offset
@@ -93,13 +121,14 @@ class EmbeddedNats:
         )
         log.close()
         self._wait_ready(log_offset)
+        self.was_ready = True
         return self.url
 
     def _wait_ready(self, log_offset: int = 0) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_WALL_S
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_path}")
+                raise exited_error(self.proc, self.log_path, log_offset)
             if self.log_path.exists() and b"Server is ready" in self.log_path.read_bytes()[log_offset:]:
                 return
             time.sleep(0.05)

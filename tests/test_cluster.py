@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from actors.config import BusSection
 from bus_schemas import streams, subjects
 from bus_schemas.run import RUN_BUCKET
 from ops.cluster import LocalCluster
-from ops.natsserver import MAX_PAYLOAD_BYTES
+from ops.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNats, PortInUseError
 
 pytestmark = pytest.mark.bus
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +135,10 @@ def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
     )  # fmt: skip
     try:
         lines = [proc.stdout.readline() for _ in range(4)]
-        assert lines[3].startswith("seed url: "), lines
+        if not lines[3].startswith("seed url: "):  # say why it did not serve: its stderr and the servers' logs
+            proc.kill()
+            logs = {log.parent.name: log.read_text()[-600:] for log in sorted(tmp_path.glob("n*/nats-server.log"))}
+            pytest.fail(f"stdout {lines}; stderr {proc.communicate()[1][-2000:]!r}; logs {logs}")
         urls = json.loads((tmp_path / "cluster.json").read_text())["urls"]
         assert len(urls) == 3 and all(u.startswith("nats://127.0.0.1:") and u in lines[3] for u in urls)
         pids = [int(line.split(" pid ")[1]) for line in lines[:3]]
@@ -184,3 +188,36 @@ async def test_two_runs_in_two_accounts_share_the_cluster_without_crosstalk(tmp_
         finally:
             for nc, _, _ in runs.values():
                 await close(nc)
+
+
+def occupy(port: int) -> socket.socket:
+    """Listen on `port`, as another process that took it between our pick and the server's bind."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_server_whose_picked_port_was_taken_starts_on_another(tmp_path):
+    server = EmbeddedNats(tmp_path / "picked")
+    taken = server.port
+    with occupy(taken), server:
+        assert server.port != taken and server.proc.poll() is None
+        assert b"address already in use" in server.log_path.read_bytes()  # the first try failed, and said why
+
+
+def test_a_server_given_a_taken_port_says_so(tmp_path):
+    with occupy(0) as sock:
+        port = sock.getsockname()[1]
+        with pytest.raises(PortInUseError, match="address already in use"):
+            EmbeddedNats(tmp_path / "given", port=port).start()
+
+
+def test_a_cluster_whose_route_port_was_taken_starts_on_new_ports(tmp_path):
+    """A route port fails after the server said "ready": the cluster sees the exit and picks again."""
+    cluster = LocalCluster(tmp_path)
+    taken = cluster.route_ports[1]
+    with occupy(taken), cluster:
+        assert taken not in cluster.route_ports
+        assert all(cluster.pid(i) is not None for i in range(3))
+        assert b"address already in use" in cluster.servers[1].log_path.read_bytes()
