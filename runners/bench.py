@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
     roll.add_argument(
         "--policies", default="",
-        help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; oracle without prorsa needs prorsa's runs in --out)",
+        help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; any static-P:D that fits a fleet runs on it; oracle without prorsa needs prorsa's runs in --out)",
     )  # fmt: skip
     roll.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=JSON",
@@ -175,7 +175,7 @@ def rollout(
     if unknown:
         print(f"error: suite {suite_name!r} has no fleet or workload {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    known = {p for case in suite.cases(tables) for p in suite.policies(case.fleet, case.table)}
+    known = {p for case in suite.cases(tables) for p in suite.case_policies(case.fleet, case.table, policies)}
     if set(policies) - known:
         print(f"error: the tables asked for run no policy {', '.join(sorted(set(policies) - known))} (they run: {', '.join(sorted(known))})", file=sys.stderr)
         return 2

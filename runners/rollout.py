@@ -118,6 +118,17 @@ class Suite:
         dynamic = list(self.dynamic) if main else [p for p in self.dynamic if p != "reactive"]
         return [*colocated, *statics, *dynamic, "oracle"]
 
+    def case_policies(self, fleet: Fleet, table: str, asked: tuple[str, ...] = ()) -> list[str]:
+        """The policies a case runs: the table's (`policies`), only those `asked` where given,
+        plus any static split `asked` names that fits the fleet (`static-P:D`, P + D engines,
+        each at least 1), though the table does not run it by default."""
+        own = self.policies(fleet, table)
+        if not asked:
+            return own
+        count = fleet.engines["count"]
+        fits = {f"static-{p}:{count - p}" for p in range(1, count)}
+        return [p for p in own if p in asked] + [p for p in asked if p in fits and p not in own]
+
     def cases(self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), modes: tuple[str, ...] = ("sync",)) -> list[Case]:
         """Every row of `tables`, once per mode (a row's sync and async cases side by side)."""
         return [replace(c, mode=m) for c in self._cases(tables) for m in modes]
@@ -382,7 +393,7 @@ def run_suite(
         if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
     ]  # fmt: skip
-    plan = [(case, p) for case in cases for p in suite.policies(case.fleet, case.table) if not policies or p in policies]
+    plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies)]
     missing = [
         c.key for c, p in plan
         if p == "oracle" and (c, "prorsa") not in plan and not (_run_dir(out, c, "prorsa") / "events.parquet").exists()

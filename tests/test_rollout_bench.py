@@ -153,6 +153,19 @@ def test_a_run_of_some_policies_runs_only_those_and_oracle_needs_prorsas_log(tmp
     assert main(["rollout", "--suite", "smoke", "--mode", "sync", "--policies", "static-9:9", "--out", str(tmp_path)]) == 2
 
 
+def test_any_static_split_that_fits_a_fleet_can_be_asked_for_though_no_table_runs_it():
+    """`--policies static-5:3`: the main table runs 1:7 to 4:4 on an 8-engine fleet, and a
+    split it skips still runs where asked; on a 4-engine fleet it does not fit and is left out."""
+    suite = SUITES["paper"]
+    moe = next(f for f in suite.fleets if f.name == "moe")
+    deepseek = next(f for f in suite.fleets if f.name == "deepseek")
+    assert "static-5:3" not in suite.policies(moe, "main")
+    assert suite.case_policies(moe, "main", ("colocated-sticky", "static-5:3")) == ["colocated-sticky", "static-5:3"]
+    assert suite.case_policies(deepseek, "main", ("colocated-sticky", "static-5:3")) == ["colocated-sticky"]
+    assert suite.case_policies(moe, "main", ("static-8:0", "static-0:8")) == []  # each side needs an engine
+    assert suite.case_policies(moe, "main") == suite.policies(moe, "main")
+
+
 def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_anything_runs(tmp_path: Path):
     """`--set SECTION.KEY=VALUE`: the value reaches every run's config (records say so); a
     malformed item or an unknown key is refused with exit 2 before anything runs."""
