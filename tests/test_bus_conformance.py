@@ -86,14 +86,16 @@ async def test_work_queue_gives_each_item_to_one_puller_and_redelivers_unacked(c
     js = client.jetstream()
     for i in range(4):
         await js.publish(subjects.work_prefill(), str(i).encode())
-    a = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=0.5)
-    b = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=0.5)
+    # ack_wait: long enough that `first` is not redelivered while the three fetches run on a
+    # loaded machine, short enough to wait for
+    a = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=2.0)
+    b = await streams.pull_subscription(js, streams.prefill_consumer(), ack_wait_s=2.0)
     first = (await a.fetch(1, timeout=2))[0]
     second = (await b.fetch(1, timeout=2))[0]
     assert first.data != second.data  # one consumer, two pullers: never the same item
     for msg in (second, *[(await a.fetch(1, timeout=2))[0] for _ in range(2)]):
         await msg.ack()
-    again = (await b.fetch(1, timeout=5))[0]  # `first` was never acked: back after ack_wait
+    again = (await b.fetch(1, timeout=10))[0]  # `first` was never acked: back after ack_wait
     assert again.data == first.data and again.metadata.num_delivered == 2
     await again.ack()
     with pytest.raises(NatsTimeoutError):
@@ -110,7 +112,7 @@ async def test_the_pull_waiting_longest_is_served_first(client):
         while (await a.consumer_info()).num_waiting < n:
             await asyncio.sleep(0.01)  # barrier-ok: polls the consumer's open pull requests
 
-    older = asyncio.create_task(a.fetch(1, timeout=3))
+    older = asyncio.create_task(a.fetch(1, timeout=10))
     await asyncio.wait_for(waiting(1), timeout=5)
     await js.publish(subjects.work_prefill(), b"one")
     with pytest.raises(NatsTimeoutError):
@@ -135,10 +137,10 @@ async def test_nak_redelivers_and_term_removes(client):
 async def test_in_progress_holds_off_redelivery(client):
     js = client.jetstream()
     await js.publish(subjects.train_tasks(), b"long job")
-    sub = await streams.pull_subscription(js, streams.tasks_consumer(), ack_wait_s=0.6)
+    sub = await streams.pull_subscription(js, streams.tasks_consumer(), ack_wait_s=2.0)
     msg = (await sub.fetch(1, timeout=2))[0]
-    for _ in range(3):  # 0.9 s in all, past ack_wait, but kept alive
-        await asyncio.sleep(0.3)  # barrier-ok: the behaviour under test is a passage of time
+    for _ in range(5):  # 2.5 s in all, past ack_wait, but kept alive (each beat well inside it, on a loaded machine too)
+        await asyncio.sleep(0.5)  # barrier-ok: the behaviour under test is a passage of time
         await msg.in_progress()
         await client.flush()
     with pytest.raises(NatsTimeoutError):

@@ -38,7 +38,7 @@ from ops.monitor_bus import BUS_FILE, BusMonitor, MonitorInputError, target_from
 from ops.monitor_prom import metric_families
 from ops.monitor_state import MonitorState
 from ops.monitor_view import render_text, sparkline
-from ops.natsserver import EmbeddedNats, free_port, nats_server_binary
+from ops.natsserver import EmbeddedNats, free_port
 from tests.conftest import REPO, write_tiny_config
 
 PANELS = ("Engines", "P:D split", "Trajectories", "Forecast (magenta) vs measured demand", "Role switches", "Health and alerts")
@@ -573,13 +573,10 @@ async def test_without_once_bad_input_is_said_once_while_it_waits(tmp_path: Path
 
 @pytest.mark.bus
 async def test_a_run_folder_with_credentials_connects_and_wrong_ones_say_so(tmp_path: Path):
-    port = free_port()
-    conf = tmp_path / "auth.conf"
-    conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\nauthorization {{ users = [ {{user: "monitor", password: "s3cret"}} ] }}\n')
-    server = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = EmbeddedNats(tmp_path / "auth", authorization='authorization { users = [ {user: "monitor", password: "s3cret"} ] }\n')
+    url = server.start()  # on a port of its own (picked again if taken before it binds)
     run = tmp_path / "run"
     run.mkdir()
-    url = f"nats://127.0.0.1:{port}"
     try:
         nc = await _until_connected(url, user="monitor", password="s3cret")
         stop = asyncio.Event()
@@ -599,8 +596,7 @@ async def test_a_run_folder_with_credentials_connects_and_wrong_ones_say_so(tmp_
             await beats
             await nc.close()
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
 
 
 async def _until_connected(url: str, **kw):
@@ -622,7 +618,7 @@ def test_once_json_on_a_real_run_reports_every_engine_with_its_role_and_the_swit
     """prorsa on two engines (ops.launch, every actor its own process): the allocator splits
     the colocated fleet into a prefill and a decode engine; a `--once --json` snapshot taken
     during the run shows both engines in the roles the log says they had, and the switches."""
-    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=3, time_scale=20.0)
+    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=5, time_scale=20.0)  # steps: a window after the split for --once to see
     with config.open("a") as f:
         f.write('\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
     out = tmp_path / "run"

@@ -9,19 +9,23 @@ import pytest
 
 from actors.base.clock import PROBE_WALL_S, STALL_WALL_S, ScaledClock
 
-BLOCK_WALL_S = 0.15  # a blocked loop: well past a probe's period and the stall threshold
+BLOCK_WALL_S = 0.5  # a blocked loop: far past a probe's period and the stall threshold, and past any scheduler hiccup
 
 
-async def test_a_blocked_event_loop_counts_as_one_stall_in_model_seconds():
+async def test_a_blocked_event_loop_counts_as_a_stall_in_model_seconds():
+    """A loaded machine may add stalls of its own, so the test counts what the block adds: at
+    least one stall, as long in model seconds as the block (less a probe period) and no
+    longer than the block plus a generous margin."""
     clock = ScaledClock(time_scale=5.0)
     watch = asyncio.create_task(clock.watch_loop())
     try:
-        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: wall time is what the probe measures; it wakes on time
-        assert clock.loop_stalls == 0
+        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: wall time is what the probe measures; the probe is running
+        stalls, stall_s = clock.loop_stalls, clock.loop_stall_s
         time.sleep(BLOCK_WALL_S)  # barrier-ok: the stimulus, a loop that does not run (a CPU hog, a blocking call)
-        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: one probe period past the block; it wakes late, once
-        assert clock.loop_stalls == 1
-        assert clock.loop_stall_s == pytest.approx(5.0 * (BLOCK_WALL_S - PROBE_WALL_S), abs=5.0 * 2 * STALL_WALL_S)
+        await asyncio.sleep(2 * PROBE_WALL_S)  # barrier-ok: one probe period past the block; it wakes late
+        assert clock.loop_stalls - stalls >= 1
+        added_s = clock.loop_stall_s - stall_s
+        assert 5.0 * (BLOCK_WALL_S - PROBE_WALL_S - STALL_WALL_S) <= added_s <= 5.0 * (BLOCK_WALL_S + 1.0)
     finally:
         watch.cancel()
 

@@ -56,7 +56,7 @@ async def test_decodes_left_at_the_drain_deadline_migrate_with_their_kv(bus, tin
     try:
         ack = await command(bus, "e0", SetRole(role=Role.PREFILL, epoch=1, drain_deadline_s=1.0))
         assert ack.ok and ack.role is Role.PREFILL and ack.epoch == 1
-        assert 1.0 <= ack.drain_s < 20.0  # it waited for the deadline, then handed off (20k tokens take far longer)
+        assert 1.0 <= ack.drain_s < 100.0  # it waited for the deadline, then handed off (20k tokens take far longer; 100 model s is 1 s of wall time)
         assert e0[0].counters["decodes_migrated"] == 3
         await until(lambda: e1[0].counters.get("lifecycle_events", 0) > 0 and not e1[0].core.running and e1[0]._pending_transfers == 0 and not e0[0].core.held, 30)
     finally:
