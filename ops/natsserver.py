@@ -28,15 +28,23 @@ PORT_IN_USE = b"address already in use"
 
 
 class PortInUseError(RuntimeError):
-    """The server exited because one of its ports was taken between our pick and its bind."""
+    """The server exited because one of its ports was taken between our pick and its bind:
+    its client port (`client_port`), or another (a cluster's route port)."""
+
+    def __init__(self, message: str, client_port: bool) -> None:
+        super().__init__(message)
+        self.client_port = client_port
 
 
 def exited_error(proc: subprocess.Popen, log_path: Path, log_offset: int) -> RuntimeError:
     """Why a server exited, in one line: a taken port is its own error (its caller may pick again)."""
     tail = log_path.read_bytes()[log_offset:] if log_path.exists() else b""
-    cls = PortInUseError if PORT_IN_USE in tail else RuntimeError
     last = tail.strip().splitlines()[-1].decode(errors="replace") if tail.strip() else "no log"
-    return cls(f"nats-server exited with {proc.returncode} ({last}); see {log_path}")
+    message = f"nats-server exited with {proc.returncode} ({last}); see {log_path}"
+    taken = [line for line in tail.splitlines() if PORT_IN_USE in line]
+    if not taken:
+        return RuntimeError(message)
+    return PortInUseError(message, client_port=any(b"router" not in line for line in taken))
 
 
 def nats_server_binary() -> str:
@@ -101,8 +109,8 @@ class EmbeddedNats:
         for attempt in range(PORT_TRIES):
             try:
                 return self._start_once()
-            except PortInUseError:
-                if self.port_given or self.was_ready or attempt == PORT_TRIES - 1:
+            except PortInUseError as err:
+                if not err.client_port or self.port_given or self.was_ready or attempt == PORT_TRIES - 1:
                     raise
                 self.port = free_port()
         raise AssertionError("unreachable")
