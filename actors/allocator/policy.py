@@ -12,8 +12,7 @@ Every PD policy here sizes the prefill side the same way, from a demand estimate
 backlog of now), `oracle` the true future of a recorded log. `prorsa` and `oracle` also
 weigh a change: it must save more engine-seconds over the horizon (the bottleneck stage's
 utilisation, before vs after, times the fleet) than the switching engines lose (drain +
-reconfiguration), with hysteresis (`min_gain_s`) and a minimum dwell per engine after its
-last role command (none at the fleet's start). The
+reconfiguration), with hysteresis (`min_gain_s`) and a minimum dwell per engine. The
 engines that switch are those with the least in-flight work.
 
 Colocation is one of the choices (`allocator.colocation`):
@@ -154,7 +153,7 @@ class Split:
         q_settled = settled and fleet.now_s >= self.q_settles_at_s and not any(e.switching for e in usable)
         prefill_engines = sum(e.role is Role.PREFILL for e in usable)
         self.ratios.observe(*fleet.token_totals, prefill_engines if q_settled and (colocated_now or pd_now) else None, fleet.turns_total)
-        if any(self._dwelling(e, fleet.now_s) or e.switching for e in usable):
+        if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
             self.last_reason = "a switch is under way or within its dwell"
             return []
         cap = self.capacity.at(demand.decode_context_tokens)
@@ -393,17 +392,10 @@ class Split:
         self.regret_at_s = self.now_s
         return self.regret_s
 
-    def _dwelling(self, e: EngineState, now_s: float) -> bool:
-        """Whether `e` is within `min_dwell_s` of its last role command. An engine that never got
-        one (epoch 0: the fleet's start, or a restart) has no switch to dwell after, so the
-        first split can come before a step's first prompts fill the engines that would turn
-        decode (their KV would then be relocated)."""
-        return e.epoch > 0 and now_s - e.role_since_s < self.config.min_dwell_s
-
     def _pick(self, usable: list[EngineState], target: int, now_s: float) -> list[RoleChange]:
         """Role changes reaching `target` prefill engines, moving the least busy engines that
         are past their dwell; colocated engines (a fleet's start) are assigned first."""
-        dwell_ok = [e for e in usable if not e.switching and not self._dwelling(e, now_s)]
+        dwell_ok = [e for e in usable if not e.switching and now_s - e.role_since_s >= self.config.min_dwell_s]
         changes: list[RoleChange] = []
         prefill = [e for e in usable if e.role is Role.PREFILL]
         colocated = sorted((e for e in usable if e.role is Role.COLOCATED), key=lambda e: (e.in_flight, e.engine_id))
