@@ -82,7 +82,8 @@ class LocalCluster:
         self.configure()
 
     def configure(self) -> None:
-        """Pick each server's client and route port and write nothing yet (start() writes the configs)."""
+        """Pick each server's route port and build its server (which picks its own client port);
+        nothing is written yet (start() writes the configs)."""
         auth = accounts_block(self.accounts) if self.accounts else ""
         self.route_ports = [free_port() for _ in range(self.n_servers)]
         self.servers = []
@@ -166,7 +167,7 @@ class LocalCluster:
         while waiting and time.monotonic() < deadline:
             for i in list(waiting):
                 proc = self.servers[i].proc
-                if proc is not None and proc.poll() is not None:  # e.g. its route port was taken after "ready"
+                if proc is not None and proc.poll() is not None:  # exited after "ready": say why now, not after the timeout
                     raise exited_error(proc, self.servers[i].log_path, offsets[i])
                 tail = self.servers[i].log_path.read_bytes()[offsets[i]:]
                 if any(line in tail for line in META_LEADER_LINES):

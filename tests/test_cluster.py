@@ -214,7 +214,8 @@ def test_a_server_given_a_taken_port_says_so(tmp_path):
 
 
 def test_a_cluster_whose_route_port_was_taken_starts_on_new_ports(tmp_path):
-    """A route port fails after the server said "ready": the cluster sees the exit and picks again."""
+    """A taken route port makes its server exit (a PortInUseError for a port that is not its
+    client port): the cluster stops every server, picks every port again and starts."""
     cluster = LocalCluster(tmp_path)
     taken = cluster.route_ports[1]
     with occupy(taken), cluster:
