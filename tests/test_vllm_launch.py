@@ -45,12 +45,15 @@ def test_a_tiny_model_vllm_cannot_run_is_refused_in_one_line(tmp_path: Path, cap
 @pytest.mark.e2e
 @pytest.mark.timeout(960)
 def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_path: Path):
-    """Three GRPO steps of 2 x 4 calc trajectories: the allocator splits the colocated engines
-    into prefill and decode, KV moves between them over NATS, and each new policy is reloaded
-    in place by both engines (the launcher's tiny model is untied, as vLLM's reload needs).
+    """GRPO steps of 2 x 4 calc trajectories: the allocator splits the colocated engines into
+    prefill and decode, KV moves between them over NATS, and each new policy is reloaded in
+    place by both engines (the launcher's tiny model is untied, as vLLM's reload needs).
     A step takes a few seconds, and the first split comes once the forecast sees demand: on a
-    loaded machine two steps were over before it (CI, stop 39), so the run has a third."""
-    config = demo_config(tmp_path / "vllm.toml", steps="3", tasks_per_step="2", samples_per_task="4")
+    loaded machine two steps were over before it (CI, stop 39), and three (a dry run at stop
+    42: the split came 0.5 s after the last trajectory, 8 s after the first step began), so
+    the run has six."""
+    steps = 6
+    config = demo_config(tmp_path / "vllm.toml", steps=str(steps), tasks_per_step="2", samples_per_task="4")
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
@@ -61,18 +64,18 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["backend"] == "vllm"
-    assert summary["trajectories_finished"] == summary["trajectories_expected"] == 24
+    assert summary["trajectories_finished"] == summary["trajectories_expected"] == steps * 2 * 4
     assert summary["trajectories_lost"] == 0 and summary["invalid_messages"] == 0 and summary["incomplete_trajectories"] == 0
     assert summary["dead_letters"] == 0
     # nothing died: the allocator goes on without an engine that starts slowly, and takes it when it reports
     assert summary["actor_deaths"] == [], summary["actor_deaths"]
-    assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
-    assert summary["actors"]["trainer"]["train_updates"] == 3
+    assert [s["step"] for s in summary["steps"]] == list(range(steps))
+    assert summary["actors"]["trainer"]["train_updates"] == steps
 
     events = pl.read_parquet(out / "events.parquet")
     finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
     # the pair starts colocated and is split mid-run: each turn is checked by where it ran
-    assert len(finished) == 24 and incomplete_trajectories(events, finished, disaggregated=None) == {}
+    assert len(finished) == steps * 2 * 4 and incomplete_trajectories(events, finished, disaggregated=None) == {}
     switched = {r["engine_id"]: r["role"] for r in events.filter(pl.col("kind") == "role_switched").iter_rows(named=True)}
     assert sorted(switched.values()) == ["decode", "prefill"]  # the allocator split the colocated pair
     prefiller, decoder = (next(e for e, r in switched.items() if r == role) for role in ("prefill", "decode"))
@@ -81,7 +84,7 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     by_engine = lambda kind: set(events.filter(pl.col("kind") == kind)["engine_id"])  # noqa: E731
     assert prefiller in by_engine("prefill_done") and decoder in by_engine("decode_done")
     loaded = events.filter(pl.col("kind") == "policy_loaded")
-    assert sorted(loaded["policy_version"].to_list()) == [1, 1, 2, 2, 3, 3]
+    assert sorted(loaded["policy_version"].to_list()) == [v for v in range(1, steps + 1) for _ in ("e0", "e1")]  # each version, on both engines
 
 
 @pytest.mark.e2e
