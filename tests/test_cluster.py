@@ -27,6 +27,7 @@ from bus_schemas import streams, subjects
 from bus_schemas.run import RUN_BUCKET
 from ops.cluster import LocalCluster
 from ops.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNats, PortInUseError
+from tests.subproc import read_until
 
 pytestmark = pytest.mark.bus
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +135,10 @@ def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        lines = [proc.stdout.readline() for _ in range(4)]
+        try:  # three servers' pids, then the seed url
+            lines = read_until(proc, lambda seen: len(seen) == 4, 2 * DEADLINE_WALL_S)
+        except AssertionError as e:
+            lines = [str(e)] * 4
         if not lines[3].startswith("seed url: "):  # say why it did not serve: its stderr and the servers' logs
             proc.kill()
             logs = {log.parent.name: log.read_text()[-600:] for log in sorted(tmp_path.glob("n*/nats-server.log"))}

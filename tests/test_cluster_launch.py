@@ -16,6 +16,7 @@ from actors.config import ConfigError, load_config
 from ops.launch import actor_specs, main, select_actors
 from runners.cluster_check import passed, run_check
 from tests.conftest import REPO, write_tiny_config
+from tests.subproc import read_until
 
 
 def test_only_picks_groups_ids_and_ranges(tmp_path):
@@ -61,7 +62,7 @@ def test_a_host_waiting_for_its_run_stops_on_sigterm_without_starting_actors(tmp
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     try:
-        line = proc.stdout.readline()
+        (line,) = read_until(proc, lambda seen: True, 60.0)
         assert line.startswith("waiting for run 'never-started'"), line
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 130

@@ -16,6 +16,7 @@ import pytest
 
 from ops.checks import incomplete_trajectories
 from tests.conftest import REPO, write_tiny_config
+from tests.subproc import read_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,16 +30,15 @@ def start_launcher(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
+STARTED = re.compile(r"started (.+?) pid (\d+)")
+START_DEADLINE_WALL_S = 180.0  # every actor started (a loaded 2-core machine: tens of seconds)
+
+
 def read_until_started(proc: subprocess.Popen) -> tuple[dict[str, int], list[str]]:
-    """Launcher output up to the trainer's start: {'engine e0': pid, ..., 'nats-server': pid}."""
-    pids, lines = {}, []
-    for line in proc.stdout:
-        lines.append(line)
-        if m := re.match(r"started (.+?) pid (\d+)", line):
-            pids[m.group(1)] = int(m.group(2))
-            if m.group(1) == "trainer trainer":
-                return pids, lines
-    raise AssertionError("launcher ended before starting the trainer:\n" + "".join(lines))
+    """Launcher output up to the trainer's start: {'engine e0': pid, ..., 'nats-server': pid}.
+    A launcher that ends or hangs first fails the test with its output (tests/subproc.py)."""
+    lines = read_until(proc, lambda seen: seen[-1].startswith("started trainer trainer pid "), START_DEADLINE_WALL_S)
+    return {m.group(1): int(m.group(2)) for line in lines if (m := STARTED.match(line))}, lines
 
 
 def assert_all_gone(pids: dict[str, int]) -> None:
