@@ -1,7 +1,7 @@
 """Benchmarks that print figures.
 
     python -m runners.bench calibration --out DIR    cost model vs published figures (fitting and validation sets)
-    python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--out DIR] [--live] [--jobs N]
+    python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--seeds A,B,C] [--out DIR] [--live] [--jobs N]
                                                      every policy side by side, sync and async RL (runners.rollout)
     python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
                                                      simulation wall time vs fleet size (runners.simscale)
@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; any static-P:D that fits a fleet runs on it; oracle without prorsa needs prorsa's runs in --out)",
     )  # fmt: skip
     roll.add_argument(
+        "--seeds", default="",
+        help="run every case once per workload seed (comma-separated, e.g. 2026,2,3); the tables then add each row's spread across seeds",
+    )  # fmt: skip
+    roll.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=JSON",
         help="override a config value in every run, e.g. allocator.saturated_regime=true (repeatable)",
     )  # fmt: skip
@@ -125,9 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         overrides = parse_sets(args.set)
+        try:
+            seeds = tuple(dict.fromkeys(int(n) for n in args.seeds.split(",") if n.strip()))
+        except ValueError:
+            print(f"error: --seeds {args.seeds!r}: expected integers, e.g. 2026,2,3", file=sys.stderr)
+            return 2
         if overrides is None:
             return 2
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides)
+        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
     return 2
 
 
@@ -160,6 +169,7 @@ def rollout(
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
+    seeds: tuple[int, ...] = (),
 ) -> int:
     from runners.rollout import SUITES, run_suite
 
@@ -190,7 +200,7 @@ def rollout(
             print(f"error: --set: {err}", file=sys.stderr)
             return 2
     try:
-        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies, overrides)
+        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

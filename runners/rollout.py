@@ -77,10 +77,12 @@ class Case:
     engines: dict = field(default_factory=dict)
     variant: str = "default"
     mode: str = "sync"  # run.mode: "sync" or "async"
+    seed: int | None = None  # run.seed (the workload's draws); None: the suite's
 
     @property
     def key(self) -> str:
-        return f"{self.table}-{self.fleet.name}-{self.workload.name}-{self.trajectories_per_gpu}-{self.variant}-{self.mode}"
+        seed = "" if self.seed is None else f"-seed{self.seed}"
+        return f"{self.table}-{self.fleet.name}-{self.workload.name}-{self.trajectories_per_gpu}-{self.variant}-{self.mode}{seed}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +222,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         policy, which = policy.split("@")
         engines["layout"] = fleet.colocated_layouts[int(which) - 1]
     raw = {
-        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed, "time_scale": 20.0, "mode": case.mode},
+        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed if case.seed is None else case.seed, "time_scale": 20.0, "mode": case.mode},
         "engines": engines,
         "environments": {"count": suite.environments, "max_live_trajectories": 1 << 16},
         "trainer": {
@@ -332,6 +334,7 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "trajectories_per_gpu": case.trajectories_per_gpu,
         "variant": case.variant,
         "mode": config.run.mode,
+        "seed": config.run.seed,
         "policy": policy,
         "dp_sync": config.engines.dp_sync,
         "kv_writeback": config.engines.kv_writeback,
@@ -381,11 +384,15 @@ def run_suite(
     only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
+    seeds: tuple[int, ...] = (),
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
-    GPU, of the fleets and workloads in `only`, and the `policies`, where given). `oracle`
-    replays `prorsa`'s log of the same case: run without `prorsa`, it needs that log in `out`
-    from an earlier run (ValueError, before anything runs, where one is missing)."""
+    GPU, of the fleets and workloads in `only`, and the `policies`, where given), each once per
+    workload seed in `seeds` (default: the suite's seed). `oracle` replays `prorsa`'s log of
+    the same case: run without `prorsa`, it needs that log in `out` from an earlier run
+    (ValueError, before anything runs, where one is missing)."""
+    if seeds and "seed" in (overrides or {}).get("run", {}):
+        raise ValueError("give the workload seeds once: --seeds or --set run.seed, not both")
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads = only
     cases = [
@@ -393,6 +400,7 @@ def run_suite(
         if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
     ]  # fmt: skip
+    cases = [replace(c, seed=seed) for c in cases for seed in seeds] if seeds else cases
     plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies)]
     missing = [
         c.key for c, p in plan

@@ -10,11 +10,14 @@ throughput = trained trajectories / run_s.
 
 from __future__ import annotations
 
+import math
+
 ROW = ("table", "fleet", "workload", "trajectories_per_gpu", "variant")
 
 
 def _row_key(r: dict) -> tuple:
-    return tuple(r[k] for k in ROW)
+    """A row of a table, for one workload seed (records before seeds were recorded: None)."""
+    return (*(r[k] for k in ROW), r.get("seed"))
 
 
 def _case_key(r: dict) -> tuple:
@@ -50,7 +53,7 @@ def comparisons(results: list[dict]) -> list[dict]:
         if "prorsa" not in by:
             continue
         p = by["prorsa"]["rollout_s"]
-        row = dict(zip((*ROW, "mode"), key))
+        row = dict(zip((*ROW, "seed", "mode"), key))
         row["prorsa_s"] = p
         for family in ("colocated", "colocated-sticky", "static"):
             best = best_of(rows, family)
@@ -86,7 +89,7 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
                 continue
             out.append(
                 {
-                    **dict(zip(ROW, key)), "policy": name, "sync_policy": s["policy"], "async_policy": a["policy"],
+                    **dict(zip((*ROW, "seed"), key)), "policy": name, "sync_policy": s["policy"], "async_policy": a["policy"],
                     "sync_run_s": s["run_s"], "async_run_s": a["run_s"],
                     "sync_throughput": s["throughput_per_s"], "async_throughput": a["throughput_per_s"],
                     "async_vs_sync": round(a["throughput_per_s"] / s["throughput_per_s"], 3),
@@ -95,6 +98,31 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
                 }
             )  # fmt: skip
     return out
+
+
+SPREAD = ("vs_colocated", "vs_colocated-sticky", "vs_static", "of_oracle")
+
+
+def seed_spread(compared: list[dict]) -> list[dict]:
+    """Per row and mode run at more than one workload seed: each of prorsa's ratios
+    (`comparisons`) as its geometric mean over the seeds, with the lowest and the highest;
+    and on how many seeds prorsa is at least as fast as that seed's best static split."""
+    out = []
+    for key in dict.fromkeys((*(c[k] for k in ROW), c["mode"]) for c in compared):
+        runs = [c for c in compared if (*(c[k] for k in ROW), c["mode"]) == key]
+        if len({c["seed"] for c in runs}) < 2:
+            continue
+        row = {**dict(zip((*ROW, "mode"), key)), "seeds": [c["seed"] for c in runs]}
+        for name in SPREAD:
+            ratios = [c[name] for c in runs if c[name]]
+            row[name] = (round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3), min(ratios), max(ratios)) if len(ratios) == len(runs) else None
+        row["static_at_least"] = sum(1 for c in runs if c["vs_static"] and c["vs_static"] >= 1.0) if row["vs_static"] else None
+        out.append(row)
+    return out
+
+
+def _spread(x: tuple[float, float, float] | None) -> str:
+    return f"{x[0]:.3f}x ({x[1]:.3f}-{x[2]:.3f})" if x else "-"
 
 
 def _x(x: float | None) -> str:
@@ -106,6 +134,11 @@ def _s(x: float | None) -> str:
 
 
 def results_markdown(results: list[dict]) -> str:
+    seeded = len({r.get("seed") for r in results}) > 1  # several workload seeds: say each row's
+
+    def mode(r: dict) -> str:
+        return f"{r.get('mode', 'sync')}, seed {r.get('seed')}" if seeded else r.get("mode", "sync")
+
     lines = [
         "| table | fleet | workload | traj/GPU | variant | mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
         "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -113,7 +146,7 @@ def results_markdown(results: list[dict]) -> str:
     for r in results:
         bound = r["rollout_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
         lines.append(
-            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {r.get('mode', 'sync')} | "
+            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {mode(r)} | "
             f"{r['policy']} | {r['rollout_s']:.1f} | {_s(r.get('run_s'))} | {r.get('trajectories', '-')} | "
             f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
             f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
@@ -121,13 +154,26 @@ def results_markdown(results: list[dict]) -> str:
     lines += ["", "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):", "",
               "| table | fleet | workload | traj/GPU | variant | mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
               "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for c in comparisons(results):
+    compared = comparisons(results)
+    for c in compared:
         lines.append(
-            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {c['mode']} | "
+            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {mode(c)} | "
             f"{_s(c['colocated_s'])} | {_s(c['colocated-sticky_s'])} | {_s(c['static_s'])} ({c['best_static']}) | {_s(c['prorsa_s'])} | "
             f"{_s(c['oracle_s'])} | {_x(c['vs_colocated'])} | {_x(c['vs_colocated-sticky'])} | {_x(c['vs_static'])} | "
             f"{_x(c['static_vs_sticky'])} | {_x(c['vs_reactive'])} | {_x(c['of_oracle'])} | {c['prorsa_switches']} |"
         )
+    spread = seed_spread(compared)
+    if spread:
+        lines += ["", "prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:", "",
+                  "| table | fleet | workload | traj/GPU | variant | mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
+                  "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for c in spread:
+            at_least = f"{c['static_at_least']} of {len(c['seeds'])}" if c["static_at_least"] is not None else "-"
+            lines.append(
+                f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {c['mode']} | "
+                f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated'])} | {_spread(c['vs_colocated-sticky'])} | "
+                f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
+            )
     modes = mode_comparisons(results)
     if modes:
         lines += ["", "async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):", "",
@@ -135,6 +181,7 @@ def results_markdown(results: list[dict]) -> str:
                   "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for m in modes:
             name = m["policy"] if m["sync_policy"] == m["async_policy"] else f"{m['policy']} ({m['sync_policy']} / {m['async_policy']})"
+            name = f"{name}, seed {m['seed']}" if seeded else name
             lines.append(
                 f"| {m['table']} | {m['fleet']} | {m['workload']} | {m['trajectories_per_gpu']} | {m['variant']} | {name} | "
                 f"{m['sync_run_s']:.1f} | {m['async_run_s']:.1f} | {m['sync_throughput']:.4f} | {m['async_throughput']:.4f} | "

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
-from runners.rollout_tables import mode_comparisons, results_markdown
+from runners.rollout_tables import comparisons, mode_comparisons, results_markdown, seed_spread
 
 FIELDS = {
     "table", "fleet", "workload", "mode", "policy", "trajectories_per_gpu", "dp_sync", "kv_writeback", "rollout_s", "run_s",
@@ -180,3 +180,31 @@ def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_an
     assert [(r["saturated_regime"], r["kv_writeback"]) for r in records] == [(True, "store")]
     off = run_suite(SUITES["smoke"], tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",), overrides={"allocator": {"saturated_regime": False}})
     assert off[0]["saturated_regime"] is False
+
+
+def test_seeds_run_every_case_once_per_workload_seed_and_the_tables_give_the_spread(tmp_path: Path):
+    """`--seeds A,B`: each case runs at each workload seed (its own runs, its own draws), every
+    ratio is taken within a seed, and a row run at several seeds gets each ratio's geometric
+    mean with the lowest and the highest. A seed given twice (with `--set run.seed`) is refused
+    before anything runs."""
+    from runners.bench import main
+
+    policies = ("colocated", "colocated-sticky", "static-1:3", "prorsa")
+    results = run_suite(SUITES["smoke"], tmp_path, jobs=1, modes=("sync",), policies=policies, seeds=(7, 8))
+    assert [(r["seed"], r["policy"]) for r in results] == [(s, p) for s in (7, 8) for p in policies]
+    assert len({r["run_dir"] for r in results}) == len(results)  # each seed's runs in folders of their own
+    by_seed = {s: {r["policy"]: r for r in results if r["seed"] == s} for s in (7, 8)}
+    assert by_seed[7]["colocated"]["lower_bound_s"] != by_seed[8]["colocated"]["lower_bound_s"]  # other draws: another workload
+    for s, runs in by_seed.items():  # ratios within a seed
+        assert runs["prorsa"]["speedup_vs_colocated"] == round(runs["colocated"]["rollout_s"] / runs["prorsa"]["rollout_s"], 3)
+    (spread,) = seed_spread(comparisons(results))
+    sticky = [by_seed[s]["colocated-sticky"]["rollout_s"] / by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8)]
+    mean, low, high = spread["vs_colocated-sticky"]
+    assert spread["seeds"] == [7, 8] and abs(mean - (sticky[0] * sticky[1]) ** 0.5) < 2e-3 and (low, high) == tuple(sorted(round(x, 3) for x in sticky))
+    assert spread["static_at_least"] == sum(by_seed[s]["static-1:3"]["rollout_s"] >= by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8))
+    table = (tmp_path / "results.md").read_text()
+    assert "| sync, seed 7 | prorsa |" in table and "| sync, seed 8 | prorsa |" in table and "across workload seeds" in table
+    args = ["rollout", "--suite", "smoke", "--mode", "sync", "--policies", "prorsa", "--out", str(tmp_path / "twice")]
+    assert main([*args, "--seeds", "1,2", "--set", "run.seed=3"]) == 2
+    assert main([*args, "--seeds", "1,x"]) == 2
+    assert not (tmp_path / "twice").exists()
