@@ -424,12 +424,13 @@ def run_suite(
             args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
             for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
                 results.append(record(case, policy, config, summary, run_dir))
-                progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode
+                progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
                 (out / "results.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     add_speedups(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(results_markdown(results))
     from runners.timeline import plot_timelines
 
-    plot_timelines([r for r in results if r["table"] == "main" and r["mode"] == modes[0]], out)  # one timeline per workload
+    first_seed = results[0].get("seed") if results else None  # several seeds: the first one's (one file per workload)
+    plot_timelines([r for r in results if r["table"] == "main" and r["mode"] == modes[0] and r.get("seed") == first_seed], out)
     return results

@@ -100,7 +100,7 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
     return out
 
 
-SPREAD = ("vs_colocated", "vs_colocated-sticky", "vs_static", "of_oracle")
+SPREAD = {"vs_colocated": "colocated_s", "vs_colocated-sticky": "colocated-sticky_s", "vs_static": "static_s", "of_oracle": "oracle_s"}
 
 
 def seed_spread(compared: list[dict]) -> list[dict]:
@@ -113,10 +113,11 @@ def seed_spread(compared: list[dict]) -> list[dict]:
         if len({c["seed"] for c in runs}) < 2:
             continue
         row = {**dict(zip((*ROW, "mode"), key)), "seeds": [c["seed"] for c in runs]}
-        for name in SPREAD:
-            ratios = [c[name] for c in runs if c[name]]
-            row[name] = (round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3), min(ratios), max(ratios)) if len(ratios) == len(runs) else None
-        row["static_at_least"] = sum(1 for c in runs if c["vs_static"] and c["vs_static"] >= 1.0) if row["vs_static"] else None
+        for name, other in SPREAD.items():  # from the seconds, not the rounded ratios
+            ratios = [c[other] / c["prorsa_s"] for c in runs if c[other] and c["prorsa_s"] > 0]
+            mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+            row[name] = (round(mean, 3), round(min(ratios), 3), round(max(ratios), 3)) if ratios and len(ratios) == len(runs) else None
+        row["static_at_least"] = sum(1 for c in runs if c["static_s"] >= c["prorsa_s"]) if row["vs_static"] else None
         out.append(row)
     return out
 

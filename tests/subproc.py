@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 
 _END = None  # the pump's last item: the stream ended, or it stopped after the wanted line
+REAP_WALL_S = 10.0
 
 
 def read_until(proc: subprocess.Popen, done: Callable[[list[str]], bool], deadline_s: float) -> list[str]:
-    """The lines of `proc`'s stdout up to the first after which `done(lines)` holds. The
-    pump stops there and reads nothing past it, so the rest of the stream is the caller's
-    (`communicate`). If the child
-    ends first, or nothing satisfies `done` within `deadline_s` (the child is then killed),
-    an AssertionError carries every line it printed."""
-    lines: queue.Queue[str | None] = queue.Queue()
+    """The lines of `proc`'s stdout up to the first after which `done(lines)` holds. The pump
+    stops there and reads nothing past it, so the rest of the stream is the caller's
+    (`communicate`). If the child ends first, or nothing satisfies `done` within
+    `deadline_s` (the child is then killed, with its process group where it leads one: a
+    launcher's actors and servers), an AssertionError carries every line it printed."""
+    lines: queue.Queue[str | BaseException | None] = queue.Queue()
     found = threading.Event()
 
     def pump() -> None:
@@ -31,6 +33,8 @@ def read_until(proc: subprocess.Popen, done: Callable[[list[str]], bool], deadli
                 if done(seen):
                     found.set()
                     return
+        except BaseException as err:  # a failing `done`, say: the caller's error, not a child that ended
+            lines.put(err)
         finally:
             lines.put(_END)
 
@@ -40,17 +44,40 @@ def read_until(proc: subprocess.Popen, done: Callable[[list[str]], bool], deadli
     until = time.monotonic() + deadline_s
     while True:
         try:
-            line = lines.get(timeout=max(0.0, until - time.monotonic()))
+            item = lines.get(timeout=max(0.0, until - time.monotonic()))
         except queue.Empty:
-            proc.kill()  # its stdout closes, so the pump ends
-            thread.join(timeout=10)
-            seen += [x for x in _drain(lines) if x is not _END]
+            kill(proc)  # its stdout closes, so the pump ends
+            thread.join(timeout=REAP_WALL_S)
+            seen += [x for x in _drain(lines) if isinstance(x, str)]
             raise AssertionError(f"no expected output within {deadline_s:.0f} s (child killed); it printed:\n" + "".join(seen)) from None
-        if line is _END:
+        if isinstance(item, BaseException):
+            raise item
+        if item is _END:
             if found.is_set():
                 return seen
-            raise AssertionError(f"child ended (exit {proc.poll()}) before the expected output; it printed:\n" + "".join(seen))
-        seen.append(line)
+            raise AssertionError(f"child ended (exit {_exit_code(proc)}) before the expected output; it printed:\n" + "".join(seen))
+        seen.append(item)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child, and its process group where it leads one (never the caller's), and
+    reap it."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid != os.getpgid(0):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:
+        pass  # gone already
+    _exit_code(proc)
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The child's exit status once it has exited (its stdout can close a moment before)."""
+    try:
+        return proc.wait(timeout=REAP_WALL_S)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _unbuffered_lines(fd: int):

@@ -138,7 +138,7 @@ def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
         try:  # three servers' pids, then the seed url
             lines = read_until(proc, lambda seen: len(seen) == 4, 2 * DEADLINE_WALL_S)
         except AssertionError as e:
-            lines = [str(e)] * 4
+            lines = ["", "", "", str(e)]
         if not lines[3].startswith("seed url: "):  # say why it did not serve: its stderr and the servers' logs
             proc.kill()
             logs = {log.parent.name: log.read_text()[-600:] for log in sorted(tmp_path.glob("n*/nats-server.log"))}
