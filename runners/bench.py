@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         overrides = parse_sets(args.set)
+        if overrides is None:
+            return 2
         try:
             seeds = tuple(dict.fromkeys(int(n) for n in args.seeds.split(",") if n.strip()))
         except ValueError:
             print(f"error: --seeds {args.seeds!r}: expected integers, e.g. 2026,2,3", file=sys.stderr)
-            return 2
-        if overrides is None:
             return 2
         return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
     return 2

@@ -131,9 +131,12 @@ class Suite:
         fits = {f"static-{p}:{count - p}" for p in range(1, count)}
         return [p for p in own if p in asked] + [p for p in asked if p in fits and p not in own]
 
-    def cases(self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), modes: tuple[str, ...] = ("sync",)) -> list[Case]:
-        """Every row of `tables`, once per mode (a row's sync and async cases side by side)."""
-        return [replace(c, mode=m) for c in self._cases(tables) for m in modes]
+    def cases(
+        self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), modes: tuple[str, ...] = ("sync",), seeds: tuple[int, ...] = ()
+    ) -> list[Case]:
+        """Every row of `tables`, once per mode (a row's sync and async cases side by side) and
+        per workload seed in `seeds` (none: the suite's)."""
+        return [replace(c, mode=m, seed=s) for c in self._cases(tables) for m in modes for s in (seeds or (None,))]
 
     def _cases(self, tables: tuple[str, ...]) -> list[Case]:
         fleets = {f.name: f for f in self.fleets}
@@ -396,11 +399,10 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads = only
     cases = [
-        c for c in suite.cases(tables, modes)
+        c for c in suite.cases(tables, modes, seeds)
         if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
     ]  # fmt: skip
-    cases = [replace(c, seed=seed) for c in cases for seed in seeds] if seeds else cases
     plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies)]
     missing = [
         c.key for c, p in plan

@@ -107,16 +107,19 @@ def seed_spread(compared: list[dict]) -> list[dict]:
     """Per row and mode run at more than one workload seed: each of prorsa's ratios
     (`comparisons`) as its geometric mean over the seeds, with the lowest and the highest;
     and on how many seeds prorsa is at least as fast as that seed's best static split."""
+    def key(c: dict) -> tuple:  # the row and mode, whatever the seed
+        return (*(c[k] for k in ROW), c["mode"])
+
     out = []
-    for key in dict.fromkeys((*(c[k] for k in ROW), c["mode"]) for c in compared):
-        runs = [c for c in compared if (*(c[k] for k in ROW), c["mode"]) == key]
+    for row_key in dict.fromkeys(map(key, compared)):
+        runs = [c for c in compared if key(c) == row_key]
         if len({c["seed"] for c in runs}) < 2:
             continue
-        row = {**dict(zip((*ROW, "mode"), key)), "seeds": [c["seed"] for c in runs]}
+        row = {**dict(zip((*ROW, "mode"), row_key)), "seeds": [c["seed"] for c in runs]}
         for name, other in SPREAD.items():  # from the seconds, not the rounded ratios
             ratios = [c[other] / c["prorsa_s"] for c in runs if c[other] and c["prorsa_s"] > 0]
-            mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
-            row[name] = (round(mean, 3), round(min(ratios), 3), round(max(ratios), 3)) if ratios and len(ratios) == len(runs) else None
+            mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if len(ratios) == len(runs) else None
+            row[name] = None if mean is None else (round(mean, 3), round(min(ratios), 3), round(max(ratios), 3))
         row["static_at_least"] = sum(1 for c in runs if c["static_s"] >= c["prorsa_s"]) if row["vs_static"] else None
         out.append(row)
     return out
@@ -124,6 +127,11 @@ def seed_spread(compared: list[dict]) -> list[dict]:
 
 def _spread(x: tuple[float, float, float] | None) -> str:
     return f"{x[0]:.3f}x ({x[1]:.3f}-{x[2]:.3f})" if x else "-"
+
+
+def _section(caption: str, header: str, align: str) -> list[str]:
+    """A table's lead-in: a blank line, its caption, a blank line, its header row and alignment row."""
+    return ["", caption, "", header, align]
 
 
 def _x(x: float | None) -> str:
@@ -152,9 +160,9 @@ def results_markdown(results: list[dict]) -> str:
             f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
             f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
-    lines += ["", "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):", "",
-              "| table | fleet | workload | traj/GPU | variant | mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
-              "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += _section("prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):",
+                      "| table | fleet | workload | traj/GPU | variant | mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
+                      "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
     compared = comparisons(results)
     for c in compared:
         lines.append(
@@ -165,9 +173,9 @@ def results_markdown(results: list[dict]) -> str:
         )
     spread = seed_spread(compared)
     if spread:
-        lines += ["", "prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:", "",
-                  "| table | fleet | workload | traj/GPU | variant | mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
-                  "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += _section("prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:",
+                          "| table | fleet | workload | traj/GPU | variant | mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
+                          "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
         for c in spread:
             at_least = f"{c['static_at_least']} of {len(c['seeds'])}" if c["static_at_least"] is not None else "-"
             lines.append(
@@ -177,9 +185,9 @@ def results_markdown(results: list[dict]) -> str:
             )
     modes = mode_comparisons(results)
     if modes:
-        lines += ["", "async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):", "",
-                  "| table | fleet | workload | traj/GPU | variant | policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
-                  "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += _section("async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):",
+                          "| table | fleet | workload | traj/GPU | variant | policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
+                          "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
         for m in modes:
             name = m["policy"] if m["sync_policy"] == m["async_policy"] else f"{m['policy']} ({m['sync_policy']} / {m['async_policy']})"
             name = f"{name}, seed {m['seed']}" if seeded else name

@@ -29,9 +29,9 @@ def test_a_child_that_hangs_is_killed_at_the_deadline_with_its_group_and_its_out
     the whole group goes, and the launcher is reaped."""
     code = (
         "import subprocess, sys, time\n"
-        "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"  # barrier-ok: a group member that hangs
         "print(f'helper pid {helper.pid}', flush=True)\n"
-        "time.sleep(600)\n"
+        "time.sleep(600)\n"  # barrier-ok: the stimulus, a child that hangs
     )
     proc = child(code, start_new_session=True)
     with pytest.raises(AssertionError, match=r"(?s)within 2 s \(child killed\).*helper pid") as err:
