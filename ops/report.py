@@ -11,7 +11,8 @@ them, and writes into `RUN_DIR/report/` (or `--out`):
 * `completion_cdf.png`: the trajectory completion-time CDF, from each trajectory's start
   and from its step's start (the rollout's tail), per task family;
 * `step_times.png`: rollout (and training) time per RL step;
-* `report.md` and `report.html`: the figures with the run's numbers.
+* `report.md` and `report.html`: the figures with the run's numbers, and what ended each
+  step: its last trajectory's time by what it was doing (`ops.critical_path`).
 
 `plot_roles` is the plotting code for any run folder (the rollout bench's timelines can
 call it with their own title).
@@ -34,6 +35,7 @@ import polars as pl  # noqa: E402
 
 from bus_schemas.eventlog import EventLogError, load_events  # noqa: E402
 from forecasting.series import bin_events, totals  # noqa: E402
+from ops.critical_path import BUCKETS, critical_paths  # noqa: E402
 
 BIN_S = 1.0
 SMOOTH_BINS = 5
@@ -238,6 +240,7 @@ def _pct(values: np.ndarray, q: float) -> float | None:
 
 
 def facts(events: pl.DataFrame, summary: dict, times: pl.DataFrame, steps: list[dict]) -> dict:
+    """The report's figures (also written as report.json)."""
     completion = times["completion_s"].cast(pl.Float64).fill_null(float("nan")).to_numpy()
     switches = events.filter(pl.col("kind") == "role_switched")
     return {
@@ -258,11 +261,32 @@ def facts(events: pl.DataFrame, summary: dict, times: pl.DataFrame, steps: list[
         "completion_p99_s": _pct(completion, 99),
         "rollout_s_total": round(sum(s["rollout_s"] for s in steps), 3),
         "steps": steps,
+        "critical_paths": critical_paths(events, summary.get("mode", "sync")),
     }
 
 
 def _fmt(x, nd: int = 1) -> str:
     return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def critical_path_table(paths: list[dict]) -> list[str]:
+    """What ended each step (async: the run): its last trajectory and its model seconds from the
+    step's start by what it was doing; empty where no trajectory finished."""
+    if not paths:
+        return []
+    return [
+        "## What ended each step",
+        "",
+        "Each step lasts until its last trajectory finishes: that trajectory's model seconds from the step's start, by what it was doing.",
+        "",
+        "| step | trajectory | family | turns | " + " | ".join(b.replace("_", " ") for b in BUCKETS) + " |",
+        "| ---: | --- | --- | ---: | " + " | ".join("---:" for _ in BUCKETS) + " |",
+        *(
+            f"| {_fmt(p['step'])} | {p['trajectory_id']} | {p['task_family']} | {p['turns']} | " + " | ".join(f"{p[b]:.1f}" for b in BUCKETS) + " |"
+            for p in paths
+        ),
+        "",
+    ]
 
 
 def write_markdown(f: dict, title: str, path: Path, forecasts_note: str) -> Path:
@@ -281,6 +305,7 @@ def write_markdown(f: dict, title: str, path: Path, forecasts_note: str) -> Path
         "| ---: | ---: | ---: | ---: |",
         *(f"| {s['step']} | {s['rollout_s']:.1f} | {s['train_s']:.1f} | {_fmt(s['mean_reward'], 3)} |" for s in f["steps"]),
         "",
+        *critical_path_table(f["critical_paths"]),
         "## Engine roles against demand and forecast",
         "",
         "![roles](roles.png)",

@@ -28,6 +28,7 @@ from actors.allocator.capacity import decode_step_s
 from actors.config import Config, initial_roles, with_policy
 from actors.engine.emulated.costmodel import prefill_s
 from bus_schemas.control import Role
+from ops.critical_path import critical_paths, summed
 from ops.export import load_events
 from runners.rollout_tables import add_speedups, results_markdown
 
@@ -361,6 +362,8 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "p50_traj_s": round(float(times.quantile(0.5)), 2),
         "p99_traj_s": round(float(times.quantile(0.99)), 2),
         "lower_bound_s": round(lower_bound_s(config, events), 2),
+        # the last trajectory of each step, its time by what it was doing (ops.critical_path)
+        "critical_path_s": summed(critical_paths(events, config.run.mode)),
         "trajectories_expected": summary["trajectories_expected"],
         "trajectories_lost": summary["trajectories_lost"],
         "incomplete_trajectories": summary["incomplete_trajectories"],

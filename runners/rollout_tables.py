@@ -142,6 +142,22 @@ def _s(x: float | None) -> str:
     return f"{x:.1f}" if x is not None else "-"
 
 
+def critical_path_lines(results: list[dict], mode) -> list[str]:
+    """The table of what ends each row: its steps' last trajectories' time by what they were
+    doing (`ops.critical_path`; records from before it are left out)."""
+    rows = [r for r in results if r.get("critical_path_s")]
+    if not rows:
+        return []
+    buckets = list(rows[0]["critical_path_s"])
+    lines = _section("what ends each row: the last trajectory of each step (async: of the run), its model s from the step's start by what it was doing, summed over the steps, together the rollout s (no arrangement changes the tool calls):",
+                     "| table | fleet | workload | traj/GPU | variant | mode | policy | rollout s | " + " | ".join(b.replace("_", " ") for b in buckets) + " |",
+                     "| --- | --- | --- | ---: | --- | --- | --- | ---: | " + " | ".join("---:" for _ in buckets) + " |")  # fmt: skip
+    for r in rows:
+        cells = " | ".join(f"{r['critical_path_s'][b]:.1f}" for b in buckets)
+        lines.append(f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {mode(r)} | {r['policy']} | {r['rollout_s']:.1f} | {cells} |")
+    return lines
+
+
 def results_markdown(results: list[dict]) -> str:
     seeded = len({r.get("seed") for r in results}) > 1  # several workload seeds: say each row's
 
@@ -183,6 +199,7 @@ def results_markdown(results: list[dict]) -> str:
                 f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated'])} | {_spread(c['vs_colocated-sticky'])} | "
                 f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
             )
+    lines += critical_path_lines(results, mode)
     modes = mode_comparisons(results)
     if modes:
         lines += _section("async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):",

@@ -15,6 +15,7 @@ import polars as pl
 import pytest
 
 from actors.config import load_config, with_policy
+from ops.critical_path import BUCKETS
 from ops.report import FIGURES, ReportError, completion_times, initial_roles, report, role_counts
 from tests.conftest import REPO, write_tiny_config
 
@@ -55,6 +56,11 @@ def test_the_report_writes_its_pngs_and_a_markdown_and_html_page(recorded_run: P
     assert [s["step"] for s in facts["steps"]] == [0, 1] and facts["rollout_s_total"] == pytest.approx(sum(s["rollout_s"] for s in summary["steps"]), abs=0.01)
     assert 0 < facts["completion_p50_s"] <= facts["completion_p90_s"] <= facts["completion_p99_s"]
     assert "forecasts.parquet" in md and "No forecast line" not in md  # the simulation recorded its forecasts
+    # what ended each step: its last trajectory, whose time from the step's start is the step's rollout
+    assert "## What ended each step" in md and [p["step"] for p in facts["critical_paths"]] == [0, 1]
+    for path, step in zip(facts["critical_paths"], summary["steps"]):
+        assert sum(path[b] for b in BUCKETS) == pytest.approx(step["rollout_s"], abs=0.01)
+        assert f"| {step['step']} | {path['trajectory_id']} |" in md
 
 
 def test_the_roles_follow_the_log_from_the_policys_start(recorded_run: Path):

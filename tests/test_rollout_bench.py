@@ -37,6 +37,8 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
         assert r["trajectories"] == r["trajectories_trained"] == r["trajectories_expected"] == batches * per_batch
         assert r["dropped"] == 0 and sum(r["families"].values()) == r["trajectories"]
         assert 0 < r["lower_bound_s"] <= r["rollout_s"]  # no policy beats the critical path
+        # what ends the row: its last trajectories' time by what they were doing adds up to it
+        assert sum(r["critical_path_s"].values()) == pytest.approx(r["rollout_s"], abs=0.05) and r["critical_path_s"]["tool"] > 0
         assert r["p50_traj_s"] <= r["p99_traj_s"] <= r["rollout_s"] + 1e-6
         assert abs(r["throughput_per_s"] - r["trajectories_trained"] / r["run_s"]) < 1e-3 * r["throughput_per_s"]
         if r["mode"] == "sync":  # steps: rollout, then training with rollout paused
@@ -58,6 +60,7 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
     assert len({json.dumps(r["families"]) for r in results}) == 1  # both modes rolled out the same tasks
     table = (tmp_path / "results.md").read_text()
     assert "| main | moe | search | 4 | default | sync | prorsa |" in table and "| main | moe | search | 4 | default | async | prorsa |" in table
+    assert "what ends each row" in table and "| main | moe | search | 4 | default | async | prorsa | " in table.split("what ends each row")[1]
     assert "vs best static" in table and "async against sync" in table and "other tasks" not in table.split("async against sync")[1].split("\n", 1)[1]
     assert (tmp_path / "timeline-moe-search.png").stat().st_size > 10_000
 
