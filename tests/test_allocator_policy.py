@@ -445,7 +445,7 @@ def test_a_change_that_undoes_the_last_one_is_held_off_longer_each_time():
     roles4, roles5 = [P] * 4 + [D] * 4, [P] * 5 + [D] * 3
     assert len(policy.decide(grow, fleet(roles4, now_s=100.0))) == 1  # 4 -> 5
     assert len(policy.decide(shrink, fleet(roles5, now_s=110.0))) == 3  # undoes it: allowed once, starts a hold
-    hold_s = policy.flap_penalty_s
+    hold_s = policy.damping.penalty_s
     assert hold_s >= AllocatorSection().horizon_s
     assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s / 2)) == []  # a reversal inside the hold
     assert policy.decide(grow, fleet([P] * 2 + [D] * 6, now_s=110.0 + hold_s + 1.0)) != []  # after it

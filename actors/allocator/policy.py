@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
+from actors.allocator.damping import FlapDamping
 from actors.allocator.loads import (
     bottleneck,
     colocated_load,
@@ -76,11 +77,9 @@ from bus_schemas.control import Role
 
 DECODE_LOAD_FOR_PD = 2.0  # "thresholds": splitting also needs this many times the prefill threshold of decode load
 MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens per new token
-FLAP_HALF_LIFE_HORIZONS = 6.0  # flap penalty half-life, in decision horizons [A]
 # the miss ratio is learned once every engine has held its role this many horizons: right
 # after a change, the next turns recompute what the old arrangement held (a transient) [A]
 SETTLE_HORIZONS = 3.0
-REVERSES = {"split": "colocate", "colocate": "split", "grow": "shrink", "shrink": "grow"}
 
 
 class Policy(Protocol):
@@ -121,11 +120,7 @@ class Split:
     # a PD split recomputes what per-turn placement cannot keep where its KV is, so the demand
     # measured while colocated under-states a split's prefill work, and the reverse
     miss_ratio: dict[str, float] = field(default_factory=dict)
-    # flap damping: a change that undoes the previous one (split <-> colocate, grow <-> shrink)
-    # doubles the hold during which the next reversal is refused (route-flap damping); the
-    # hold halves every FLAP_HALF_LIFE_HORIZONS horizons
-    flap_penalty_s: float = 0.0
-    last_change: tuple[str, float] = ("", 0.0)
+    damping: FlapDamping = field(init=False)  # a change that undoes the last is held off (damping.py)
     now_s: float = 0.0
     # ski rental: engine-seconds colocation has lost, by the cost model, since a split last
     # stopped paying; a split that must recompute KV waits until this covers its cost
@@ -139,6 +134,7 @@ class Split:
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
+        self.damping = FlapDamping(self.config.horizon_s)
 
     def decide(self, demand: Demand | None, fleet: Fleet) -> list[RoleChange]:
         if demand is None:
@@ -250,27 +246,12 @@ class Split:
         self.last_reason = f"hold {current}:{n - current}, {note} ({current}:{n - current} {now_rate:.0f})"
         return []
 
-    def _penalty_s(self) -> float:
-        kind, at_s = self.last_change
-        if not kind:
-            return 0.0
-        half_life_s = FLAP_HALF_LIFE_HORIZONS * self.config.horizon_s
-        return self.flap_penalty_s * 0.5 ** (max(0.0, self.now_s - at_s) / half_life_s)
-
     def _required_gain_s(self, kind: str) -> float:
         """min_gain; infinite while `kind` would undo the last change within the flap hold."""
-        kind_last, at_s = self.last_change
-        if REVERSES.get(kind) == kind_last and self.now_s - at_s < self._penalty_s():
-            return math.inf
-        return self.config.min_gain_s
+        return math.inf if self.damping.refuses(kind, self.now_s) else self.config.min_gain_s
 
     def _changed(self, kind: str) -> None:
-        """Record a change; one that undoes the previous change doubles the hold (model s)
-        during which the next reversal is refused (at least a horizon)."""
-        penalty = self._penalty_s()
-        if REVERSES.get(kind) == self.last_change[0]:
-            penalty = max(self.config.horizon_s, 2.0 * penalty)
-        self.flap_penalty_s, self.last_change = penalty, (kind, self.now_s)
+        self.damping.record(kind, self.now_s)
 
     def _learn_miss_ratio(self, demand: Demand, arrangement: str) -> None:
         if not arrangement or demand.prefill_new_tokens_per_s <= 0:
