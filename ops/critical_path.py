@@ -110,3 +110,25 @@ def critical_paths(events: pl.DataFrame, mode: str = "sync") -> list[dict]:
 def summed(paths: list[dict]) -> dict[str, float]:
     """The buckets summed over the paths (a sync run's steps): what the rollout time is made of."""
     return {b: round(sum(p[b] for p in paths), 2) for b in BUCKETS}
+
+
+def markdown_lines(paths: list[dict]) -> list[str]:
+    """The report's section on what ended each step (async: the run), a table row per path;
+    nothing where no trajectory finished."""
+    if not paths:
+        return []
+    return [
+        "## What ended each step",
+        "",
+        "Each step lasts until its last trajectory finishes: that trajectory's model seconds from the step's start, by what it was doing.",
+        "",
+        "| step | trajectory | family | turns | " + " | ".join(b.replace("_", " ") for b in BUCKETS) + " |",
+        "| ---: | --- | --- | ---: | " + " | ".join("---:" for _ in BUCKETS) + " |",
+        *(
+            f"| {'–' if p['step'] is None else p['step']} | {p['trajectory_id']} | {p['task_family']} | {p['turns']} | "
+            + " | ".join(f"{p[b]:.1f}" for b in BUCKETS)
+            + " |"
+            for p in paths
+        ),
+        "",
+    ]

@@ -35,7 +35,7 @@ import polars as pl  # noqa: E402
 
 from bus_schemas.eventlog import EventLogError, load_events  # noqa: E402
 from forecasting.series import bin_events, totals  # noqa: E402
-from ops.critical_path import BUCKETS, critical_paths  # noqa: E402
+from ops.critical_path import critical_paths, markdown_lines  # noqa: E402
 
 BIN_S = 1.0
 SMOOTH_BINS = 5
@@ -269,26 +269,6 @@ def _fmt(x, nd: int = 1) -> str:
     return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
-def critical_path_table(paths: list[dict]) -> list[str]:
-    """What ended each step (async: the run): its last trajectory and its model seconds from the
-    step's start by what it was doing; empty where no trajectory finished."""
-    if not paths:
-        return []
-    return [
-        "## What ended each step",
-        "",
-        "Each step lasts until its last trajectory finishes: that trajectory's model seconds from the step's start, by what it was doing.",
-        "",
-        "| step | trajectory | family | turns | " + " | ".join(b.replace("_", " ") for b in BUCKETS) + " |",
-        "| ---: | --- | --- | ---: | " + " | ".join("---:" for _ in BUCKETS) + " |",
-        *(
-            f"| {_fmt(p['step'])} | {p['trajectory_id']} | {p['task_family']} | {p['turns']} | " + " | ".join(f"{p[b]:.1f}" for b in BUCKETS) + " |"
-            for p in paths
-        ),
-        "",
-    ]
-
-
 def write_markdown(f: dict, title: str, path: Path, forecasts_note: str) -> Path:
     lines = [
         f"# {title}",
@@ -305,7 +285,7 @@ def write_markdown(f: dict, title: str, path: Path, forecasts_note: str) -> Path
         "| ---: | ---: | ---: | ---: |",
         *(f"| {s['step']} | {s['rollout_s']:.1f} | {s['train_s']:.1f} | {_fmt(s['mean_reward'], 3)} |" for s in f["steps"]),
         "",
-        *critical_path_table(f["critical_paths"]),
+        *markdown_lines(f["critical_paths"]),
         "## Engine roles against demand and forecast",
         "",
         "![roles](roles.png)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from ops.critical_path import BUCKETS, breakdown, critical_paths, summed
+from ops.critical_path import BUCKETS, breakdown, critical_paths, markdown_lines, summed
 
 
 def _log(rows: list[tuple]) -> pl.DataFrame:
@@ -62,8 +62,10 @@ def test_an_async_run_is_one_stretch_to_its_last_batch_and_a_later_finish_is_not
     assert path["trajectory_id"] == "a-trained" and path["step"] is None
     assert path["start"] == pytest.approx(11.0) and path["batch"] == pytest.approx(5.0)  # trained while the trainer was busy
     assert sum(path[b] for b in BUCKETS) == pytest.approx(45.0)
+    row = next(line for line in markdown_lines([path]) if "a-trained" in line)  # the report's row: no step in async
+    assert row.startswith("| – | a-trained | swe | 2 | 11.0 |") and row.endswith("| 15.0 | 5.0 |")
 
 
 def test_a_step_with_no_finished_trajectory_is_left_out():
     rows = [("step_started", 0.0, 0, "", None), ("started", 1.0, 0, "x", None), ("prefill_queued", 1.0, 0, "x", 0)]
-    assert critical_paths(_log(rows), "sync") == []
+    assert critical_paths(_log(rows), "sync") == [] and markdown_lines([]) == []
