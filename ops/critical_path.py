@@ -10,20 +10,25 @@ changed (its queue waits and its decode speed) and what none could (its tool cal
 
 Each stretch between two of the trajectory's lifecycle events goes to the state the first
 of them put it in (`STATE_OF`); events that do not change its state (a KV write-back, a
-prefix loaded from the store tier) are skipped. Async RL has no step boundaries: the run
-is one stretch, from the first step's start to the last trajectory that finished in time
-for the last batch, and the stretch ends when that batch forms (`batch_ready`), which can
-be later than its last trajectory's finish when the trainer is still busy with the batch
-before.
+prefix loaded from the store tier) are skipped. Events of one instant are taken in the
+order they happen (by turn, then along a turn's life: `ORDER`), not in the log's order,
+which breaks ties by event id. A decode migrated mid-turn, or cut by a weight update and
+resumed, emits nothing more until its `decode_done`: that time stays decode.
+
+Async RL has no step boundaries: the run is one stretch, from the first step's start to the
+last trajectory that finished in time for the last batch and was not dropped as too stale.
+The stretch ends when that batch forms (`batch_ready`), which can be later than the
+trajectory's finish while the trainer is still busy with the batch before. A step with no
+`rollout_done` (a run stopped mid-step) ends at its last finished trajectory so far.
 
 | bucket | from the event | until |
 | --- | --- | --- |
 | start | the step's start | the trajectory's `started` |
 | environment | started, decode_done, tool_done | the next queue or tool call |
-| prefill_wait | prefill_queued, reprefill, turn_interrupted | prefill_started |
+| prefill_wait | prefill_queued, reprefill | prefill_started |
 | prefill | prefill_started | prefill_done |
-| decode_wait | prefill_done, kv_transfer_done, decode_queued, decode_migrated | decode_started |
-| decode | decode_started | decode_done |
+| decode_wait | prefill_done, kv_transfer_done, decode_queued | decode_started |
+| decode | decode_started, decode_migrated, turn_interrupted | decode_done |
 | tool | tool_started | tool_done |
 | batch | finished | the step's `rollout_done` (async: the last `batch_ready`) |
 
@@ -41,15 +46,23 @@ STATE_OF = {
     "tool_done": "environment",
     "prefill_queued": "prefill_wait",
     "reprefill": "prefill_wait",
-    "turn_interrupted": "prefill_wait",
     "prefill_started": "prefill",
     "prefill_done": "decode_wait",
     "kv_transfer_done": "decode_wait",
     "decode_queued": "decode_wait",
-    "decode_migrated": "decode_wait",
     "decode_started": "decode",
+    "decode_migrated": "decode",  # moved mid-turn: it goes on decoding elsewhere, no new decode_started
+    "turn_interrupted": "decode",  # cut by a weight update: recomputed and resumed, no event until decode_done
     "tool_started": "tool",
 }
+# the order of one turn's events at one instant (a turn's last events before the next turn's first)
+ORDER = {
+    kind: i
+    for i, kind in enumerate(
+        ("started", "prefill_queued", "reprefill", "prefill_started", "prefill_done", "kv_transfer_done", "decode_queued",
+         "decode_started", "decode_migrated", "turn_interrupted", "decode_done", "tool_started", "tool_done", "finished")
+    )
+}  # fmt: skip
 
 
 def breakdown(trajectory_events: pl.DataFrame, origin_s: float, end_s: float | None = None) -> dict[str, float]:
@@ -57,7 +70,10 @@ def breakdown(trajectory_events: pl.DataFrame, origin_s: float, end_s: float | N
     event, and on to `end_s` (the batch formed: "batch"), per bucket (`BUCKETS`); the buckets
     add up to that span."""
     out = dict.fromkeys(BUCKETS, 0.0)
-    rows = trajectory_events.filter(pl.col("kind").is_in([*STATE_OF, "finished"])).sort("at_s", maintain_order=True)
+    rows = trajectory_events.filter(pl.col("kind").is_in(list(ORDER))).with_columns(
+        pl.col("turn").fill_null(pl.when(pl.col("kind") == "finished").then(1 << 30).otherwise(-1)).alias("_turn"),
+        pl.col("kind").replace_strict(ORDER, return_dtype=pl.Int64).alias("_order"),
+    ).sort(["at_s", "_turn", "_order"])
     state, since = "start", origin_s
     for kind, at_s in zip(rows["kind"], rows["at_s"]):
         out[state] += max(0.0, at_s - since)
@@ -75,12 +91,14 @@ def critical_paths(events: pl.DataFrame, mode: str = "sync") -> list[dict]:
     finished trajectory are left out."""
     starts = events.filter(pl.col("kind") == "step_started").group_by("step").agg(pl.col("at_s").min().alias("origin_s")).sort("step")
     started = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first(), pl.col("task_family").first())
-    finished = events.filter(pl.col("kind") == "finished").group_by("trajectory_id").agg(pl.col("at_s").max().alias("finished_at_s"))
+    finished = events.filter(pl.col("kind") == "finished").group_by("trajectory_id").agg(pl.col("at_s").min().alias("finished_at_s"))
     runs = started.join(finished, on="trajectory_id")
     if mode == "async":  # one stretch: the run, up to the forming of the last batch
         done = events.filter(pl.col("kind") == "batch_ready")["at_s"].max()
         if done is not None:
             runs = runs.filter(pl.col("finished_at_s") <= done)
+        dropped = events.filter(pl.col("kind") == "trajectory_dropped")["trajectory_id"]
+        runs = runs.filter(~pl.col("trajectory_id").is_in(dropped.implode()))
         origin = starts["origin_s"].min() if starts.height else events["at_s"].min()
         stretches = [(None, origin, done, runs)]
     else:

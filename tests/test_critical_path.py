@@ -69,3 +69,38 @@ def test_an_async_run_is_one_stretch_to_its_last_batch_and_a_later_finish_is_not
 def test_a_step_with_no_finished_trajectory_is_left_out():
     rows = [("step_started", 0.0, 0, "", None), ("started", 1.0, 0, "x", None), ("prefill_queued", 1.0, 0, "x", 0)]
     assert critical_paths(_log(rows), "sync") == [] and markdown_lines([]) == []
+
+
+def test_events_of_one_instant_are_taken_in_the_order_they_happen_not_the_logs():
+    """A log sorts ties by event id, which can put a prefill's start before the trajectory's
+    start, the next turn's queueing before the tool's end, or a decode's start before the
+    prefill's end: the same log in reverse gives every tie of `_two_turns` the wrong order
+    (started/prefill_queued, decode_done/tool_started, tool_done/next prefill_queued,
+    prefill_done/decode_started, decode_done/finished), and the same breakdown."""
+    rows = _two_turns("a", 0, 0.0)
+    assert breakdown(_log(rows[::-1]), 0.0) == pytest.approx(EXPECTED)
+    log = _log([("step_started", 0.0, 0, "", None), *rows[::-1], ("rollout_done", 30.0, 0, "", None)])
+    (path,) = critical_paths(log, "sync")
+    assert {b: path[b] for b in BUCKETS} == pytest.approx(EXPECTED)
+
+
+def test_a_decode_moved_or_cut_mid_turn_stays_decode_until_it_is_done():
+    rows = [
+        ("started", 0.0, 0, "a", None), ("prefill_queued", 0.0, 0, "a", 0), ("prefill_started", 1.0, 0, "a", 0),
+        ("prefill_done", 2.0, 0, "a", 0), ("decode_started", 2.0, 0, "a", 0),
+        ("decode_migrated", 5.0, 0, "a", 0),  # a role switch moved it; no new decode_started follows
+        ("turn_interrupted", 7.0, 0, "a", 0),  # a weight update cut it; recomputed and resumed without an event
+        ("decode_done", 12.0, 0, "a", 0), ("finished", 12.0, 0, "a", None),
+    ]  # fmt: skip
+    out = breakdown(_log(rows), 0.0)
+    assert out["decode"] == pytest.approx(10.0) and out["decode_wait"] == 0.0 and out["prefill_wait"] == pytest.approx(1.0)
+
+
+def test_an_async_run_leaves_out_a_dropped_trajectory_and_a_repeated_finish_counts_once():
+    rows = [
+        ("step_started", 0.0, 0, "", None), *_two_turns("a-trained", 0, 0.0), *_two_turns("b-dropped", 0, 5.0),
+        ("trajectory_dropped", 35.0, 0, "b-dropped", None), ("finished", 33.0, 0, "a-trained", None), ("batch_ready", 40.0, 1, "", None),
+    ]  # fmt: skip
+    (path,) = critical_paths(_log(rows), "async")
+    assert path["trajectory_id"] == "a-trained" and path["finished_at_s"] == 30.0  # its first finish
+    assert path["batch"] == pytest.approx(10.0) and sum(path[b] for b in BUCKETS) == pytest.approx(40.0)

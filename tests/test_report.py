@@ -60,6 +60,7 @@ def test_the_report_writes_its_pngs_and_a_markdown_and_html_page(recorded_run: P
     assert "## What ended each step" in md and [p["step"] for p in facts["critical_paths"]] == [0, 1]
     for path, step in zip(facts["critical_paths"], summary["steps"]):
         assert sum(path[b] for b in BUCKETS) == pytest.approx(step["rollout_s"], abs=0.01)
+        assert path["prefill"] > 0 and path["decode"] > 0  # its turns' prefills and decodes, each in its own part
         assert f"| {step['step']} | {path['trajectory_id']} |" in md
 
 

@@ -38,7 +38,8 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
         assert r["dropped"] == 0 and sum(r["families"].values()) == r["trajectories"]
         assert 0 < r["lower_bound_s"] <= r["rollout_s"]  # no policy beats the critical path
         # what ends the row: its last trajectories' time by what they were doing adds up to it
-        assert sum(r["critical_path_s"].values()) == pytest.approx(r["rollout_s"], abs=0.05) and r["critical_path_s"]["tool"] > 0
+        assert sum(r["critical_path_s"].values()) == pytest.approx(r["rollout_s"], abs=0.05)
+        assert min(r["critical_path_s"][b] for b in ("prefill", "decode", "tool")) > 0  # each turn prefills, decodes, calls a tool
         assert r["p50_traj_s"] <= r["p99_traj_s"] <= r["rollout_s"] + 1e-6
         assert abs(r["throughput_per_s"] - r["trajectories_trained"] / r["run_s"]) < 1e-3 * r["throughput_per_s"]
         if r["mode"] == "sync":  # steps: rollout, then training with rollout paused
