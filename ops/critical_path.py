@@ -40,6 +40,9 @@ from __future__ import annotations
 import polars as pl
 
 BUCKETS = ("start", "environment", "prefill_wait", "prefill", "decode_wait", "decode", "tool", "batch")
+# the buckets' columns in a markdown table (the report's and the rollout bench's)
+BUCKETS_HEADER = " | ".join(b.replace("_", " ") for b in BUCKETS) + " |"
+BUCKETS_ALIGN = " | ".join("---:" for _ in BUCKETS) + " |"
 STATE_OF = {
     "started": "environment",
     "decode_done": "environment",
@@ -140,8 +143,8 @@ def markdown_lines(paths: list[dict]) -> list[str]:
         "",
         "Each step lasts until its last trajectory finishes: that trajectory's model seconds from the step's start, by what it was doing.",
         "",
-        "| step | trajectory | family | turns | " + " | ".join(b.replace("_", " ") for b in BUCKETS) + " |",
-        "| ---: | --- | --- | ---: | " + " | ".join("---:" for _ in BUCKETS) + " |",
+        "| step | trajectory | family | turns | " + BUCKETS_HEADER,
+        "| ---: | --- | --- | ---: | " + BUCKETS_ALIGN,
         *(
             f"| {'–' if p['step'] is None else p['step']} | {p['trajectory_id']} | {p['task_family']} | {p['turns']} | "
             + " | ".join(f"{p[b]:.1f}" for b in BUCKETS)

@@ -11,6 +11,9 @@ throughput = trained trajectories / run_s.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+from ops.critical_path import BUCKETS, BUCKETS_ALIGN, BUCKETS_HEADER
 
 ROW = ("table", "fleet", "workload", "trajectories_per_gpu", "variant")
 
@@ -129,9 +132,18 @@ def _spread(x: tuple[float, float, float] | None) -> str:
     return f"{x[0]:.3f}x ({x[1]:.3f}-{x[2]:.3f})" if x else "-"
 
 
+ROW_HEADER, ROW_ALIGN = "| table | fleet | workload | traj/GPU | variant | ", "| --- | --- | --- | ---: | --- | "
+
+
+def _row(r: dict) -> str:
+    """The cells every table starts a row with: the row's `ROW` (under `ROW_HEADER`)."""
+    return "| " + " | ".join(str(r[k]) for k in ROW) + " | "
+
+
 def _section(caption: str, header: str, align: str) -> list[str]:
-    """A table's lead-in: a blank line, its caption, a blank line, its header row and alignment row."""
-    return ["", caption, "", header, align]
+    """A table's lead-in: a blank line, its caption, a blank line, its header row and alignment
+    row (each after the row's own columns, `ROW_HEADER`)."""
+    return ["", caption, "", ROW_HEADER + header, ROW_ALIGN + align]
 
 
 def _x(x: float | None) -> str:
@@ -142,19 +154,17 @@ def _s(x: float | None) -> str:
     return f"{x:.1f}" if x is not None else "-"
 
 
-def critical_path_lines(results: list[dict], mode) -> list[str]:
+def critical_path_lines(results: list[dict], mode: Callable[[dict], str]) -> list[str]:
     """The table of what ends each row: its steps' last trajectories' time by what they were
     doing (`ops.critical_path`; records from before it are left out)."""
     rows = [r for r in results if r.get("critical_path_s")]
     if not rows:
         return []
-    buckets = list(rows[0]["critical_path_s"])
     lines = _section("what ends each row: the last trajectory of each step (async: of the run), its model s from the step's start by what it was doing, summed over the steps, together the rollout s (no arrangement changes the tool calls):",
-                     "| table | fleet | workload | traj/GPU | variant | mode | policy | rollout s | " + " | ".join(b.replace("_", " ") for b in buckets) + " |",
-                     "| --- | --- | --- | ---: | --- | --- | --- | ---: | " + " | ".join("---:" for _ in buckets) + " |")  # fmt: skip
+                     "mode | policy | rollout s | " + BUCKETS_HEADER, "--- | --- | ---: | " + BUCKETS_ALIGN)  # fmt: skip
     for r in rows:
-        cells = " | ".join(f"{r['critical_path_s'][b]:.1f}" for b in buckets)
-        lines.append(f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {mode(r)} | {r['policy']} | {r['rollout_s']:.1f} | {cells} |")
+        cells = " | ".join(f"{r['critical_path_s'][b]:.1f}" for b in BUCKETS)
+        lines.append(_row(r) + f"{mode(r)} | {r['policy']} | {r['rollout_s']:.1f} | {cells} |")
     return lines
 
 
@@ -165,24 +175,24 @@ def results_markdown(results: list[dict]) -> str:
         return f"{r.get('mode', 'sync')}, seed {r.get('seed')}" if seeded else r.get("mode", "sync")
 
     lines = [
-        "| table | fleet | workload | traj/GPU | variant | mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
-        "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ROW_HEADER + "mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
+        ROW_ALIGN + "--- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         bound = r["rollout_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
         lines.append(
-            f"| {r['table']} | {r['fleet']} | {r['workload']} | {r['trajectories_per_gpu']} | {r['variant']} | {mode(r)} | "
+            _row(r) + f"{mode(r)} | "
             f"{r['policy']} | {r['rollout_s']:.1f} | {_s(r.get('run_s'))} | {r.get('trajectories', '-')} | "
             f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
             f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
     lines += _section("prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):",
-                      "| table | fleet | workload | traj/GPU | variant | mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
-                      "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+                      "mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
+                      "--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
     compared = comparisons(results)
     for c in compared:
         lines.append(
-            f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {mode(c)} | "
+            _row(c) + f"{mode(c)} | "
             f"{_s(c['colocated_s'])} | {_s(c['colocated-sticky_s'])} | {_s(c['static_s'])} ({c['best_static']}) | {_s(c['prorsa_s'])} | "
             f"{_s(c['oracle_s'])} | {_x(c['vs_colocated'])} | {_x(c['vs_colocated-sticky'])} | {_x(c['vs_static'])} | "
             f"{_x(c['static_vs_sticky'])} | {_x(c['vs_reactive'])} | {_x(c['of_oracle'])} | {c['prorsa_switches']} |"
@@ -190,12 +200,12 @@ def results_markdown(results: list[dict]) -> str:
     spread = seed_spread(compared)
     if spread:
         lines += _section("prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:",
-                          "| table | fleet | workload | traj/GPU | variant | mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
-                          "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+                          "mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
+                          "--- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
         for c in spread:
             at_least = f"{c['static_at_least']} of {len(c['seeds'])}" if c["static_at_least"] is not None else "-"
             lines.append(
-                f"| {c['table']} | {c['fleet']} | {c['workload']} | {c['trajectories_per_gpu']} | {c['variant']} | {c['mode']} | "
+                _row(c) + f"{c['mode']} | "
                 f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated'])} | {_spread(c['vs_colocated-sticky'])} | "
                 f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
             )
@@ -203,13 +213,13 @@ def results_markdown(results: list[dict]) -> str:
     modes = mode_comparisons(results)
     if modes:
         lines += _section("async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):",
-                          "| table | fleet | workload | traj/GPU | variant | policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
-                          "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+                          "policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
+                          "--- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
         for m in modes:
             name = m["policy"] if m["sync_policy"] == m["async_policy"] else f"{m['policy']} ({m['sync_policy']} / {m['async_policy']})"
             name = f"{name}, seed {m['seed']}" if seeded else name
             lines.append(
-                f"| {m['table']} | {m['fleet']} | {m['workload']} | {m['trajectories_per_gpu']} | {m['variant']} | {name} | "
+                _row(m) + f"{name} | "
                 f"{m['sync_run_s']:.1f} | {m['async_run_s']:.1f} | {m['sync_throughput']:.4f} | {m['async_throughput']:.4f} | "
                 f"{_x(m['async_vs_sync'])}{'' if m['same_tasks'] else ' (other tasks)'} |"
             )
