@@ -16,6 +16,14 @@ lifecycle models' MASE gain over the best of ETS/ARIMA, when they ran) and
 DIR/forecast_vs_actual.png. Naive always runs: MASE is measured against it. A config's
 seeds are pooled into one row per (model, target, horizon). Exit 2, with one line naming
 the problem, for a log or config that cannot be used.
+
+`--score` picks what a forecast h seconds ahead is scored on (a `score` column in both
+tables): `bin`, the one bin that ends h seconds after the tick (the default), and
+`window`, the mean over the next h seconds, bins 1..h, which is what an allocator with an
+h-second horizon sizes on (`actors.allocator.demand.from_forecast` averages the forecast
+over its horizon). A window is scored on each model's mean forecast, the figure the
+allocator consumes (a flow's per-bin median does not add up to the median of a sum); its
+interval columns are empty, since per-bin quantiles do not give a window's.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from ops.export import EventLogError, load_events
 
 console = Console(stderr=True)
 MIN_SCORED_BINS = 10  # beyond the longest horizon
+SCORES = ("bin", "window")  # the bin h s ahead; the mean over the next h s (--score)
 
 
 class ReplayError(ValueError):
@@ -84,14 +93,18 @@ class Scored:
     horizon_s: float
     actual: np.ndarray
     forecast: np.ndarray
-    quantiles: np.ndarray  # (len(QUANTILES), n): as published (calibrated)
+    quantiles: np.ndarray | None  # (len(QUANTILES), n): as published (calibrated); None: a window
     naive: np.ndarray
     raw_quantiles: np.ndarray | None = None  # the model's own, before calibration
     log: str = ""
+    score: str = "bin"  # SCORES
 
 
-def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarray], from_s: float) -> list[Scored]:
-    """Pair each forecast with the bin it was for, for ticks at or after from_s."""
+def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarray], from_s: float, score: str = "bin") -> list[Scored]:
+    """Pair each forecast with the bin it was for (score "bin"), or with the mean of the
+    bins up to it ("window"), for ticks at or after from_s."""
+    if score not in SCORES:
+        raise ValueError(f"unknown score {score!r} (known: {', '.join(SCORES)})")
     out: list[Scored] = []
     n_bins = len(next(iter(actual.values())))
     for model in cfg.models:
@@ -100,6 +113,9 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
                 rows = [(r, round(r.as_of_s / cfg.bin_s) + hi) for r in results if r.as_of_s >= from_s]
                 rows = [(r, b) for r, b in rows if b < n_bins]
                 if not rows:
+                    continue
+                if score == "window":
+                    out.append(_window(model, target, h_s, hi, rows, actual[target]))
                     continue
                 raw = [r.outcomes[model].raw_quantiles for r, _ in rows]
                 out.append(Scored(
@@ -113,20 +129,33 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
     return out
 
 
+def _window(model: str, target: str, h_s: float, hi: int, rows: list, actual: np.ndarray) -> Scored:
+    """The mean over horizon indices 0..hi (the next h_s seconds) of each tick's mean
+    forecast, against the mean of the same bins."""
+    return Scored(
+        model, target, h_s,
+        actual=np.array([actual[b - hi : b + 1].mean() for _, b in rows]),
+        forecast=np.array([r.outcomes[model].prediction.mean[target][: hi + 1].mean() for r, _ in rows]),
+        quantiles=None,
+        naive=np.array([r.outcomes["naive"].prediction.mean[target][: hi + 1].mean() for r, _ in rows]),
+        score="window",
+    )  # fmt: skip
+
+
 def pooled(scored: list[Scored], log: str) -> list[Scored]:
     """The scores of several logs as one per (model, target, horizon): their points joined."""
-    groups: dict[tuple[str, str, float], list[Scored]] = {}
+    groups: dict[tuple[str, str, float, str], list[Scored]] = {}
     for s in scored:
-        groups.setdefault((s.model, s.target, s.horizon_s), []).append(s)
+        groups.setdefault((s.model, s.target, s.horizon_s, s.score), []).append(s)
 
     def join(parts: list[np.ndarray | None], axis: int) -> np.ndarray | None:
         return None if any(p is None for p in parts) else np.concatenate(parts, axis=axis)
 
     return [
         Scored(model, target, h_s, *(np.concatenate([getattr(p, f) for p in parts]) for f in ("actual", "forecast")),
-               quantiles=np.concatenate([p.quantiles for p in parts], axis=1), naive=np.concatenate([p.naive for p in parts]),
-               raw_quantiles=join([p.raw_quantiles for p in parts], 1), log=log)
-        for (model, target, h_s), parts in groups.items()
+               quantiles=join([p.quantiles for p in parts], 1), naive=np.concatenate([p.naive for p in parts]),
+               raw_quantiles=join([p.raw_quantiles for p in parts], 1), log=log, score=score)
+        for (model, target, h_s, score), parts in groups.items()
     ]  # fmt: skip
 
 
@@ -134,11 +163,11 @@ def accuracy_table(scored: list[Scored], fallbacks: dict[str, int]) -> pl.DataFr
     lo, hi = QUANTILES.index(0.1), QUANTILES.index(0.9)
     rows = [
         {
-            "log": s.log, "model": s.model, "target": s.target, "horizon_s": s.horizon_s, "points": len(s.actual),
+            "log": s.log, "score": s.score, "model": s.model, "target": s.target, "horizon_s": s.horizon_s, "points": len(s.actual),
             "mae": metrics.mae(s.actual, s.forecast), "smape": metrics.smape(s.actual, s.forecast),
             "mase": metrics.mase(s.actual, s.forecast, s.naive),
-            "pinball": metrics.pinball(s.actual, s.quantiles, QUANTILES),
-            "coverage": metrics.coverage(s.actual, s.quantiles[lo], s.quantiles[hi]),
+            "pinball": metrics.pinball(s.actual, s.quantiles, QUANTILES) if s.quantiles is not None else float("nan"),
+            "coverage": metrics.coverage(s.actual, s.quantiles[lo], s.quantiles[hi]) if s.quantiles is not None else float("nan"),
             "coverage_raw": metrics.coverage(s.actual, s.raw_quantiles[lo], s.raw_quantiles[hi]) if s.raw_quantiles is not None else float("nan"),
             "fallbacks": fallbacks.get(s.model, 0),
         }
@@ -151,14 +180,15 @@ BASELINES = ("ets", "arima")
 
 
 def gain_table(table: pl.DataFrame) -> pl.DataFrame:
-    """Per log, target and horizon: each non-baseline model's MASE gain over the best of
-    ETS/ARIMA, 1 - MASE / min(MASE of ETS, ARIMA) (empty unless a baseline ran)."""
-    base = table.filter(pl.col("model").is_in(BASELINES)).group_by("log", "target", "horizon_s").agg(pl.col("mase").min().alias("best_baseline_mase"))
+    """Per log, score, target and horizon: each non-baseline model's MASE gain over the best
+    of ETS/ARIMA, 1 - MASE / min(MASE of ETS, ARIMA) (empty unless a baseline ran)."""
+    keys = ["log", "score", "target", "horizon_s"]
+    base = table.filter(pl.col("model").is_in(BASELINES)).group_by(keys).agg(pl.col("mase").min().alias("best_baseline_mase"))
     if base.height == 0:
         return pl.DataFrame()
-    others = table.filter(~pl.col("model").is_in([*BASELINES, "naive"])).select("log", "model", "target", "horizon_s", "mase", "coverage")
-    gains = others.join(base, on=["log", "target", "horizon_s"]).with_columns((1 - pl.col("mase") / pl.col("best_baseline_mase")).alias("gain"))
-    return gains.sort("log", "model", "target", "horizon_s")
+    others = table.filter(~pl.col("model").is_in([*BASELINES, "naive"])).select(*keys, "model", "mase", "coverage")
+    gains = others.join(base, on=keys).with_columns((1 - pl.col("mase") / pl.col("best_baseline_mase")).alias("gain"))
+    return gains.sort("log", "score", "model", "target", "horizon_s")
 
 
 def plot(path: Path, scored: list[Scored], horizon_s: float, targets: tuple[str, ...]) -> None:
@@ -182,7 +212,7 @@ def plot(path: Path, scored: list[Scored], horizon_s: float, targets: tuple[str,
     plt.close(fig)
 
 
-def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None = None) -> tuple[list[Scored], dict[str, int]]:
+def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> tuple[list[Scored], dict[str, int]]:
     """One log's scores (and each model's fallbacks)."""
     events = load_events(log)
     span_s = float(events["at_s"].max() - events["at_s"].min()) if events.height else 0.0
@@ -194,7 +224,7 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     results, core = replay(events, cfg, tick_s, progress=True)
     actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s, cost=cfg.prefill_cost)
     actual = {t: np.array(series.totals(actual_frame, t)) for t in TARGETS}
-    scored = align(results, cfg, actual, from_s=float(events["at_s"].min()))
+    scored = [s for score in scores for s in align(results, cfg, actual, float(events["at_s"].min()), score)]
     for s in scored:
         s.log = name or log.stem
     return scored, dict(core.fallbacks)
@@ -258,7 +288,7 @@ def preset_cost(name: str) -> PrefillCost:
     return PrefillCost(per_token_s=PRESETS[name].t_tok_s, per_token_pair_s=PRESETS[name].c_attn_s)
 
 
-def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: Path, tick_s: float | None = None) -> pl.DataFrame:
+def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: Path, tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> pl.DataFrame:
     """Score each group of logs (a name, its logs pooled, their prefill cost) and write the
     tables and the plot."""
     scored: list[Scored] = []
@@ -266,7 +296,7 @@ def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: P
     for name, paths, cost in logs:
         group = []
         for path in paths:
-            part, falls = score_log(path, replace(cfg, prefill_cost=cost), name, tick_s)
+            part, falls = score_log(path, replace(cfg, prefill_cost=cost), name, tick_s, scores)
             group += part
             for model, n in falls.items():
                 fallbacks[model] = fallbacks.get(model, 0) + n
@@ -277,14 +307,14 @@ def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: P
     gains = gain_table(table)
     if gains.height:
         gains.write_csv(out / "gain.csv", float_precision=4)
-    first = [s for s in scored if s.log == scored[0].log]
+    first = [s for s in scored if s.log == scored[0].log and s.score == scored[0].score]
     plot(out / "forecast_vs_actual.png", first, horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2], targets=("prefill_engine_s", "decode_active_seqs"))
     return table
 
 
 def wide(table: pl.DataFrame, value: str) -> pl.DataFrame:
     """One row per (log, model, target), one column per horizon."""
-    return table.pivot(on="horizon_s", index=["log", "model", "target"], values=value).sort("log", "target", "model")
+    return table.pivot(on="horizon_s", index=["log", "score", "model", "target"], values=value).sort("log", "score", "target", "model")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help="a LOG's cost-model preset, for prefill_engine_s (default: 1 s per token); --config gives its own")
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
     parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
+    parser.add_argument("--score", nargs="+", choices=SCORES, default=["bin"],
+                        help="bin: the bin h s ahead; window: the mean over the next h s (what an allocator with that horizon sizes on)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import logging
@@ -314,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log], cost)]
         else:
             logs = [(path.stem, *record_holdout(path, args.holdout_seeds, args.out, args.set)) for path in args.config]
-        table = run(logs, cfg, args.out, args.tick_s)
+        table = run(logs, cfg, args.out, args.tick_s, tuple(dict.fromkeys(args.score)))
     except (EventLogError, ReplayError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -324,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     with pl.Config(tbl_rows=200, tbl_cols=12, float_precision=3, tbl_width_chars=160):
         print("MASE (vs naive; < 1 is better)")
         print(wide(table, "mase"))
-        print("coverage of the published 10-90% interval (target 0.75-0.85)")
-        print(wide(table.filter(pl.col("model") != "naive"), "coverage"))
+        if "bin" in args.score:
+            print("coverage of the published 10-90% interval (target 0.75-0.85)")
+            print(wide(table.filter(pl.col("model") != "naive", pl.col("score") == "bin"), "coverage"))
         gains = gain_table(table)
         if gains.height:
             print("MASE gain over the best of ETS/ARIMA")

@@ -73,3 +73,48 @@ def test_a_tiny_log_says_how_short_it_is_instead_of_failing_in_statsmodels(log_p
     assert replay.main([str(tiny), "--models", "arima", "ets", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "too short to score: 12 events" in err and "need >= 40 s" in err
+
+
+def test_a_window_is_the_mean_of_the_bins_scored_one_by_one(log_path):
+    """`--score window` at h: the mean over the next h bins, of the actuals and of each
+    model's mean forecast; checked against the bins scored one horizon at a time."""
+    import numpy as np
+
+    from forecasting import series
+    from forecasting.core import CoreConfig
+
+    events = load_events(log_path)
+    cfg = CoreConfig(models=("naive", "moving_average"), horizons_s=(1.0, 2.0, 3.0, 4.0, 5.0))
+    results, _ = replay.replay(events, cfg)
+    frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s)
+    actual = {t: np.array(series.totals(frame, t)) for t in TARGETS}
+    start = float(events["at_s"].min())
+    bins = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "bin")}
+    windows = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "window")}
+    for target in ("prefill_new_tokens", "decode_active_seqs"):
+        w = windows[("moving_average", target, 5.0)]
+        n = len(w.actual)  # the ticks whose whole window closed: also scored at h = 5 one bin at a time
+        one_by_one = [bins[("moving_average", target, float(h))] for h in range(1, 6)]
+        assert np.allclose(w.actual, np.mean([b.actual[:n] for b in one_by_one], axis=0))
+        assert np.allclose(w.forecast, np.mean([b.forecast[:n] for b in one_by_one], axis=0))
+        assert w.quantiles is None and w.score == "window"
+        assert np.allclose(windows[("naive", target, 5.0)].forecast, bins[("naive", target, 1.0)].forecast[:n])  # last value
+        assert np.allclose(windows[("moving_average", target, 1.0)].actual, bins[("moving_average", target, 1.0)].actual)
+    assert not np.allclose(windows[("moving_average", "prefill_new_tokens", 5.0)].actual, bins[("moving_average", "prefill_new_tokens", 5.0)].actual)
+    with pytest.raises(ValueError, match="unknown score 'sum'"):
+        replay.align(results, cfg, actual, start, "sum")
+
+
+def test_both_scores_in_one_run(log_path, tmp_path):
+    out = tmp_path / "out"
+    argv = [str(log_path), "--models", "ets", "lifecycle", "--horizons", "1", "5", "--score", "bin", "window", "--out", str(out)]
+    assert replay.main(argv) == 0
+    table = pl.read_csv(out / "accuracy.csv")
+    assert set(table["score"]) == {"bin", "window"}
+    window = table.filter(pl.col("score") == "window")
+    assert window.height == table.height // 2
+    assert window["coverage"].is_null().all() or window["coverage"].is_nan().all()  # per-bin quantiles give no window interval
+    assert table.filter(pl.col("score") == "bin")["coverage"].drop_nans().len() > 0
+    assert window.filter(pl.col("model") == "naive")["mase"].drop_nans().to_list() == pytest.approx([1.0] * window.filter(pl.col("model") == "naive")["mase"].drop_nans().len())
+    gain = pl.read_csv(out / "gain.csv")
+    assert set(gain["score"]) == {"bin", "window"} and set(gain["model"]) == {"lifecycle"}
