@@ -158,7 +158,11 @@ class TurnHazard:
         live_beyond = live[::-1].cumsum()[::-1]  # live at a turn >= n ...
         live_after = np.concatenate([live_beyond[1:], [0]])  # ... > n: they survived turn n
         at_risk = finished_at_or_after + live_after
-        total_turns = float((deaths * (np.arange(size) + 1)).sum())
-        q0 = deaths.sum() / total_turns if total_turns > 0 else 0.1  # 1 / mean turns
+        # the prior: one hazard for every turn, its maximum likelihood with the live ones censored,
+        # deaths / turns at risk (a finished trajectory was at risk at turns 0..last, a live one
+        # has survived turns 0..turn-1); from the finished alone, early in a run it would be the
+        # short trajectories' (the first to finish) and end every trajectory past the live turns
+        exposure = float((deaths * (np.arange(size) + 1)).sum()) + float(np.clip(live_turns, 0, None).sum())
+        q0 = deaths.sum() / exposure if exposure > 0 and deaths.sum() > 0 else 0.1
         q = (deaths + self.prior_weight * q0) / (at_risk + self.prior_weight)
         return 1.0 - np.clip(q, 0.0, 1.0)

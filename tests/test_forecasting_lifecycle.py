@@ -176,3 +176,22 @@ def test_the_point_forecast_of_a_flow_is_its_median_while_its_mean_stays_the_mea
     new = "prefill_new_tokens"
     assert mean.mean[new].sum() > median.point_forecast(new).sum() > 0  # sizes are skewed: the median is lower
     np.testing.assert_array_equal(median.point_forecast("decode_active_seqs"), median.mean["decode_active_seqs"])  # a level
+
+
+def test_the_turn_prior_counts_the_live_trajectories_turns_as_survived():
+    """Early in a run only short trajectories have finished. The prior hazard (deaths per turn
+    at risk) counts the live ones' turns, so trajectories are not all ended one turn past the
+    live ones; with none live it is 1 / the finished ones' mean turns, as before."""
+    from forecasting.empirical import TurnHazard
+
+    hazard = TurnHazard()
+    hazard.add_finished_many(np.array([0, 0]))  # two one-turn trajectories finished
+    live = np.full(100, 5)  # a hundred at turn 5
+    c = hazard.continue_prob(live)
+    assert c[10] > 0.9  # no data past turn 5: the prior, 2 deaths in 2 + 500 turns at risk
+    assert c[10] == pytest.approx(1 - 2 / 502, abs=1e-9)
+    assert c[3] > 0.97  # 100 survived turn 3, none ended there
+    assert 0.0 < c[0] < 1.0  # two of 102 ended at turn 0
+    finished_only = TurnHazard()
+    finished_only.add_finished_many(np.full(10, 3))  # ten four-turn trajectories
+    assert finished_only.continue_prob(np.zeros(0, np.int64))[20] == pytest.approx(1 - 10 / 40)
