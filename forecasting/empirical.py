@@ -163,6 +163,6 @@ class TurnHazard:
         # has survived turns 0..turn-1); from the finished alone, early in a run it would be the
         # short trajectories' (the first to finish) and end every trajectory past the live turns
         exposure = float((deaths * (np.arange(size) + 1)).sum()) + float(np.clip(live_turns, 0, None).sum())
-        q0 = deaths.sum() / exposure if exposure > 0 and deaths.sum() > 0 else 0.1
+        q0 = deaths.sum() / exposure if deaths.sum() > 0 else 0.1  # a death means exposure >= 1
         q = (deaths + self.prior_weight * q0) / (at_risk + self.prior_weight)
         return 1.0 - np.clip(q, 0.0, 1.0)
