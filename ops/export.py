@@ -98,14 +98,17 @@ def decisions_frame(decisions: list) -> pl.DataFrame:
 
 def forecasts_frame(forecasts: list) -> pl.DataFrame:
     """DemandForecasts as rows: as_of_s, horizon_s, target, bin_s, and the mean, lowest and highest
-    quantile per bin (flows: tokens in the bin; levels: the bin's mean)."""
+    quantile per bin (flows: tokens in the bin; levels: the bin's mean), and the window mean
+    (the mean forecast over every bin up to the horizon, what the allocator reads; NaN where
+    the forecast has none)."""
     rows = []
     for f in forecasts:
         for t in f.targets:
             lo, hi = t.quantile_levels.index(min(t.quantile_levels)), t.quantile_levels.index(max(t.quantile_levels))
+            windows = t.window_mean if len(t.window_mean) == len(f.horizons_s) else [float("nan")] * len(f.horizons_s)
             for i, h in enumerate(f.horizons_s):
-                rows.append((f.as_of_s, h, t.target, f.bin_s, t.mean[i], t.quantiles[lo][i], t.quantiles[hi][i]))
-    return pl.DataFrame(rows, schema=["as_of_s", "horizon_s", "target", "bin_s", "mean", "low", "high"], orient="row")
+                rows.append((f.as_of_s, h, t.target, f.bin_s, t.mean[i], t.quantiles[lo][i], t.quantiles[hi][i], windows[i]))
+    return pl.DataFrame(rows, schema=["as_of_s", "horizon_s", "target", "bin_s", "mean", "low", "high", "window_mean"], orient="row")
 
 
 def step_token_totals(events: pl.DataFrame) -> dict[int, dict[str, int]]:

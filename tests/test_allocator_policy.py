@@ -154,8 +154,15 @@ def test_demand_from_queues_and_from_a_forecast():
         ],
     )  # fmt: skip
     f = from_forecast(forecast, state, horizon_s=10.0)
-    assert f.prefill_tokens_per_s == 200.0 + 500.0  # mean over h <= 10 s, plus the backlog of now
+    assert f.prefill_tokens_per_s == 200.0 + 500.0  # no window published: mean over h <= 10 s, plus the backlog of now
     assert abs(f.decode_seqs - 70.0 / 3) < 1e-9  # a negative forecast counts as zero
+    # a forecast that publishes its window means (every bin up to each horizon) is read at
+    # the furthest horizon within the allocator's, not averaged over the sampled horizons
+    windowed = msgspec.structs.replace(forecast, targets=[msgspec.structs.replace(t, window_mean=[m + 1.0 for m in t.mean]) for t in forecast.targets])
+    w = from_forecast(windowed, state, horizon_s=10.0)
+    assert (w.prefill_tokens_per_s, w.decode_seqs) == (301.0 + 500.0, 0.0)  # the 10 s window; a negative one counts as zero
+    assert from_forecast(windowed, state, horizon_s=7.0).prefill_tokens_per_s == 201.0 + 5000 / 7.0  # the 5 s window
+    assert from_forecast(windowed, state, horizon_s=10.0, quantile=0.5).prefill_tokens_per_s == 0.0 + 500.0  # quantiles: per horizon
     assert f.decode_context_tokens == 3000.0  # the decoding sequences' context
     # nothing decodes now (a step's start): the next decodes start at the live trajectories' KV,
     # not at the typical 4,096 tokens; unknown where the live state is not known either
@@ -163,6 +170,8 @@ def test_demand_from_queues_and_from_a_forecast():
     live = msgspec.structs.replace(forecast, live_context_tokens=10 * 700)
     assert from_forecast(live, idle, horizon_s=10.0).decode_context_tokens == 700.0
     assert from_forecast(forecast, idle, horizon_s=10.0).decode_context_tokens == DEFAULT_CONTEXT_TOKENS
+    assert not from_forecast(forecast, idle, horizon_s=10.0).live_known  # live trajectories, their KV not stated
+    assert from_forecast(msgspec.structs.replace(forecast, live_trajectories=0), idle, horizon_s=10.0).live_known  # none live
 
 
 def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False, running_decode: int = 0) -> EngineStatus:
@@ -291,7 +300,7 @@ def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():
 def test_colocated_load_counts_the_live_histories_not_the_finished_trajectories_cache():
     from dataclasses import replace
 
-    from actors.allocator.loads import colocated_load
+    from actors.allocator.loads import colocated_load, relocatable_tokens
 
     cap = CapacityModel(ENGINES, 2.0).at(4096)
     tail = Demand(1000.0, 6.0, 4096.0, "t", kv_working_set_tokens=0.95 * 8 * cap.colocated_kv_tokens)  # a warm fleet, few live
@@ -301,6 +310,11 @@ def test_colocated_load_counts_the_live_histories_not_the_finished_trajectories_
     assert colocated_load(live, cap, 0.8, 8) < 0.2 * unknown  # the cached prefixes of finished trajectories are no load
     busy = replace(tail, live_context_tokens=0.7 * 8 * cap.colocated_kv_tokens)
     assert abs(colocated_load(busy, cap, 0.8, 8) - colocated_load(replace(tail, kv_working_set_tokens=busy.live_context_tokens), cap, 0.8, 8)) < 1e-9
+    # between sync steps a forecast says none is live: that 0 is known, not missing, and the
+    # warm pools hold only finished trajectories' prefixes (no load, nothing a split relocates)
+    between_steps = replace(tail, decode_seqs=0.0, live_known=True)
+    assert colocated_load(between_steps, cap, 0.8, 8) < 0.2 * unknown
+    assert relocatable_tokens(between_steps) == 0.0 and relocatable_tokens(tail) == tail.kv_working_set_tokens
 
 
 def test_working_set_counts_live_trajectories_the_fleet_no_longer_holds():

@@ -64,6 +64,15 @@ def test_the_report_writes_its_pngs_and_a_markdown_and_html_page(recorded_run: P
         assert f"| {step['step']} | {path['trajectory_id']} |" in md
 
 
+def test_the_recorded_forecasts_carry_the_window_the_allocator_reads(recorded_run: Path):
+    forecasts = pl.read_parquet(recorded_run / "forecasts.parquet")
+    assert forecasts.height > 0 and forecasts["window_mean"].is_finite().all()
+    first = forecasts.filter(pl.col("horizon_s") == pl.col("bin_s"))  # a one-bin window is that bin
+    assert first.height > 0 and (first["window_mean"] - first["mean"]).abs().max() < 1e-9
+    longer = forecasts.filter(pl.col("horizon_s") > pl.col("bin_s"))
+    assert longer.height > 0 and (longer["window_mean"] - longer["mean"]).abs().max() > 0  # more bins than the last one
+
+
 def test_the_roles_follow_the_log_from_the_policys_start(recorded_run: Path):
     events = pl.read_parquet(recorded_run / "events.parquet")
     initial = initial_roles(recorded_run, events, "prorsa")  # no config.json: from the log and the policy

@@ -57,12 +57,17 @@ def forecast_values(target: TargetForecast, quantile: float = 0.0) -> list[float
 
 def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quantile: float = 0.0) -> Demand:
     """Expected demand over the horizons up to `horizon_s` (at least the first one): the
-    mean of each horizon's forecast (quantile 0), or of its `quantile` (allocator.provision_quantile:
-    the average of per-bin upper quantiles, which provisions for a busy stretch)."""
+    forecast's mean over every bin up to the furthest of them (quantile 0: its published
+    window mean; a forecast without one, the mean of the published horizons), or the
+    average of the published horizons' `quantile` (allocator.provision_quantile: per-bin
+    upper quantiles, which provisions for a busy stretch)."""
     by_target = {t.target: forecast_values(t, quantile) for t in forecast.targets}
     within = [i for i, h in enumerate(forecast.horizons_s) if h <= horizon_s + 1e-9] or [0]
+    windows = {t.target: t.window_mean for t in forecast.targets if len(t.window_mean) == len(forecast.horizons_s)}
 
     def mean(target: str) -> float:
+        if quantile == 0.0 and target in windows:  # every bin up to the horizon, not the published ones only
+            return max(0.0, float(windows[target][within[-1]]))
         return float(np.mean([max(0.0, by_target[target][i]) for i in within]))
 
     per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
@@ -78,6 +83,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         kv_working_set_tokens=float(fleet.kv_working_set_tokens),
         live_trajectories=float(forecast.live_trajectories),
         live_context_tokens=float(forecast.live_context_tokens),
+        live_known=forecast.live_context_tokens > 0 or forecast.live_trajectories == 0,
         prefill_attention_tokens=attention,
         prefill_backlog_tokens_per_s=backlog,
     )
@@ -122,6 +128,7 @@ class RecordedDemand:
             kv_working_set_tokens=float(fleet.kv_working_set_tokens),
             live_trajectories=live,
             live_context_tokens=live_context,
+            live_known=True,
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
             prefill_backlog_tokens_per_s=backlog,
         )

@@ -87,6 +87,9 @@ class Demand:
     # with each decision beside `kv_working_set_tokens`, which also counts the cached prefixes
     # of finished trajectories (loads.working_set_tokens)
     live_context_tokens: float = 0.0
+    # the two figures above are the lifecycle state's (a forecast's or a recorded log's), so 0
+    # means none live (between sync steps), not unknown
+    live_known: bool = False
     # the mean context a cache-missed prefill token attends over (its prefix, and the tokens
     # before it in its own prefill), from the forecast prefill engine-seconds: prices the
     # prefill tokens (`Capacity.prefill_s_at`); 0: unknown, priced at the typical context
