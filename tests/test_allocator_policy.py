@@ -163,6 +163,11 @@ def test_demand_from_queues_and_from_a_forecast():
     assert (w.prefill_tokens_per_s, w.decode_seqs) == (301.0 + 500.0, 0.0)  # the 10 s window; a negative one counts as zero
     assert from_forecast(windowed, state, horizon_s=7.0).prefill_tokens_per_s == 201.0 + 5000 / 7.0  # the 5 s window
     assert from_forecast(windowed, state, horizon_s=10.0, quantile=0.5).prefill_tokens_per_s == 0.0 + 500.0  # quantiles: per horizon
+    order = [2, 0, 3, 1]  # the same forecast with its horizons listed out of order
+    shuffled = msgspec.structs.replace(windowed, horizons_s=[windowed.horizons_s[i] for i in order], targets=[
+        msgspec.structs.replace(t, mean=[t.mean[i] for i in order], quantiles=[[q[i] for i in order] for q in t.quantiles], window_mean=[t.window_mean[i] for i in order])
+        for t in windowed.targets])  # fmt: skip
+    assert from_forecast(shuffled, state, horizon_s=10.0).prefill_tokens_per_s == 301.0 + 500.0
     assert f.decode_context_tokens == 3000.0  # the decoding sequences' context
     # nothing decodes now (a step's start): the next decodes start at the live trajectories' KV,
     # not at the typical 4,096 tokens; unknown where the live state is not known either

@@ -64,10 +64,11 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     by_target = {t.target: forecast_values(t, quantile) for t in forecast.targets}
     within = [i for i, h in enumerate(forecast.horizons_s) if h <= horizon_s + 1e-9] or [0]
     windows = {t.target: t.window_mean for t in forecast.targets if len(t.window_mean) == len(forecast.horizons_s)}
+    furthest = max(within, key=lambda i: forecast.horizons_s[i])  # horizons need not be listed in order
 
     def mean(target: str) -> float:
         if quantile == 0.0 and target in windows:  # every bin up to the horizon, not the published ones only
-            return max(0.0, float(windows[target][within[-1]]))
+            return max(0.0, float(windows[target][furthest]))
         return float(np.mean([max(0.0, by_target[target][i]) for i in within]))
 
     per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
