@@ -43,3 +43,7 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     fallbacks_total: int = 0  # ticks so far that fell back
     late_events: int = 0  # events that arrived after their tick was computed (counted in the next one)
     skipped_ticks: int = 0  # ticks so far never computed: the forecaster was behind and skipped ahead to now
+
+    def windows(self) -> dict[str, list[float]]:
+        """Per target, its window means where it publishes one for every horizon."""
+        return {t.target: t.window_mean for t in self.targets if len(t.window_mean) == len(self.horizons_s)}

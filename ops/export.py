@@ -103,9 +103,10 @@ def forecasts_frame(forecasts: list) -> pl.DataFrame:
     the forecast has none)."""
     rows = []
     for f in forecasts:
+        published = f.windows()
         for t in f.targets:
             lo, hi = t.quantile_levels.index(min(t.quantile_levels)), t.quantile_levels.index(max(t.quantile_levels))
-            windows = t.window_mean if len(t.window_mean) == len(f.horizons_s) else [float("nan")] * len(f.horizons_s)
+            windows = published.get(t.target, [float("nan")] * len(f.horizons_s))
             for i, h in enumerate(f.horizons_s):
                 rows.append((f.as_of_s, h, t.target, f.bin_s, t.mean[i], t.quantiles[lo][i], t.quantiles[hi][i], windows[i]))
     return pl.DataFrame(rows, schema=["as_of_s", "horizon_s", "target", "bin_s", "mean", "low", "high", "window_mean"], orient="row")

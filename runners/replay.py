@@ -135,9 +135,9 @@ def _window(model: str, target: str, h_s: float, hi: int, rows: list, actual: np
     return Scored(
         model, target, h_s,
         actual=np.array([actual[b - hi : b + 1].mean() for _, b in rows]),
-        forecast=np.array([r.outcomes[model].prediction.mean[target][: hi + 1].mean() for r, _ in rows]),
+        forecast=np.array([r.outcomes[model].prediction.window_mean(target, hi) for r, _ in rows]),
         quantiles=None,
-        naive=np.array([r.outcomes["naive"].prediction.mean[target][: hi + 1].mean() for r, _ in rows]),
+        naive=np.array([r.outcomes["naive"].prediction.window_mean(target, hi) for r, _ in rows]),
         score="window",
     )  # fmt: skip
 

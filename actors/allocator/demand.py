@@ -63,7 +63,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
     upper quantiles, which provisions for a busy stretch)."""
     by_target = {t.target: forecast_values(t, quantile) for t in forecast.targets}
     within = [i for i, h in enumerate(forecast.horizons_s) if h <= horizon_s + 1e-9] or [0]
-    windows = {t.target: t.window_mean for t in forecast.targets if len(t.window_mean) == len(forecast.horizons_s)}
+    windows = forecast.windows()
     furthest = max(within, key=lambda i: forecast.horizons_s[i])  # horizons need not be listed in order
 
     def mean(target: str) -> float:

@@ -51,7 +51,7 @@ def live_kv_tokens(demand: Demand) -> float:
     is larger; the working set (`kv_tokens`) where the histories are not known. Unlike the
     working set it leaves out the cached prefixes of finished trajectories (between sync
     steps, with none live, the pools are full of them and no turn will read them)."""
-    if demand.live_context_tokens <= 0 and not demand.live_known:
+    if not demand.live_kv_known:
         return kv_tokens(demand)
     return max(demand.decoding_kv_tokens, demand.live_context_tokens)
 
@@ -150,7 +150,7 @@ def relocatable_tokens(demand: Demand) -> float:
     """The KV the live trajectories hold, where the fleet holds it: a warm fleet also holds
     finished trajectories' prefixes until eviction drops them, which no later turn reads (all
     that is held where the live trajectories' KV is not known)."""
-    if demand.live_context_tokens > 0 or demand.live_known:
+    if demand.live_kv_known:
         return min(demand.kv_working_set_tokens, demand.live_context_tokens)
     return demand.kv_working_set_tokens
 

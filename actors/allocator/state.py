@@ -104,6 +104,12 @@ class Demand:
         return max(0.0, self.prefill_tokens_per_s - self.prefill_backlog_tokens_per_s)
 
     @property
+    def live_kv_known(self) -> bool:
+        """Whether `live_context_tokens` is the live trajectories' KV (0 included: none live),
+        not a figure nobody stated."""
+        return self.live_known or self.live_context_tokens > 0
+
+    @property
     def decoding_kv_tokens(self) -> float:
         """KV of the sequences decoding at once, at their mean context."""
         return self.decode_seqs * self.decode_context_tokens

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
-
 from nats.js import api
 
 from actors.base import Actor
@@ -155,7 +153,7 @@ class ForecasterActor(Actor):
             TargetForecast(
                 target=t,
                 mean=[float(p.mean[t][i]) for i in index],
-                window_mean=[float(np.mean(p.mean[t][: i + 1])) for i in index],
+                window_mean=[p.window_mean(t, i) for i in index],
                 quantile_levels=list(QUANTILES),
                 quantiles=[[float(p.quantiles[t][q, i]) for i in index] for q in range(len(QUANTILES))],
             )

@@ -58,6 +58,11 @@ class Prediction:
     def point_forecast(self, target: str) -> np.ndarray:
         return self.point.get(target, self.mean[target])
 
+    def window_mean(self, target: str, hi: int) -> float:
+        """The mean forecast over horizon indices 0..hi: the demand of the next hi + 1 bins,
+        per bin (what the allocator sizes on; runners.replay --score window scores it)."""
+        return float(self.mean[target][: hi + 1].mean())
+
     @staticmethod
     def normal(mean: dict[str, np.ndarray], sd: dict[str, np.ndarray]) -> "Prediction":
         """Quantiles from a normal with the given sd, clipped at 0 (demand is never negative)."""
