@@ -357,6 +357,11 @@ class AllocatorSection(_Section):
     disaggregate_above_engines: float = 1.0
     colocate_below_engines: float = 0.5
     oracle_log: str = ""  # oracle: events.parquet of a recorded run of the same workload
+    # engines the dynamic policies start in the prefill role, the rest decode (0: every
+    # engine starts colocated). Where a split is known to pay from the first second (an
+    # earlier run of the same workload), the fleet need not relocate the step's burst to
+    # reach it; the allocator's rules judge it from the first decision on (docs/allocation.md)
+    start_prefill_engines: int = 0
     # prorsa: size on the forecast's mean (0) or on this quantile of it, in (0, 1) (e.g. 0.9:
     # provision for the upper end of the calibrated 10-90% interval); see docs/forecasting.md
     provision_quantile: float = 0.0
@@ -366,6 +371,8 @@ class AllocatorSection(_Section):
     saturated_regime: bool = True
 
     def __post_init__(self) -> None:
+        if self.start_prefill_engines < 0:
+            raise ValueError(f"allocator.start_prefill_engines = {self.start_prefill_engines} must be >= 0 (0: start colocated)")
         if not 0 <= self.provision_quantile < 1:
             raise ValueError("allocator.provision_quantile must be 0 (the mean) or a quantile level in (0, 1)")
         if min(self.tick_s, self.horizon_s, self.ack_timeout_wall_s) <= 0 or self.min_dwell_s < 0 or self.drain_deadline_s < 0:
@@ -493,6 +500,11 @@ def initial_roles(config: Config) -> dict[str, Role]:
             f"static policy: engines.prefill_engines = {config.engines.prefill_engines} leaves no decode "
             f"engine out of engines.count = {len(ids)}"
         )
+    start = config.allocator.start_prefill_engines
+    if config.run.policy in DYNAMIC_POLICIES and start:  # a dynamic fleet started in a split
+        if start >= len(ids):
+            raise ConfigError(f"allocator.start_prefill_engines = {start} leaves no decode engine out of engines.count = {len(ids)}")
+        return {engine_id: Role.PREFILL if i < start else Role.DECODE for i, engine_id in enumerate(ids)}
     if config.run.policy in ("colocated", "colocated-sticky", *DYNAMIC_POLICIES):  # dynamic: the allocator splits when it pays
         return {engine_id: Role.COLOCATED for engine_id in ids}
     n_prefill = config.engines.prefill_engines

@@ -75,8 +75,9 @@ def read_run(run_dir: Path) -> tuple[pl.DataFrame, dict, pl.DataFrame | None]:
 
 def initial_roles(run_dir: Path, events: pl.DataFrame, policy: str = "") -> dict[str, str]:
     """Each engine's role at the start: from the run's config.json where it has one, else
-    from the log (the role an engine stamps on its first turn event before any switch; a
-    dynamic or colocated policy starts every engine colocated)."""
+    from the log (the role an engine stamps on its first turn event before any switch; an
+    engine that switched before serving anything is taken to have started colocated under a
+    dynamic or colocated policy, which holds unless `allocator.start_prefill_engines` was set)."""
     config_path = Path(run_dir) / "config.json"
     if config_path.exists():
         from actors.config import ConfigError, load_config

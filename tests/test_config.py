@@ -63,6 +63,34 @@ def test_colocated_roles(tiny_config):
     assert set(initial_roles(tiny_config).values()) == {Role.COLOCATED}
 
 
+def _starting(config, n_prefill: int):
+    import msgspec
+
+    return msgspec.structs.replace(config, allocator=msgspec.structs.replace(config.allocator, start_prefill_engines=n_prefill))
+
+
+@pytest.mark.parametrize("policy", ["reactive", "prorsa"])
+def test_a_dynamic_fleet_starts_colocated_or_in_the_split_it_is_given(tiny_config, policy):
+    config = with_policy(tiny_config, policy)
+    assert set(initial_roles(config).values()) == {Role.COLOCATED}  # the default
+    assert initial_roles(_starting(config, 1)) == {"e0": Role.PREFILL, "e1": Role.DECODE}
+    with pytest.raises(ConfigError, match="start_prefill_engines = 2 leaves no decode engine out of engines.count = 2"):
+        initial_roles(_starting(config, 2))
+
+
+def test_the_start_split_is_the_dynamic_policies_alone(tiny_config):
+    assert set(initial_roles(_starting(with_policy(tiny_config, "colocated-sticky"), 1)).values()) == {Role.COLOCATED}
+    static = with_policy(tiny_config, "static")
+    assert initial_roles(_starting(static, 1)) == initial_roles(static)
+
+
+def test_a_negative_start_split_is_named(tmp_path: Path):
+    path = write_tiny_config(tmp_path / "c.toml")
+    path.write_text(path.read_text() + "\n[allocator]\nstart_prefill_engines = -1\n")
+    with pytest.raises(ConfigError, match="allocator.start_prefill_engines = -1 must be >= 0"):
+        load_config(path)
+
+
 def test_launcher_rejects_a_typo_before_starting_anything(tmp_path: Path):
     path = write_tiny_config(tmp_path / "typo.toml")
     path.write_text(path.read_text().replace("samples_per_task", "samples_per_tsak"))

@@ -62,6 +62,27 @@ def test_simulated_run_finishes_every_trajectory_with_every_transition(tmp_path:
     assert rollouts["detail"].to_list() == ["", FINAL_STEP]  # the trainer marks the run's last step
 
 
+def test_a_prorsa_fleet_started_in_a_split_serves_in_it_and_finishes_every_trajectory(tmp_path: Path):
+    import msgspec
+
+    config = with_policy(load_config(write_tiny_config(tmp_path / "split.toml", policy="prorsa", steps=2)), "prorsa")
+    config = msgspec.structs.replace(config, allocator=msgspec.structs.replace(config.allocator, start_prefill_engines=1))
+    out = tmp_path / "split"
+    summary = run(config, out, show_progress=False)
+    assert summary["status"] == "completed" and summary["trajectories_finished"] == summary["trajectories_expected"] == 8
+    events = pl.read_parquet(out / "events.parquet")
+    served = events.filter(pl.col("kind").is_in(["prefill_done", "decode_started"]) & (pl.col("actor_id") == pl.col("engine_id")))
+    first_switch_s = events.filter(pl.col("kind") == "role_switched")["at_s"].min()
+    before = served.filter(pl.col("at_s") < first_switch_s) if first_switch_s is not None else served
+    # until the allocator's first switch, e0 is a prefill engine and e1 a decode engine: the
+    # split it was given (a decode engine also prefills short turns itself, per-turn placement)
+    assert set(before.filter(pl.col("kind") == "decode_started")["engine_id"]) == {"e1"}
+    assert before.filter((pl.col("kind") == "prefill_done") & (pl.col("engine_id") == "e0")).height > 0
+    assert dict(before.select("engine_id", "role").unique().iter_rows()) == {"e0": "prefill", "e1": "decode"}
+    finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
+    assert incomplete_trajectories(events, finished, None) == {}
+
+
 def test_every_allocator_tick_is_recorded_with_the_reason_each_switch_logged(tmp_path: Path):
     """`allocations.parquet`: one row per tick of the allocator (`subjects.allocation()`), with
     the demand it judged by; a tick that changed roles names the same reason the engines logged."""
