@@ -493,19 +493,16 @@ def policy_label(config: Config) -> str:
 
 
 def initial_roles(config: Config) -> dict[str, Role]:
-    """The role each engine starts in under the config's policy."""
+    """The role each engine starts in under the config's policy: a split for `static`, and
+    for a dynamic policy given `allocator.start_prefill_engines`; colocated otherwise (a
+    dynamic fleet's allocator splits it when that pays)."""
     ids = config.engine_ids()
-    if config.run.policy == "static" and config.engines.prefill_engines >= len(ids):
-        raise ConfigError(
-            f"static policy: engines.prefill_engines = {config.engines.prefill_engines} leaves no decode "
-            f"engine out of engines.count = {len(ids)}"
-        )
-    start = config.allocator.start_prefill_engines
-    if config.run.policy in DYNAMIC_POLICIES and start:  # a dynamic fleet started in a split
-        if start >= len(ids):
-            raise ConfigError(f"allocator.start_prefill_engines = {start} leaves no decode engine out of engines.count = {len(ids)}")
-        return {engine_id: Role.PREFILL if i < start else Role.DECODE for i, engine_id in enumerate(ids)}
-    if config.run.policy in ("colocated", "colocated-sticky", *DYNAMIC_POLICIES):  # dynamic: the allocator splits when it pays
+    if config.run.policy == "static":
+        n_prefill, key = config.engines.prefill_engines, "static policy: engines.prefill_engines"
+    elif config.run.policy in DYNAMIC_POLICIES and config.allocator.start_prefill_engines:
+        n_prefill, key = config.allocator.start_prefill_engines, "allocator.start_prefill_engines"
+    else:
         return {engine_id: Role.COLOCATED for engine_id in ids}
-    n_prefill = config.engines.prefill_engines
+    if n_prefill >= len(ids):
+        raise ConfigError(f"{key} = {n_prefill} leaves no decode engine out of engines.count = {len(ids)}")
     return {engine_id: Role.PREFILL if i < n_prefill else Role.DECODE for i, engine_id in enumerate(ids)}
