@@ -14,7 +14,7 @@ from forecasting.compound import compound_poisson_quantiles
 from forecasting.core import CoreConfig, ForecastCore
 from forecasting.empirical import Empirical
 from forecasting.live import DEC, PRE, TOOL
-from forecasting.models import QUANTILES, History
+from forecasting.models import QUANTILES, FitError, History
 from forecasting.models.lifecycle import Lifecycle, _Chain, _truncated
 from forecasting.synthetic import synthetic_log
 
@@ -195,3 +195,54 @@ def test_the_turn_prior_counts_the_live_trajectories_turns_as_survived():
     finished_only = TurnHazard()
     finished_only.add_finished_many(np.full(10, 3))  # ten four-turn trajectories
     assert finished_only.continue_prob(np.zeros(0, np.int64))[20] == pytest.approx(1 - 10 / 40)
+
+
+def _burst(prefilled_at_s: list[float], decode_started_at_s: list[float | None]):
+    """A step-0 burst queued at t = 0: trajectory i prefilled at prefilled_at_s[i], decoding
+    from decode_started_at_s[i] (None: not yet); no decode or tool call has ended."""
+    events = []
+    for i, (done_s, dec_s) in enumerate(zip(prefilled_at_s, decode_started_at_s)):
+        base = dict(trajectory_id=f"t{i}", task_family="swe", actor_id="synthetic", step=0, policy_version=0, turn=0)
+        events.append(LifecycleEvent(event_id=f"t{i}-0", kind=EventKind.STARTED, at_s=0.0, new_tokens=300, **base))
+        events.append(LifecycleEvent(event_id=f"t{i}-1", kind=EventKind.PREFILL_QUEUED, at_s=0.0, new_tokens=300, context_tokens=0, **base))
+        events.append(LifecycleEvent(event_id=f"t{i}-2", kind=EventKind.PREFILL_DONE, at_s=done_s, new_tokens=300, context_tokens=0, cached_prefix_tokens=0, **base))
+        if dec_s is not None:
+            events.append(LifecycleEvent(event_id=f"t{i}-3", kind=EventKind.DECODE_STARTED, at_s=dec_s, new_tokens=300, context_tokens=0, cached_prefix_tokens=0, **base))
+    return events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
+
+
+def _history_at(log, now_s: int) -> History:
+    core = ForecastCore(CoreConfig(models=("naive",)))
+    at_s = log["at_s"].to_numpy()
+    for until_s in range(1, now_s + 1):
+        core.tick(log.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
+    return History(1.0, float(now_s), {t: s.view() for t, s in core.series.items()}, core.live)
+
+
+def test_a_runs_opening_burst_starts_decoding_when_the_prefill_queue_has_drained():
+    """A colocated engine runs its prefills first: 400 prompts queued at t = 0 are prefilled
+    one every 50 ms, and none starts decoding until the last is done (20 s). At 5 s no phase
+    has ended; the queue has drained 99 prompts in 5 s, so the other 301 take 15.2 s more,
+    and then all 400 decode (none has been seen to end). Before, no forecast until a
+    prefill, a decode and a tool call had each ended: the naive one, 0 decoding throughout."""
+    n = 400
+    log = _burst([0.05 * (i + 1) for i in range(n)], [None] * n)
+    history = _history_at(log, 5)
+    decoding = Lifecycle().update(history).predict(30).mean["decode_active_seqs"]
+    assert decoding[:15].tolist() == [0.0] * 15  # still draining, 10 s ahead included
+    assert decoding[15:].tolist() == [float(n)] * 15  # from 16 s ahead (the bin after 15.2 s): every one
+    with pytest.raises(FitError, match="no prefill finished"):  # nothing drained yet: no rate to read
+        Lifecycle().update(_history_at(_burst([9.5] * n, [None] * n), 5))
+
+
+def test_decodes_not_yet_seen_to_end_are_forecast_to_keep_running():
+    """A split's opening: each prompt starts decoding as soon as it is prefilled, one every
+    50 ms; at 5 s 99 decode and none has ended. The prompts still queued start decoding
+    within the horizon (their prefill queue's learned wait) and no decode ends: the forecast
+    rises and never falls."""
+    n = 400
+    log = _burst([0.05 * (i + 1) for i in range(n)], [0.05 * (i + 1) for i in range(n)])
+    decoding = Lifecycle().update(_history_at(log, 5)).predict(30).mean["decode_active_seqs"]
+    assert decoding[0] >= 99
+    assert np.all(np.diff(decoding) >= -1e-9)  # none ends
+    assert 250 < decoding[19] <= n  # most of the 301 queued have started 20 s ahead

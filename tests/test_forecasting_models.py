@@ -64,5 +64,5 @@ def test_a_failed_fit_falls_back_to_naive_and_is_counted():
         assert outcome.fallback_reason and outcome.fallbacks_total == 1
         assert np.array_equal(outcome.prediction.mean["decode_active_seqs"], np.zeros(2))
     assert "arima needs >= 20 bins" in first.outcomes["arima"].fallback_reason
-    assert "no completed" in first.outcomes["lifecycle"].fallback_reason
+    assert "no prefill finished" in first.outcomes["lifecycle"].fallback_reason
     assert core.tick(empty, 2.0).outcomes["arima"].fallbacks_total == 2

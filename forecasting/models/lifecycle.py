@@ -177,8 +177,23 @@ def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray) -> 
 
 
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
-    """The stage's centred pmf on the slot grid, kept until the stage learns a new sample."""
+    """The stage's centred pmf on the slot grid, kept until the stage learns a new sample;
+    a stage never seen to end does not end within the horizon (`_ends`)."""
+    if stage.n == 0:
+        return np.zeros(slots)
     return stage.memo(("centred_pmf", step_s, slots), lambda: stage.centred_pmf(step_s, slots))
+
+
+def _ends(stage: Empirical, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None) -> np.ndarray:
+    """Empirical.residual_sums; for a stage none of whose instances has ended yet (a run's
+    first seconds: every decode still running, no tool call back), no end within the
+    horizon. Its running instances have lasted their elapsed time and none has ended: a
+    duration learned from nothing would be a guess (the exponential tail's 1 s prior ends
+    every first-turn decode at once), and a run's opening is when the allocator most needs
+    to see the decodes its prefill burst is about to start."""
+    if stage.n == 0:
+        return np.zeros((len(weights), slots))
+    return stage.residual_sums(bucket, weights, step_s, slots, censored)
 
 
 def _stages(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
@@ -205,6 +220,36 @@ def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, memb
     return live.cost.per_token_s * miss + live.cost.per_token_pair_s * pairs, miss
 
 
+@dataclass(frozen=True, slots=True)
+class _Opening:
+    """A run's opening, before any decode has started (`_opening`)."""
+
+    drain_s: float  # until the prefill queue is empty
+    queued: int  # prompts in it, prefilled or not: they start decoding then
+    waiting_engine_s: float  # the prefill work still to do
+    waiting_miss_tokens: float
+
+
+def _opening(live: LiveState, now_s: float) -> _Opening | None:
+    """Before any decode starts no phase has ended, and the phase durations are unknown; but
+    the burst is a queue. It drains at the rate it has drained since the first prompt was
+    queued (the prefills done so far, at their mean engine-seconds, per second), and the
+    prompts prefilled but not decoding wait for it to empty: a colocated engine runs its
+    prefills first (SGLang's default). On the bench's DeepSeek SWE row the first of 1,024
+    decodes starts at 20.1 s and all are decoding at 22 s. None until a prefill is done."""
+    pooled = live.stats[POOLED]
+    pre = np.flatnonzero(live.alive & (live.phase == PRE))
+    done = int(live.prefilled[pre].sum())
+    elapsed_s = now_s - float(live.entered_s[pre].min()) if len(pre) else 0.0
+    if done == 0 or pooled.prompt_engine_s.n == 0 or elapsed_s <= 0.0:
+        return None
+    waiting = pre[~live.prefilled[pre]]
+    new = live.queued_new[waiting]
+    engine_s, miss = _next_prefill(live, pooled, pooled, waiting, new, new * new)
+    rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
+    return _Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()))
+
+
 @register
 class Lifecycle(Forecaster):
     """substeps: slots per bin; cycles: turns followed ahead; censoring: running stages count
@@ -228,9 +273,8 @@ class Lifecycle(Forecaster):
         live = history.live
         if live is None:
             raise FitError("lifecycle: needs the live trajectory state")
-        pooled = live.stats[POOLED]
-        if min(e.n for e in pooled.stage_s) == 0:
-            raise FitError("lifecycle: no completed prefill, decode and tool phase seen yet")
+        if live.stats[POOLED].stage_s[PRE].n == 0 and _opening(live, history.now_s) is None:
+            raise FitError("lifecycle: no prefill finished yet")
         self._history = history
         return self
 
@@ -240,6 +284,10 @@ class Lifecycle(Forecaster):
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
         demand = _Demand(slots)
+        if live.stats[POOLED].stage_s[PRE].n == 0:  # a run's opening: no decode has started yet
+            self._add_opening(demand, live, h.now_s, step_s)
+            self._add_starts(demand, live, step_s, h.now_s)
+            return self._to_bins(demand, horizon_bins)
         alive = np.flatnonzero(live.alive)
         family_of = live.family[alive]
         for family in np.flatnonzero(np.bincount(family_of)):
@@ -265,7 +313,7 @@ class Lifecycle(Forecaster):
             elapsed_s = np.maximum(now_s - live.entered_s[sel], 0.0)  # also: the stages still running (censored)
             bucket = np.minimum(np.floor(elapsed_s / step_s).astype(np.int64), 20 * demand.slots)
             first_turn = live.turn[sel] + (1 if phase == TOOL else 0)
-            ends = stage.residual_sums(*_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
+            ends = _ends(stage, *_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
@@ -279,7 +327,7 @@ class Lifecycle(Forecaster):
                 obs = _stat(stats, pooled, "obs_tokens")
                 engine_s, miss = _next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
                 own = np.array([engine_s - _stat(stats, pooled, "engine_s").mean(), miss - _stat(stats, pooled, "miss_tokens").mean()])
-                first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
+                first = _ends(stage, bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
         chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
@@ -307,6 +355,18 @@ class Lifecycle(Forecaster):
         demand.var["prefill_engine_s"] += flows.arrivals * engine.second_moment()
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
+
+    # --- a run's opening ------------------------------------------------------------------------
+    def _add_opening(self, demand: _Demand, live: LiveState, now_s: float, step_s: float) -> None:
+        """Before the first decode starts (`_opening`): every prompt queued now starts
+        decoding when the queue has drained, and none ends within the horizon (no decode has
+        been seen to end); the waiting prefills' work is demand now."""
+        opening = _opening(live, now_s)
+        demand.miss_tokens[0] += opening.waiting_miss_tokens
+        demand.engine_s[0] += opening.waiting_engine_s
+        first = int(opening.drain_s / step_s)
+        if first < demand.slots:
+            demand.decode_active[first:] += opening.queued
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
