@@ -15,7 +15,8 @@ from forecasting.core import CoreConfig, ForecastCore
 from forecasting.empirical import Empirical
 from forecasting.live import DEC, PRE, TOOL
 from forecasting.models import QUANTILES, FitError, History
-from forecasting.models.lifecycle import Lifecycle, _Chain, _truncated
+from forecasting.models.chain import PhaseChain, truncated
+from forecasting.models.lifecycle import Lifecycle
 from forecasting.synthetic import synthetic_log
 
 SLOTS, CYCLES = 40, 5
@@ -27,12 +28,12 @@ def _walk_by_convolution(phase: int, ends_by_cycle: np.ndarray, pmfs: np.ndarray
     kernel, m, stage = np.eye(1, SLOTS)[0], 0, phase
     entered_pre = False
     while m < len(ends_by_cycle):
-        out[stage] += _truncated(ends_by_cycle[m], kernel)
+        out[stage] += truncated(ends_by_cycle[m], kernel)
         m += stage == DEC
         stage = (stage + 1) % 3
         duration = first_pre if stage == PRE and first_pre is not None and not entered_pre else pmfs[stage]
         entered_pre |= stage == PRE
-        kernel = _truncated(kernel, duration)
+        kernel = truncated(kernel, duration)
     return out
 
 
@@ -46,7 +47,7 @@ def pmfs() -> np.ndarray:
 @pytest.mark.parametrize("phase", [PRE, DEC, TOOL])
 def test_the_chain_as_spectra_equals_a_convolution_per_stage(pmfs, phase):
     ends = np.random.default_rng(phase).uniform(0, 5, (CYCLES + 1, SLOTS))
-    chain = _Chain(pmfs, CYCLES)
+    chain = PhaseChain(pmfs, CYCLES)
     np.testing.assert_allclose(chain.inverse(chain.spectrum(phase, ends)), _walk_by_convolution(phase, ends, pmfs), rtol=1e-9, atol=1e-12)
 
 
@@ -56,8 +57,8 @@ def test_a_start_is_an_arrival_then_a_chain_from_its_prompt_prefill(pmfs):
     starts = np.random.default_rng(7).uniform(0, 3, SLOTS)
     weights = np.cumprod(np.r_[1.0, np.full(CYCLES, 0.8)])
     first_pre = np.roll(pmfs[PRE], 3)
-    chain = _Chain(pmfs, CYCLES)
-    via_pre = chain.inverse(chain.spectrum(PRE, weights[:, None] * _truncated(starts, first_pre)[None, :]))
+    chain = PhaseChain(pmfs, CYCLES)
+    via_pre = chain.inverse(chain.spectrum(PRE, weights[:, None] * truncated(starts, first_pre)[None, :]))
     via_pre[TOOL] += starts
     expected = _walk_by_convolution(TOOL, weights[:, None] * starts[None, :], pmfs, first_pre)
     np.testing.assert_allclose(via_pre, expected, rtol=1e-9, atol=1e-12)

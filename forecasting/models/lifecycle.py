@@ -22,7 +22,7 @@ with the family's turn-continuation probability. That gives, per slot, the expec
 
 Trajectories that share (family, phase, elapsed slot, turn) share their vectors, so the cost
 grows with those groups, not with the number of trajectories; the chains of phases are
-walked as spectra (`_Chain`). Uncertainty: a compound Poisson spread per slot (variance =
+walked as spectra (`forecasting.models.chain`). Uncertainty: a compound Poisson spread per slot (variance =
 Σ p · E[size²]); the next step's burst arrives as a block (variance N² p (1-p) · size²);
 quantiles are normal on that spread. The flows (prefill new and cache-missed tokens, prefill
 engine-seconds, decode tokens) instead take the compound Poisson distribution itself
@@ -41,6 +41,7 @@ import numpy as np
 
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
+from forecasting.models.chain import PhaseChain, continuation_weights, truncated
 from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.timeseries import Naive
@@ -95,75 +96,6 @@ class _Block:
 
     def mean(self) -> float:
         return self.sizes.mean() * self.count
-
-
-def _walk(phase: int, cycles: int) -> tuple[np.ndarray, np.ndarray]:
-    """The stages of the phase chain from `phase`: each one's phase and m, the decode
-    completions passed before it (the chain stops after cycles + 1 of them)."""
-    phases, passed = [], []
-    m, stage = 0, phase
-    while m <= cycles:
-        phases.append(stage)
-        passed.append(m)
-        if stage == DEC:
-            m += 1  # past a decode completion only the continuing share goes on
-        stage = (stage + 1) % 3
-    return np.array(phases), np.array(passed)
-
-
-class _Chain:
-    """One family's phase chain PRE → DEC → TOOL → PRE …, as spectra.
-
-    The kernel from a phase to the end of the r-th stage after it in cycle k is C^k times
-    the r stages' durations (C: one whole cycle, PRE ∗ DEC ∗ TOOL; C^k kept to `slots`,
-    which leaves the first `slots` slots exact). A mass times C^k times two stages is four
-    factors of `slots` each, so an FFT of n_fft ≥ 4·slots gives the exact (linear)
-    convolutions, and a chain costs a few vector products instead of a convolution per
-    stage."""
-
-    def __init__(self, pmfs: np.ndarray, cycles: int) -> None:
-        self.slots, self.cycles = pmfs.shape[1], cycles
-        self.n_fft = 1 << (4 * self.slots - 4).bit_length()
-        cycle = _truncated(_truncated(pmfs[PRE], pmfs[DEC]), pmfs[TOOL])
-        powers = [np.eye(1, self.slots)[0]]
-        for _ in range(cycles):
-            powers.append(_truncated(powers[-1], cycle))
-        self._powers_hat = self.forward(np.array(powers))
-        self._pmf_hats = self.forward(pmfs)
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        return np.fft.rfft(x, self.n_fft)
-
-    def inverse(self, x_hat: np.ndarray) -> np.ndarray:
-        return np.fft.irfft(x_hat, self.n_fft)[..., : self.slots]
-
-    def spectrum(self, phase: int, ends_by_cycle: np.ndarray) -> np.ndarray:
-        """(3, F): spectra of the PRE, DEC and TOOL ends that follow, from ends_by_cycle[m]:
-        the current phase's end mass weighted by the probability of going on through m
-        more decode completions."""
-        ends_hat = self.forward(ends_by_cycle)
-        phases, passed = _walk(phase, self.cycles)
-        out = np.zeros((3, self._pmf_hats.shape[1]), complex)
-        between = np.ones(self._pmf_hats.shape[1])
-        for r in range(3):  # stages r, r + 3, r + 6, …: phase + r, in cycles k = 0, 1, 2, …
-            m = passed[r::3]
-            out[phases[r]] += between * (ends_hat[m] * self._powers_hat[: len(m)]).sum(axis=0)
-            between = between * self._pmf_hats[phases[(r + 1) % 3]]
-        return out
-
-
-def _truncated(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.convolve(a, b)[: len(a)]
-
-
-def _continuation_weights(cont: np.ndarray, cycles: int) -> np.ndarray:
-    """(cycles + 1, turns): W[m, t] = P(a trajectory at turn t goes on past its next m
-    decode completions); turns past the last are at the last."""
-    turns = np.arange(len(cont))
-    weights = np.ones((cycles + 1, len(cont)))
-    for m in range(1, cycles + 1):
-        weights[m] = weights[m - 1] * cont[np.minimum(turns + m - 1, len(cont) - 1)]
-    return weights
 
 
 def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -300,7 +232,7 @@ class Lifecycle(Forecaster):
         pooled = live.stats[POOLED]
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights = _continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
+        weights = continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
         ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk
         phase_of, turn_of = live.phase[members], live.turn[members]
@@ -330,7 +262,7 @@ class Lifecycle(Forecaster):
                 first = _ends(stage, bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
-        chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
+        chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
         self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
 
@@ -386,7 +318,7 @@ class Lifecycle(Forecaster):
         for _ in range(MAX_CYCLES_AHEAD if cad.waves else 1):
             p = np.convolve(anchor, cad.offsets.centred_pmf(step_s, demand.slots))[: demand.slots] if cad.offsets.n else anchor
             self._add_burst(demand, live, cad.next_size, cad.next_mix, p, step_s, cad.waves)
-            anchor = _truncated(anchor, _pmf(cad.gap, step_s, demand.slots))  # the cycle after: one more gap
+            anchor = truncated(anchor, _pmf(cad.gap, step_s, demand.slots))  # the cycle after: one more gap
             if anchor.sum() < 1e-3:
                 break
 
@@ -409,12 +341,12 @@ class Lifecycle(Forecaster):
     def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights = _continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
-        chain = _Chain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
+        weights = continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
+        chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
         # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
-        queued = size * weights[:, None] * _truncated(p, first_pre)[None, :]
+        queued = size * weights[:, None] * truncated(p, first_pre)[None, :]
         self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, queued))), stats, pooled, turn0=False)
         none = np.zeros(demand.slots)  # a wave's prompts arrive together: one block of `size` with probability p
         self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none), stats, pooled, turn0=True, block=size if wave else 0.0)
