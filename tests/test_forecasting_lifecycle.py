@@ -198,17 +198,18 @@ def test_the_turn_prior_counts_the_live_trajectories_turns_as_survived():
     assert finished_only.continue_prob(np.zeros(0, np.int64))[20] == pytest.approx(1 - 10 / 40)
 
 
-def _burst(prefilled_at_s: list[float], decode_started_at_s: list[float | None]):
-    """A step-0 burst queued at t = 0: trajectory i prefilled at prefilled_at_s[i], decoding
-    from decode_started_at_s[i] (None: not yet); no decode or tool call has ended."""
+def _burst(prefilled_at_s: list[float], decode_started_at_s: list[float | None], new_tokens: int = 300):
+    """A step-0 burst of `new_tokens` prompts queued at t = 0: trajectory i prefilled at
+    prefilled_at_s[i], decoding from decode_started_at_s[i] (None: not yet); no decode or
+    tool call has ended."""
     events = []
     for i, (done_s, dec_s) in enumerate(zip(prefilled_at_s, decode_started_at_s)):
         base = dict(trajectory_id=f"t{i}", task_family="swe", actor_id="synthetic", step=0, policy_version=0, turn=0)
-        events.append(LifecycleEvent(event_id=f"t{i}-0", kind=EventKind.STARTED, at_s=0.0, new_tokens=300, **base))
-        events.append(LifecycleEvent(event_id=f"t{i}-1", kind=EventKind.PREFILL_QUEUED, at_s=0.0, new_tokens=300, context_tokens=0, **base))
-        events.append(LifecycleEvent(event_id=f"t{i}-2", kind=EventKind.PREFILL_DONE, at_s=done_s, new_tokens=300, context_tokens=0, cached_prefix_tokens=0, **base))
+        events.append(LifecycleEvent(event_id=f"t{i}-0", kind=EventKind.STARTED, at_s=0.0, new_tokens=new_tokens, **base))
+        events.append(LifecycleEvent(event_id=f"t{i}-1", kind=EventKind.PREFILL_QUEUED, at_s=0.0, new_tokens=new_tokens, context_tokens=0, **base))
+        events.append(LifecycleEvent(event_id=f"t{i}-2", kind=EventKind.PREFILL_DONE, at_s=done_s, new_tokens=new_tokens, context_tokens=0, cached_prefix_tokens=0, **base))
         if dec_s is not None:
-            events.append(LifecycleEvent(event_id=f"t{i}-3", kind=EventKind.DECODE_STARTED, at_s=dec_s, new_tokens=300, context_tokens=0, cached_prefix_tokens=0, **base))
+            events.append(LifecycleEvent(event_id=f"t{i}-3", kind=EventKind.DECODE_STARTED, at_s=dec_s, new_tokens=new_tokens, context_tokens=0, cached_prefix_tokens=0, **base))
     return events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
 
 
@@ -231,9 +232,11 @@ def test_a_runs_opening_burst_starts_decoding_when_the_prefill_queue_has_drained
     history = _history_at(log, 5)
     decoding = Lifecycle().update(history).predict(30).mean["decode_active_seqs"]
     assert decoding[:15].tolist() == [0.0] * 15  # still draining, 10 s ahead included
-    assert decoding[15:].tolist() == [float(n)] * 15  # from 16 s ahead (the bin after 15.2 s): every one
+    assert decoding[15:].tolist() == [float(n)] * 15  # from the bin the queue empties in (15-16 s ahead): every one
     with pytest.raises(FitError, match="no prefill finished"):  # nothing drained yet: no rate to read
         Lifecycle().update(_history_at(_burst([9.5] * n, [None] * n), 5))
+    with pytest.raises(FitError, match="no prefill finished"):  # a prompt of no size: no rate either
+        Lifecycle().update(_history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n, new_tokens=0), 5))
 
 
 def test_decodes_not_yet_seen_to_end_are_forecast_to_keep_running():

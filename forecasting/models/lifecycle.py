@@ -41,9 +41,9 @@ import numpy as np
 
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
-from forecasting.models.chain import PhaseChain, continuation_weights, truncated
 from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
+from forecasting.models.chain import PhaseChain, continuation_weights, truncated
 from forecasting.models.timeseries import Naive
 
 
@@ -168,12 +168,13 @@ def _opening(live: LiveState, now_s: float) -> _Opening | None:
     queued (the prefills done so far, at their mean engine-seconds, per second), and the
     prompts prefilled but not decoding wait for it to empty: a colocated engine runs its
     prefills first (SGLang's default). On the bench's DeepSeek SWE row the first of 1,024
-    decodes starts at 20.1 s and all are decoding at 22 s. None until a prefill is done."""
+    decodes starts at 20.1 s and all are decoding at 22 s. None until a prefill is done, and
+    for a run joined after its opening (a live trajectory decoding or in a tool call)."""
     pooled = live.stats[POOLED]
     pre = np.flatnonzero(live.alive & (live.phase == PRE))
     done = int(live.prefilled[pre].sum())
     elapsed_s = now_s - float(live.entered_s[pre].min()) if len(pre) else 0.0
-    if done == 0 or pooled.prompt_engine_s.n == 0 or elapsed_s <= 0.0:
+    if done == 0 or pooled.prompt_engine_s.mean() <= 0.0 or elapsed_s <= 0.0 or len(pre) < int(live.alive.sum()):
         return None
     waiting = pre[~live.prefilled[pre]]
     new = live.queued_new[waiting]
