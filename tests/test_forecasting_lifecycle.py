@@ -233,8 +233,11 @@ def test_a_runs_opening_burst_starts_decoding_when_the_prefill_queue_has_drained
     decoding = Lifecycle().update(history).predict(30).mean["decode_active_seqs"]
     assert decoding[:15].tolist() == [0.0] * 15  # still draining, 10 s ahead included
     assert decoding[15:].tolist() == [float(n)] * 15  # from the bin the queue empties in (15-16 s ahead): every one
+    model = Lifecycle().update(history)
     with pytest.raises(FitError, match="no prefill finished"):  # nothing drained yet: no rate to read
-        Lifecycle().update(_history_at(_burst([9.5] * n, [None] * n), 5))
+        model.update(_history_at(_burst([9.5] * n, [None] * n), 5))
+    with pytest.raises(FitError, match="predict before update"):  # not from the history before
+        model.predict(30)
     with pytest.raises(FitError, match="no prefill finished"):  # a prompt of no size: no rate either
         Lifecycle().update(_history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n, new_tokens=0), 5))
 

@@ -204,6 +204,7 @@ class Lifecycle(Forecaster):
 
     def update(self, history: History) -> Self:
         live = history.live
+        self._history = None  # a failed update leaves nothing to predict from
         if live is None:
             raise FitError("lifecycle: needs the live trajectory state")
         if live.stats[POOLED].stage_s[PRE].n == 0 and _opening(live, history.now_s) is None:
