@@ -5,8 +5,8 @@ a fine time grid: the probability that a stage that has already lasted `elapsed_
 each future slot. Its survival function is mixed with an exponential tail of the same
 mean (weight w/(n+w), w = `tail_weight`, 1 by default; with stages still running, the
 censored mean, `_tail_mean_s`), so a stage that has outlasted every sample still ends
-somewhere and a family seen once still forecasts; a near-regular duration (the trainer's
-gap between steps) uses a small w. `TurnHazard` estimates, per task family, the
+somewhere and a family seen once still forecasts (one never seen to end does not end); a
+near-regular duration (the trainer's gap between steps) uses a small w. `TurnHazard` estimates, per task family, the
 probability that a trajectory goes on after turn n (Kaplan–Meier over finished
 trajectories, live ones censored at their current turn, shrunk towards the mean).
 """
@@ -71,13 +71,15 @@ class Empirical:
     def survival(self, t_s: np.ndarray, censored: np.ndarray | None = None) -> np.ndarray:
         """P(duration > t), smoothed with an exponential tail of the same mean. `censored`:
         durations still running (lasted at least that long), counted at risk (Kaplan–Meier),
-        so the long stages still under way are not left out of the estimate."""
+        so the long stages still under way are not left out of the estimate. With no sample,
+        1: a duration never seen to end is not forecast to end (a run's first seconds, before
+        any decode or tool call has ended; a mean learned from nothing would be a guess)."""
         x = self.values()
         n = len(x)
+        if n == 0:
+            return np.ones(np.shape(t_s))
         mean_s = max(self._tail_mean_s(censored), 1e-6)
         tail = np.exp(-np.maximum(t_s, 0.0) / mean_s)
-        if n == 0:
-            return tail
         if censored is None or len(censored) == 0:
             emp = 1.0 - np.searchsorted(x, t_s, side="right") / n
         else:
@@ -95,11 +97,8 @@ class Empirical:
         have lasted) / completions. The samples' mean alone is what finished first: early in
         a run's first step the few decodes done are the short ones, and a tail of their mean
         ends every long decode still running within seconds (docs/forecasting.md)."""
-        n = self.n
-        if n == 0:
-            return 1.0
         running_s = float(np.sum(censored)) if censored is not None else 0.0
-        return (float(self.values().sum()) + running_s) / n
+        return (float(self.values().sum()) + running_s) / self.n  # survival asks only with samples
 
     def residual_mass(self, elapsed_s: np.ndarray, step_s: float, slots: int) -> np.ndarray:
         """(len(elapsed), slots): P(end in ((j)·step, (j+1)·step] from now | lasted elapsed)."""

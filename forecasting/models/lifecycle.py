@@ -109,23 +109,9 @@ def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray) -> 
 
 
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
-    """The stage's centred pmf on the slot grid, kept until the stage learns a new sample;
-    a stage never seen to end does not end within the horizon (`_ends`)."""
-    if stage.n == 0:
-        return np.zeros(slots)
+    """The stage's centred pmf on the slot grid, kept until the stage learns a new sample
+    (none: a stage never seen to end, `Empirical.survival`)."""
     return stage.memo(("centred_pmf", step_s, slots), lambda: stage.centred_pmf(step_s, slots))
-
-
-def _ends(stage: Empirical, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None) -> np.ndarray:
-    """Empirical.residual_sums; for a stage none of whose instances has ended yet (a run's
-    first seconds: every decode still running, no tool call back), no end within the
-    horizon. Its running instances have lasted their elapsed time and none has ended: a
-    duration learned from nothing would be a guess (the exponential tail's 1 s prior ends
-    every first-turn decode at once), and a run's opening is when the allocator most needs
-    to see the decodes its prefill burst is about to start."""
-    if stage.n == 0:
-        return np.zeros((len(weights), slots))
-    return stage.residual_sums(bucket, weights, step_s, slots, censored)
 
 
 def _stages(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
@@ -152,6 +138,14 @@ def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, memb
     return live.cost.per_token_s * miss + live.cost.per_token_pair_s * pairs, miss
 
 
+def _waiting_prefills(live: LiveState, stats: FamilyStats, pooled: FamilyStats, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Engine-seconds and cache-missed tokens of the prefills queued by `pre` (trajectories in
+    PRE) and not computed yet."""
+    waiting = pre[~live.prefilled[pre]]
+    new = live.queued_new[waiting]
+    return _next_prefill(live, stats, pooled, waiting, new, new * new)
+
+
 @dataclass(frozen=True, slots=True)
 class _Opening:
     """A run's opening, before any decode has started (`_opening`)."""
@@ -176,9 +170,7 @@ def _opening(live: LiveState, now_s: float) -> _Opening | None:
     elapsed_s = now_s - float(live.entered_s[pre].min()) if len(pre) else 0.0
     if done == 0 or pooled.prompt_engine_s.mean() <= 0.0 or elapsed_s <= 0.0 or len(pre) < int(live.alive.sum()):
         return None
-    waiting = pre[~live.prefilled[pre]]
-    new = live.queued_new[waiting]
-    engine_s, miss = _next_prefill(live, pooled, pooled, waiting, new, new * new)
+    engine_s, miss = _waiting_prefills(live, pooled, pooled, pre)
     rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
     return _Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()))
 
@@ -201,14 +193,17 @@ class Lifecycle(Forecaster):
         self.censoring = censoring
         self.cycles = cycles
         self._history: History | None = None
+        self._opening: _Opening | None = None  # set by update while no decode has started
 
     def update(self, history: History) -> Self:
         live = history.live
-        self._history = None  # a failed update leaves nothing to predict from
+        self._history = self._opening = None  # a failed update leaves nothing to predict from
         if live is None:
             raise FitError("lifecycle: needs the live trajectory state")
-        if live.stats[POOLED].stage_s[PRE].n == 0 and _opening(live, history.now_s) is None:
-            raise FitError("lifecycle: no prefill finished yet")
+        if live.stats[POOLED].stage_s[PRE].n == 0:  # a run's opening: no decode has started yet
+            self._opening = _opening(live, history.now_s)
+            if self._opening is None:
+                raise FitError("lifecycle: no prefill finished yet")
         self._history = history
         return self
 
@@ -218,8 +213,8 @@ class Lifecycle(Forecaster):
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
         demand = _Demand(slots)
-        if live.stats[POOLED].stage_s[PRE].n == 0:  # a run's opening: no decode has started yet
-            self._add_opening(demand, live, h.now_s, step_s)
+        if self._opening is not None:
+            self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
             return self._to_bins(demand, horizon_bins)
         alive = np.flatnonzero(live.alive)
@@ -247,21 +242,19 @@ class Lifecycle(Forecaster):
             elapsed_s = np.maximum(now_s - live.entered_s[sel], 0.0)  # also: the stages still running (censored)
             bucket = np.minimum(np.floor(elapsed_s / step_s).astype(np.int64), 20 * demand.slots)
             first_turn = live.turn[sel] + (1 if phase == TOOL else 0)
-            ends = _ends(stage, *_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
+            ends = stage.residual_sums(*_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
             if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
-                waiting = sel[~live.prefilled[sel]]
-                new = live.queued_new[waiting]
-                engine_s, miss = _next_prefill(live, stats, pooled, waiting, new, new * new)
+                engine_s, miss = _waiting_prefills(live, stats, pooled, sel)
                 demand.miss_tokens[0] += miss.sum()
                 demand.engine_s[0] += engine_s.sum()
             if phase == TOOL and _stat(stats, pooled, "cached_share").n:  # the next prefill: on this trajectory's context
                 obs = _stat(stats, pooled, "obs_tokens")
                 engine_s, miss = _next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
                 own = np.array([engine_s - _stat(stats, pooled, "engine_s").mean(), miss - _stat(stats, pooled, "miss_tokens").mean()])
-                first = _ends(stage, bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
+                first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
@@ -291,11 +284,11 @@ class Lifecycle(Forecaster):
         demand.var["decode_active_seqs"] += np.abs(occupancy)
 
     # --- a run's opening ------------------------------------------------------------------------
-    def _add_opening(self, demand: _Demand, live: LiveState, now_s: float, step_s: float) -> None:
+    @staticmethod
+    def _add_opening(demand: _Demand, opening: _Opening, step_s: float) -> None:
         """Before the first decode starts (`_opening`): every prompt queued now starts
         decoding when the queue has drained, and none ends within the horizon (no decode has
         been seen to end); the waiting prefills' work is demand now."""
-        opening = _opening(live, now_s)
         demand.miss_tokens[0] += opening.waiting_miss_tokens
         demand.engine_s[0] += opening.waiting_engine_s
         first = int(opening.drain_s / step_s)
