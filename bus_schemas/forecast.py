@@ -3,7 +3,7 @@
 Values are per bin of `bin_s` model seconds: flows (tokens) are sums over the bin, levels
 (sequences) time-weighted means over it. Horizon h means the bin that ends h seconds after
 `as_of_s`. Targets (see forecasting.series): prefill_new_tokens, prefill_miss_tokens,
-prefill_engine_s, decode_active_seqs, decode_tokens.
+prefill_engine_s, decode_active_seqs, decode_tokens, decode_engine_s.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     targets: list[TargetForecast]
     live_trajectories: int  # trajectories live at as_of_s
     live_context_tokens: int = 0  # KV tokens they hold at as_of_s: histories and prefilled turns (0: not known)
-    # the costs prefill_engine_s is priced at (forecasting.series.PrefillCost: seconds per
+    # the costs prefill_engine_s is priced at (forecasting.series.TokenCost: seconds per
     # cache-missed token, and per token x context token it attends over); 0, 0: not stated
     prefill_cost_per_token_s: float = 0.0
     prefill_cost_per_token_pair_s: float = 0.0
+    # the costs decode_engine_s is priced at (per generated token, and per generated token x
+    # context token it reads; forecasting.series.TokenCost.decode_of); 0, 0: not stated
+    decode_cost_per_token_s: float = 0.0
+    decode_cost_per_token_pair_s: float = 0.0
     events_total: int  # lifecycle events consumed so far
     fallback: bool = False  # this tick's numbers are naive's: the model failed to fit
     fallback_reason: str = ""  # why (empty when fallback is False)

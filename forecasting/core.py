@@ -69,7 +69,8 @@ class CoreConfig:
     keep_series: bool = False  # keep the per-family series frames (the replay runner plots them)
     calibrate: bool = True  # shift quantiles by the model's recent errors (forecasting.calibrate)
     calibration_window_bins: int = 300  # recent residuals per (target, horizon) the shifts are learned from
-    prefill_cost: series.PrefillCost = series.UNIT_COST  # prefill_engine_s: engine-seconds per prefill (default: its tokens)
+    prefill_cost: series.TokenCost = series.UNIT_COST  # prefill_engine_s: engine-seconds per prefill (default: its tokens)
+    decode_cost: series.TokenCost = series.UNIT_COST  # decode_engine_s: engine-seconds per decode (default: its tokens)
 
     def __post_init__(self) -> None:
         if self.bin_s <= 0:
@@ -94,7 +95,7 @@ class ForecastCore:
 
     def __post_init__(self) -> None:
         if self.live is None:
-            self.live = LiveState(cost=self.config.prefill_cost)
+            self.live = LiveState(cost=self.config.prefill_cost, decode_cost=self.config.decode_cost)
         self.models = {name: make(name) for name in self.config.models}
         for model in self.models.values():  # only the published horizons need exact flow distributions
             for inner in (model, getattr(model, "base", None)):
@@ -112,9 +113,9 @@ class ForecastCore:
 
     def tick(self, events: pl.DataFrame, until_s: float) -> TickResult:
         """Close the bins of [end_s, until_s) with `events`, then forecast from until_s."""
-        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry, self.config.prefill_cost)
+        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry, self.config.prefill_cost, self.config.decode_cost)
         if self.config.keep_series:
-            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost)
+            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost, self.config.decode_cost)
             self.frames.append(chunk)
         for t in TARGETS:
             self.series[t].extend(totals[t])

@@ -42,7 +42,7 @@ import polars as pl
 
 from bus_schemas.lifecycle import FINAL_STEP
 from forecasting.empirical import Empirical, TurnHazard
-from forecasting.series import UNIT_COST, PrefillCost, kind_codes, of_fleet
+from forecasting.series import UNIT_COST, TokenCost, kind_codes, of_fleet
 
 PRE, DEC, TOOL = 0, 1, 2
 PHASES = ("pre", "dec", "tool")
@@ -63,9 +63,10 @@ class FamilyStats:
     prompt_pre_s: Empirical = field(default_factory=lambda: Empirical(500))  # PRE of turn 0 (start bursts queue)
     obs_tokens: Empirical = field(default_factory=Empirical)
     gen_tokens: Empirical = field(default_factory=Empirical)
+    decode_engine_s: Empirical = field(default_factory=Empirical)  # a decode's engine-seconds (decode TokenCost)
     miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turns > 0
     prompt_miss_tokens: Empirical = field(default_factory=Empirical)  # prefill compute of turn 0
-    engine_s: Empirical = field(default_factory=Empirical)  # prefill engine-seconds of turns > 0 (series.PrefillCost)
+    engine_s: Empirical = field(default_factory=Empirical)  # prefill engine-seconds of turns > 0 (series.TokenCost)
     cached_share: Empirical = field(default_factory=Empirical)  # turns > 0: cached prefix / context at prefill
     prompt_engine_s: Empirical = field(default_factory=Empirical)  # ... of turn 0
     prompt_tokens: Empirical = field(default_factory=Empirical)
@@ -117,8 +118,9 @@ def _up_to_finish(slot: np.ndarray, code: np.ndarray) -> np.ndarray:
 
 
 class LiveState:
-    def __init__(self, capacity: int = 1024, cost: PrefillCost = UNIT_COST) -> None:
-        self.cost = cost
+    def __init__(self, capacity: int = 1024, cost: TokenCost = UNIT_COST, decode_cost: TokenCost = UNIT_COST) -> None:
+        self.cost = cost  # a prefill's (prefill_engine_s)
+        self.decode_cost = decode_cost  # a decode's (decode_engine_s)
         self.families: list[str] = []
         self._family_index: dict[str, int] = {}
         self.stats: dict[str, FamilyStats] = {POOLED: FamilyStats()}
@@ -341,6 +343,8 @@ class LiveState:
         self._learn("cached_share", fam[later], np.minimum(col["cached_prefix_tokens"][later] / np.maximum(col["context_tokens"][later], 1), 1.0))
         done = code == DEC_DONE
         self._learn("gen_tokens", fam[done], col["generated_tokens"][done])
+        decode_s = self.decode_cost.engine_s(col["generated_tokens"][done].astype(float), (col["context_tokens"] + col["new_tokens"])[done].astype(float))
+        self._learn("decode_engine_s", fam[done], decode_s)
         done = code == TOOL_DONE
         self._learn("obs_tokens", fam[done], col["new_tokens"][done])
         started = (code == STARTED) & opened

@@ -3,7 +3,7 @@ predicted for that bin, plus the latest forecast ahead.
 
 Measured targets follow `forecasting.series`: flows (tokens) summed per bin of model time,
 levels (sequences decoding) time-weighted per bin. `prefill_engine_s` = per_token_s * miss +
-per_token_pair_s * miss * (prefix + miss / 2) (`forecasting.series.PrefillCost`): the two
+per_token_pair_s * miss * (prefix + miss / 2) (`forecasting.series.TokenCost`): the two
 sums are kept per bin, so the run's cost coefficients can come later (set `prefill_cost`).
 Each forecast's first horizon is kept per bin as `predicted`.
 """
@@ -14,7 +14,7 @@ import math
 
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 from ops.monitor_common import rounded
 
 # Forecast targets measured here as forecasting.series defines them; a forecast's other targets show without a measured line.
@@ -31,7 +31,7 @@ def _band(t: TargetForecast | None, pick) -> list | None:
 
 
 class Demand:
-    def __init__(self, *, spark_bins: int, prefill_cost: PrefillCost | None) -> None:
+    def __init__(self, *, spark_bins: int, prefill_cost: TokenCost | None) -> None:
         self.spark_bins = spark_bins
         self.prefill_cost = prefill_cost  # the run's, for prefill_engine_s (None: not measured)
         self.bin_s = 1.0

@@ -34,7 +34,7 @@ from bus_schemas.forecast import DemandForecast
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.status import ActorReport, ActorStatus, EngineStatus
 from bus_schemas.train import StepReport
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 from ops.monitor_common import rounded
 from ops.monitor_demand import Demand
 from ops.monitor_engines import Engines
@@ -62,7 +62,7 @@ class MonitorState:
         spark_bins: int = 120,
         stream_full_ratio: float = 0.9,
         max_switches: int = 200,
-        prefill_cost: PrefillCost | None = None,
+        prefill_cost: TokenCost | None = None,
     ) -> None:
         self.expected_engines = list(expected_engines)
         self.engines = Engines(
@@ -88,11 +88,11 @@ class MonitorState:
         return self.engines.rate_window_s
 
     @property
-    def prefill_cost(self) -> PrefillCost | None:
+    def prefill_cost(self) -> TokenCost | None:
         return self.demand.prefill_cost
 
     @prefill_cost.setter
-    def prefill_cost(self, cost: PrefillCost | None) -> None:
+    def prefill_cost(self, cost: TokenCost | None) -> None:
         self.demand.prefill_cost = cost
 
     # --- feeding ---------------------------------------------------------------------------

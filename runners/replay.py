@@ -39,11 +39,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.config import ConfigError, load_config
-from actors.forecaster.actor import prefill_cost
+from actors.forecaster.actor import decode_cost, prefill_cost
 from forecasting import metrics, series
 from forecasting.core import CoreConfig, ForecastCore, TickResult
 from forecasting.models import QUANTILES, TARGETS
-from forecasting.series import UNIT_COST, PrefillCost
+from forecasting.series import UNIT_COST, TokenCost
 from ops.export import EventLogError, load_events
 
 console = Console(stderr=True)
@@ -222,7 +222,7 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     if span_s < needed_s:
         raise ReplayError(f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)")
     results, core = replay(events, cfg, tick_s, progress=True)
-    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s, cost=cfg.prefill_cost)
+    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s, cost=cfg.prefill_cost, decode_cost=cfg.decode_cost)
     actual = {t: np.array(series.totals(actual_frame, t)) for t in TARGETS}
     scored = [s for score in scores for s in align(results, cfg, actual, float(events["at_s"].min()), score)]
     for s in scored:
@@ -259,9 +259,9 @@ def with_overrides(config, overrides: list[str]):
         raise ConfigError(f"--set {' '.join(overrides)}: {err}") from None
 
 
-def record_holdout(config_path: Path, seeds: list[int], out: Path, overrides: list[str] = ()) -> tuple[list[Path], PrefillCost]:
+def record_holdout(config_path: Path, seeds: list[int], out: Path, overrides: list[str] = ()) -> tuple[list[Path], Costs]:
     """Fresh logs of `config_path` (with `overrides`, see with_overrides) with each seed, in
-    virtual time (runners.simulate), and the config's prefill cost."""
+    virtual time (runners.simulate), and the config's prefill and decode costs."""
     import msgspec
 
     from runners.simulate import run as simulate
@@ -277,26 +277,29 @@ def record_holdout(config_path: Path, seeds: list[int], out: Path, overrides: li
         if summary["status"] != "completed":
             raise ReplayError(f"{config_path} with seed {seed}: the simulation {summary['status']}")
         logs.append(where / "events.parquet")
-    return logs, prefill_cost(config)
+    return logs, (prefill_cost(config), decode_cost(config))
 
 
-def preset_cost(name: str) -> PrefillCost:
+Costs = tuple[TokenCost, TokenCost]  # a log's prefill and decode costs (CoreConfig.prefill_cost, decode_cost)
+
+
+def preset_cost(name: str) -> Costs:
     from actors.engine.emulated.costmodel import PRESETS
 
     if name not in PRESETS:
         raise ReplayError(f"unknown cost-model preset {name!r} (known: {', '.join(sorted(PRESETS))})")
-    return PrefillCost(per_token_s=PRESETS[name].t_tok_s, per_token_pair_s=PRESETS[name].c_attn_s)
+    return TokenCost.prefill_of(PRESETS[name]), TokenCost.decode_of(PRESETS[name])
 
 
-def run(logs: list[tuple[str, list[Path], PrefillCost]], cfg: CoreConfig, out: Path, tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> pl.DataFrame:
-    """Score each group of logs (a name, its logs pooled, their prefill cost) and write the
+def run(logs: list[tuple[str, list[Path], Costs]], cfg: CoreConfig, out: Path, tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> pl.DataFrame:
+    """Score each group of logs (a name, its logs pooled, their prefill and decode costs) and write the
     tables and the plot."""
     scored: list[Scored] = []
     fallbacks: dict[str, int] = {}
-    for name, paths, cost in logs:
+    for name, paths, (cost, dcost) in logs:
         group = []
         for path in paths:
-            part, falls = score_log(path, replace(cfg, prefill_cost=cost), name, tick_s, scores)
+            part, falls = score_log(path, replace(cfg, prefill_cost=cost, decode_cost=dcost), name, tick_s, scores)
             group += part
             for model, n in falls.items():
                 fallbacks[model] = fallbacks.get(model, 0) + n
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["moving_average", "ets", "arima", "lifecycle", "hybrid"])
     parser.add_argument("--horizons", nargs="+", type=float, default=[1.0, 5.0, 10.0, 20.0, 30.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
-    parser.add_argument("--preset", help="a LOG's cost-model preset, for prefill_engine_s (default: 1 s per token); --config gives its own")
+    parser.add_argument("--preset", help="a LOG's cost-model preset, for prefill_engine_s and decode_engine_s (default: 1 s per token); --config gives its own")
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
     parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
     parser.add_argument("--score", nargs="+", choices=SCORES, default=["bin"],
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = CoreConfig(models=tuple(dict.fromkeys(["naive", *args.models])), bin_s=args.bin_s, horizons_s=tuple(args.horizons), calibrate=not args.no_calibrate)
         if args.log is not None:
-            cost = preset_cost(args.preset) if args.preset else UNIT_COST
+            cost = preset_cost(args.preset) if args.preset else (UNIT_COST, UNIT_COST)
             logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log], cost)]
         else:
             logs = [(path.stem, *record_holdout(path, args.holdout_seeds, args.out, args.set)) for path in args.config]

@@ -17,10 +17,10 @@ from bus_schemas.eventlog import events_frame
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import LifecycleEvent
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 
 ENGINES = EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8))
-COST = PrefillCost.of_preset(ENGINES.cost_preset(Role.PREFILL))
+COST = TokenCost.prefill_of(ENGINES.cost_preset(Role.PREFILL))
 
 
 def test_a_prefill_token_costs_what_the_cost_model_gives_at_its_context():
@@ -49,7 +49,7 @@ def test_attention_tokens_inverts_the_prefill_cost():
     assert abs(COST.attention_tokens(one, 500.0) - 10_250.0) < 1e-6  # the prefix, and half its own tokens
     two = COST.engine_s(500.0, 10_000.0) + COST.engine_s(1_500.0, 2_000.0)
     assert abs(COST.attention_tokens(two, 2_000.0) - (500 * 10_250 + 1_500 * 2_750) / 2_000) < 1e-6
-    assert PrefillCost().attention_tokens(123.0, 100.0) == 0.0  # token counts price no attention
+    assert TokenCost().attention_tokens(123.0, 100.0) == 0.0  # token counts price no attention
     assert COST.attention_tokens(1.0, 0.0) == 0.0
 
 

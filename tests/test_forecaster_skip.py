@@ -11,7 +11,7 @@ import pytest
 
 from actors.base.clock import ScaledClock, wall_now_s
 from actors.config import ForecasterSection
-from actors.forecaster.actor import ForecasterActor, due_tick, prefill_cost
+from actors.forecaster.actor import ForecasterActor, decode_cost, due_tick, prefill_cost
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.forecast import DemandForecast
@@ -73,3 +73,7 @@ async def test_a_forecaster_far_behind_stays_within_one_tick_of_the_clock_and_st
     cost = prefill_cost(config)
     assert cost.per_token_pair_s > 0
     assert (published[-1].prefill_cost_per_token_s, published[-1].prefill_cost_per_token_pair_s) == (cost.per_token_s, cost.per_token_pair_s)
+    # and its decode engine-seconds the decode engines'
+    cost = decode_cost(config)
+    assert cost.per_token_pair_s > 0
+    assert (published[-1].decode_cost_per_token_s, published[-1].decode_cost_per_token_pair_s) == (cost.per_token_s, cost.per_token_pair_s)

@@ -14,7 +14,7 @@ import pytest
 from actors.config import ForecasterSection
 from actors.engine.actor import EngineActor
 from actors.environment.actor import EnvironmentActor
-from actors.forecaster.actor import ForecasterActor, prefill_cost
+from actors.forecaster.actor import ForecasterActor, decode_cost, prefill_cost
 from actors.trainer.actor import TrainerActor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
@@ -62,7 +62,7 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     await asyncio.wait_for(running[0], timeout=30)
     await bus.flush()
 
-    core_config = CoreConfig(models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0), prefill_cost=prefill_cost(config))
+    core_config = CoreConfig(models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0), prefill_cost=prefill_cost(config), decode_cost=decode_cost(config))
     results, _ = replay(events, core_config, tick_s=2.0)
     live = {f.as_of_s: f for f in published}
     if published[-1].skipped_ticks:  # the forecaster fell a whole tick behind the clock and skipped ahead

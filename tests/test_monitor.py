@@ -32,7 +32,7 @@ from bus_schemas.control import CommandAck, Role, SetRole
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.status import ActorStatus, EngineStatus
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 from ops.bus_guard import REASON_HEADER
 from ops.monitor_bus import BUS_FILE, BusMonitor, MonitorInputError, target_from_run, target_from_url
 from ops.monitor_prom import metric_families
@@ -219,7 +219,7 @@ def test_the_pd_split_over_time_follows_role_changes():
 
 
 def test_measured_demand_and_the_forecast_line_up_by_bin():
-    state = MonitorState(spark_bins=10, prefill_cost=PrefillCost(per_token_s=1e-3, per_token_pair_s=1e-6))
+    state = MonitorState(spark_bins=10, prefill_cost=TokenCost(per_token_s=1e-3, per_token_pair_s=1e-6))
     state.on_forecast(forecast(as_of_s=4.0), wall_s=0.0)  # predicts bin 4 ([4, 5)) one horizon ahead
     state.on_lifecycle(event(EventKind.PREFILL_QUEUED, 4.2, "a", new_tokens=70), wall_s=0.0)
     state.on_lifecycle(event(EventKind.PREFILL_QUEUED, 4.7, "b", new_tokens=30), wall_s=0.0)
@@ -268,7 +268,7 @@ def test_no_traffic_until_a_prorsa_message_or_a_non_empty_lifecycle_stream():
 
 # --- rendering, metrics, the Grafana board ---------------------------------------------------
 def _busy_state() -> MonitorState:
-    state = MonitorState(lease_wall_s=3.0, prefill_cost=PrefillCost(per_token_s=1e-3))
+    state = MonitorState(lease_wall_s=3.0, prefill_cost=TokenCost(per_token_s=1e-3))
     for e, role in (("e0", "prefill"), ("e1", "decode"), ("e2", "colocated")):
         state.on_engine_status(status(e, role, at_s=20.0, epoch=1), wall_s=10.0)
     one_turn(state, "a", 12.0, "e2")

@@ -35,7 +35,7 @@ from bus_schemas.control import AllocationDecision, CommandAck, Role, SetRole
 from bus_schemas.eventlog import load_events
 from bus_schemas.forecast import DemandForecast
 from bus_schemas.status import ActorStatus, EngineStatus
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 
 STARTUP_WAIT_WALL_S = 120.0  # wait this long for every engine's first heartbeat, then go on without the late ones
 
@@ -70,7 +70,7 @@ class AllocatorActor(Actor):
         self.epoch = 0
         self.forecast: DemandForecast | None = None
         self.recorded = (
-            RecordedDemand(load_events(config.allocator.oracle_log), PrefillCost.of_preset(config.engines.cost_preset(Role.PREFILL)))
+            RecordedDemand(load_events(config.allocator.oracle_log), TokenCost.prefill_of(config.engines.cost_preset(Role.PREFILL)))
             if config.run.policy == "oracle"
             else None
         )

@@ -22,7 +22,7 @@ import polars as pl
 
 from actors.allocator.state import Demand, Fleet
 from bus_schemas.forecast import DemandForecast, TargetForecast
-from forecasting.series import UNIT_COST, PrefillCost, bin_events, live_context_by_bin, totals
+from forecasting.series import UNIT_COST, TokenCost, bin_events, live_context_by_bin, totals
 
 ORACLE_BIN_S = 1.0
 
@@ -72,7 +72,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         return float(np.mean([max(0.0, by_target[target][i]) for i in within]))
 
     per_bin_tokens = max(mean("prefill_miss_tokens"), mean("prefill_new_tokens"))
-    cost = PrefillCost(forecast.prefill_cost_per_token_s, forecast.prefill_cost_per_token_pair_s)
+    cost = TokenCost(forecast.prefill_cost_per_token_s, forecast.prefill_cost_per_token_pair_s)
     attention = cost.attention_tokens(mean("prefill_engine_s"), mean("prefill_miss_tokens")) if "prefill_engine_s" in by_target else 0.0
     backlog = backlog_tokens_per_s(fleet, horizon_s)
     return Demand(
@@ -102,7 +102,7 @@ def next_decode_context_tokens(fleet: Fleet, live_trajectories: float, live_cont
 class RecordedDemand:
     """The true per-second demand of a recorded run (its lifecycle frame), by model time."""
 
-    def __init__(self, events: pl.DataFrame, cost: PrefillCost = UNIT_COST) -> None:
+    def __init__(self, events: pl.DataFrame, cost: TokenCost = UNIT_COST) -> None:
         series = bin_events(events, ORACLE_BIN_S, cost=cost)
         self.cost = cost
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)

@@ -30,7 +30,7 @@ from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import LifecycleEvent
 from bus_schemas.control import Role
 from forecasting.core import CoreConfig, ForecastCore, TickResult
-from forecasting.series import PrefillCost
+from forecasting.series import TokenCost
 from forecasting.models import QUANTILES, TARGETS
 from bus_schemas.eventlog import events_frame
 
@@ -38,10 +38,16 @@ FETCH_BATCH = 2000
 FETCH_WAIT_WALL_S = 0.1
 
 
-def prefill_cost(config) -> PrefillCost:
+def prefill_cost(config) -> TokenCost:
     """The prefill engines' cost per token and per (token x context token): what the
     prefill_engine_s target weighs each cache-missed token by."""
-    return PrefillCost.of_preset(config.engines.cost_preset(Role.PREFILL))
+    return TokenCost.prefill_of(config.engines.cost_preset(Role.PREFILL))
+
+
+def decode_cost(config) -> TokenCost:
+    """The decode engines' cost per generated token and per context token it reads: what the
+    decode_engine_s target weighs each decode by."""
+    return TokenCost.decode_of(config.engines.cost_preset(Role.DECODE))
 
 
 def due_tick(next_index: int, now_s: float, tick_s: float, watermark_s: float) -> int:
@@ -58,7 +64,7 @@ class ForecasterActor(Actor):
     def __init__(self, actor_id, config, nc, clock) -> None:
         super().__init__(actor_id, config, nc, clock)
         fc = config.forecaster
-        self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s), prefill_cost=prefill_cost(config)))
+        self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s), prefill_cost=prefill_cost(config), decode_cost=decode_cost(config)))
         self.buffer: list[LifecycleEvent] = []
         self.ticks = 0  # ticks computed
         self.next_index = 1  # the next tick to compute is at next_index * tick_s
@@ -172,6 +178,8 @@ class ForecasterActor(Actor):
             live_context_tokens=result.live_context_tokens,
             prefill_cost_per_token_s=self.core.config.prefill_cost.per_token_s,
             prefill_cost_per_token_pair_s=self.core.config.prefill_cost.per_token_pair_s,
+            decode_cost_per_token_s=self.core.config.decode_cost.per_token_s,
+            decode_cost_per_token_pair_s=self.core.config.decode_cost.per_token_pair_s,
             events_total=result.events_total,
             fallback=bool(outcome.fallback_reason),
             fallback_reason=outcome.fallback_reason,

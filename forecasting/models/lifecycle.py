@@ -45,10 +45,11 @@ from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, continuation_weights, truncated
 from forecasting.models.timeseries import Naive
+from forecasting.series import TokenCost
 
 
 MAX_CYCLES_AHEAD = 4  # async: batch cycles followed within the horizon
-COMPOUND = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens")  # the flows
+COMPOUND = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens", "decode_engine_s")  # the flows
 
 
 @dataclass(slots=True)
@@ -56,10 +57,12 @@ class _Demand:
     """Expected demand per fine slot, and its variance."""
 
     slots: int
+    decode_cost: TokenCost  # what a decode of g tokens on a context C costs (series.TokenCost)
     new_tokens: np.ndarray = field(init=False)
     miss_tokens: np.ndarray = field(init=False)
     engine_s: np.ndarray = field(init=False)
     decode_tokens: np.ndarray = field(init=False)
+    decode_engine_s: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
     var: dict[str, np.ndarray] = field(init=False)
     # flow target -> per source: (expected items per slot, their sizes): a compound Poisson flow
@@ -67,7 +70,7 @@ class _Demand:
 
     def __post_init__(self) -> None:
         self.compound = {t: [] for t in COMPOUND}
-        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_active"):
+        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_engine_s", "decode_active"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
 
@@ -77,11 +80,12 @@ class _Flows:
     arrivals: np.ndarray  # TOOL ends (and trajectory starts): prefills queued
     starts: np.ndarray  # PRE ends: decodes started
     ends: np.ndarray  # DEC ends: decodes completed
+    ends_context: np.ndarray  # Σ over those decodes of the context each one reads (tokens)
 
     @staticmethod
-    def of(by_phase: np.ndarray) -> "_Flows":
-        """From the (3, slots) ends per phase."""
-        return _Flows(arrivals=by_phase[TOOL], starts=by_phase[PRE], ends=by_phase[DEC])
+    def of(by_phase: np.ndarray, ends_context: np.ndarray) -> "_Flows":
+        """From the (3, slots) ends per phase, and the decode ends' contexts."""
+        return _Flows(arrivals=by_phase[TOOL], starts=by_phase[PRE], ends=by_phase[DEC], ends_context=ends_context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +102,19 @@ class _Block:
         return self.sizes.mean() * self.count
 
 
-def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
     """Trajectories with the same (elapsed bucket, first turn) have the same future: the
-    distinct pairs' buckets, and their continuation weights times how many share each."""
+    distinct pairs' buckets, and per pair (rows 0..M) their continuation weights times how
+    many share it, then (rows M+1..) times the contexts their decodes read, summed: the m-th
+    decode ahead reads its trajectory's `context` plus m turns' `growth`."""
     turn = np.minimum(first_turn, weights.shape[1] - 1)
     low, width = int(turn.min()), int(bucket.max()) + 1
-    counts = np.bincount((turn - low) * width + bucket)
+    key = (turn - low) * width + bucket
+    counts = np.bincount(key)
     pairs = np.flatnonzero(counts)
-    return pairs % width, weights[:, pairs // width + low] * counts[pairs]
+    w = weights[:, pairs // width + low]
+    ahead = growth * np.arange(len(weights))[:, None] * counts[pairs]
+    return pairs % width, np.vstack([w * counts[pairs], w * (np.bincount(key, context)[pairs] + ahead)])
 
 
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
@@ -127,7 +136,7 @@ def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
 def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, members: np.ndarray, new, new_squared) -> tuple[np.ndarray, np.ndarray]:
     """Expected engine-seconds and cache-missed tokens of each member's next prefill: `new`
     tokens (mean, and mean square) on its context C, of which a share ρ is cached (the
-    family's learned ρ). With n = C(1-ρ) + new missed on a prefix ρC (series.PrefillCost):
+    family's learned ρ). With n = C(1-ρ) + new missed on a prefix ρC (series.TokenCost):
     E[n] = C(1 - E[ρ]) + E[new];
     E[cost] = t·E[n] + k·(C²(1 - E[ρ²])/2 + C·E[new] + E[new²]/2)."""
     context = live.context[members]
@@ -212,7 +221,7 @@ class Lifecycle(Forecaster):
             raise FitError("lifecycle: predict before update")
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
-        demand = _Demand(slots)
+        demand = _Demand(slots, live.decode_cost)
         if self._opening is not None:
             self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
@@ -231,7 +240,9 @@ class Lifecycle(Forecaster):
         turns = stats.turns if stats.turns.n else pooled.turns
         weights = continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
+        obs, gen = _stat(stats, pooled, "obs_tokens"), _stat(stats, pooled, "gen_tokens")
         ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk
+        # (counts, then contexts: `_shared`)
         phase_of, turn_of = live.phase[members], live.turn[members]
         groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
                   (DEC, phase_of == DEC, stages[DEC]), (TOOL, phase_of == TOOL, stages[TOOL])]  # fmt: skip
@@ -242,7 +253,11 @@ class Lifecycle(Forecaster):
             elapsed_s = np.maximum(now_s - live.entered_s[sel], 0.0)  # also: the stages still running (censored)
             bucket = np.minimum(np.floor(elapsed_s / step_s).astype(np.int64), 20 * demand.slots)
             first_turn = live.turn[sel] + (1 if phase == TOOL else 0)
-            ends = stage.residual_sums(*_shared(bucket, first_turn, weights), step_s, demand.slots, elapsed_s if self.censoring else None)
+            # the context the next decode reads: the history, and this turn's new tokens (a
+            # trajectory in a tool call: the observation it will get)
+            context = live.context[sel] + (obs.mean() if phase == TOOL else live.queued_new[sel])
+            shared = _shared(bucket, first_turn, weights, context, gen.mean() + obs.mean())
+            ends = stage.residual_sums(*shared, step_s, demand.slots, elapsed_s if self.censoring else None)
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
@@ -258,8 +273,10 @@ class Lifecycle(Forecaster):
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
-        flows_hat = sum(chain.spectrum(phase, ends) for phase, ends in ends_by_phase.items())
-        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat)), stats, pooled, turn0=False)
+        rows = len(weights)
+        flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
+        context_hat = sum(chain.spectrum(phase, ends[rows:])[DEC] for phase, ends in ends_by_phase.items())
+        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat), chain.inverse(context_hat)), stats, pooled, turn0=False)
 
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
@@ -268,19 +285,24 @@ class Lifecycle(Forecaster):
         miss = _stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
         engine = _stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
         gen = _stat(stats, pooled, "gen_tokens")
+        decode_s = _stat(stats, pooled, "decode_engine_s")  # its sizes; its mean from each decode's context:
+        a, k = demand.decode_cost.per_token_s, demand.decode_cost.per_token_pair_s  # E = a·E[g] + k·(C·E[g] + E[g²]/2)
         demand.new_tokens += flows.arrivals * obs.mean()
         for target, sizes in (("prefill_new_tokens", obs), ("prefill_miss_tokens", miss), ("prefill_engine_s", engine)):
             demand.compound[target].append((flows.arrivals / block, _Block(sizes, block)) if block > 0 else (flows.arrivals, sizes))
         demand.compound["decode_tokens"].append((flows.ends, gen))
+        demand.compound["decode_engine_s"].append((flows.ends, decode_s))
         demand.miss_tokens += flows.arrivals * miss.mean()
         demand.engine_s += flows.arrivals * engine.mean()
         demand.decode_tokens += flows.ends * gen.mean()
+        demand.decode_engine_s += flows.ends * (a * gen.mean() + k * gen.second_moment() / 2.0) + flows.ends_context * k * gen.mean()
         occupancy = np.cumsum(flows.starts - flows.ends)
         demand.decode_active += occupancy
         demand.var["prefill_new_tokens"] += flows.arrivals * obs.second_moment()
         demand.var["prefill_miss_tokens"] += flows.arrivals * miss.second_moment()
         demand.var["prefill_engine_s"] += flows.arrivals * engine.second_moment()
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
+        demand.var["decode_engine_s"] += flows.ends * decode_s.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
 
     # --- a run's opening ------------------------------------------------------------------------
@@ -342,9 +364,12 @@ class Lifecycle(Forecaster):
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
         # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
         queued = size * weights[:, None] * truncated(p, first_pre)[None, :]
-        self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, queued))), stats, pooled, turn0=False)
+        growth = _stat(stats, pooled, "gen_tokens").mean() + _stat(stats, pooled, "obs_tokens").mean()
+        context = queued * (_stat(stats, pooled, "prompt_tokens").mean() + growth * np.arange(len(weights)))[:, None]  # the m-th decode's
+        flows = _Flows.of(chain.inverse(chain.spectrum(PRE, queued)), chain.inverse(chain.spectrum(PRE, context)[DEC]))
+        self._add_sizes(demand, flows, stats, pooled, turn0=False)
         none = np.zeros(demand.slots)  # a wave's prompts arrive together: one block of `size` with probability p
-        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none), stats, pooled, turn0=True, block=size if wave else 0.0)
+        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none, ends_context=none), stats, pooled, turn0=True, block=size if wave else 0.0)
 
     # --- slots → bins ------------------------------------------------------------------------
     def _to_bins(self, d: _Demand, horizon_bins: int) -> Prediction:
@@ -360,6 +385,7 @@ class Lifecycle(Forecaster):
             "prefill_engine_s": flow(d.engine_s),
             "decode_active_seqs": level(d.decode_active),
             "decode_tokens": flow(d.decode_tokens),
+            "decode_engine_s": flow(d.decode_engine_s),
         }
         var = {t: (level if t == "decode_active_seqs" else flow)(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
