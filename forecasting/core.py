@@ -117,13 +117,29 @@ class ForecastCore:
         if self.config.keep_series:
             chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost, self.config.decode_cost)
             self.frames.append(chunk)
+        totals[series.LIVE_KV] = self._ingest_by_bin(events, until_s)
         for t in TARGETS:
             self.series[t].extend(totals[t])
-        self.live.ingest(events)
         self.end_s = until_s
         history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)
         outcomes = {name: self._run(name, history) for name in self.models}
         return TickResult(until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens())
+
+    def _ingest_by_bin(self, events: pl.DataFrame, until_s: float) -> np.ndarray:
+        """Feed the live state the events of [end_s, until_s), one bin at a time (earlier ones
+        in the first), and read the live trajectories' KV after each bin (series.LIVE_KV)."""
+        n_bins = round((until_s - self.end_s) / self.config.bin_s)
+        if n_bins <= 1:
+            self.live.ingest(events)
+            return np.array([float(self.live.live_context_tokens())])
+        events = events.sort("at_s", maintain_order=True)
+        edges = self.end_s + self.config.bin_s * np.arange(1, n_bins)
+        cuts = [0, *np.searchsorted(events["at_s"].to_numpy(), edges, side="left").tolist(), events.height]
+        kv = np.zeros(n_bins)
+        for b in range(n_bins):
+            self.live.ingest(events.slice(cuts[b], cuts[b + 1] - cuts[b]))
+            kv[b] = self.live.live_context_tokens()
+        return kv
 
     def _run(self, name: str, history: History) -> ModelOutcome:
         naive = self._naive[name].update(history)  # kept current: the fallback is always ready

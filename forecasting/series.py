@@ -26,6 +26,11 @@ state's figure). Targets:
 | decode_active_seqs | level | sequences decoding (decode_started → decode_done) |
 | kv_tokens | level | context + new tokens of sequences holding KV (prefill_done → decode_done) |
 | tool_active_trajs | level | trajectories inside a tool call (tool_started → tool_done) |
+
+One more target is not a column of these frames, as it needs each trajectory's state:
+`live_kv_tokens` (`LIVE_KV`), the KV tokens the live trajectories hold at each bin's end
+(`live_context_by_bin` for a whole log; the forecaster reads it from its live state after
+each bin's events, `forecasting.core`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ TOTAL = "all"
 FLOWS = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens", "decode_engine_s", "arrivals", "finishes")
 LEVELS = ("decode_active_seqs", "kv_tokens", "tool_active_trajs")
 COLUMNS = FLOWS + LEVELS
+LIVE_KV = "live_kv_tokens"  # the live trajectories' KV at a bin's end (`live_context_by_bin`)
 
 Levels = dict[str, dict[str, float]]  # task family -> level column -> level at the stretch's end
 _LEVEL_STEPS = {  # level column -> (event kind that raises it, event kind that lowers it)

@@ -222,12 +222,20 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     if span_s < needed_s:
         raise ReplayError(f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)")
     results, core = replay(events, cfg, tick_s, progress=True)
-    actual_frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s, cost=cfg.prefill_cost, decode_cost=cfg.decode_cost)
-    actual = {t: np.array(series.totals(actual_frame, t)) for t in TARGETS}
+    actual = actuals(events, cfg, results[-1].as_of_s)
     scored = [s for score in scores for s in align(results, cfg, actual, float(events["at_s"].min()), score)]
     for s in scored:
         s.log = name or log.stem
     return scored, dict(core.fallbacks)
+
+
+def actuals(events: pl.DataFrame, cfg: CoreConfig, end_s: float) -> dict[str, np.ndarray]:
+    """Each target's true value per bin of the log up to `end_s`."""
+    frame = series.bin_events(events, cfg.bin_s, end_s=end_s, cost=cfg.prefill_cost, decode_cost=cfg.decode_cost)
+    actual = {t: np.array(series.totals(frame, t)) for t in TARGETS if t != series.LIVE_KV}
+    bins = len(actual["decode_tokens"])
+    actual[series.LIVE_KV] = series.live_context_by_bin(events.filter(pl.col("at_s") < bins * cfg.bin_s), cfg.bin_s, bins)
+    return actual
 
 
 def with_overrides(config, overrides: list[str]):

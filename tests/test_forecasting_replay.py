@@ -80,14 +80,12 @@ def test_a_window_is_the_mean_of_the_bins_scored_one_by_one(log_path):
     model's mean forecast; checked against the bins scored one horizon at a time."""
     import numpy as np
 
-    from forecasting import series
     from forecasting.core import CoreConfig
 
     events = load_events(log_path)
     cfg = CoreConfig(models=("naive", "moving_average"), horizons_s=(1.0, 2.0, 3.0, 4.0, 5.0))
     results, _ = replay.replay(events, cfg)
-    frame = series.bin_events(events, cfg.bin_s, end_s=results[-1].as_of_s)
-    actual = {t: np.array(series.totals(frame, t)) for t in TARGETS}
+    actual = replay.actuals(events, cfg, results[-1].as_of_s)
     start = float(events["at_s"].min())
     bins = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "bin")}
     windows = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "window")}

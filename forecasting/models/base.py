@@ -25,7 +25,7 @@ from statistics import NormalDist
 
 from forecasting.live import LiveState
 
-TARGETS = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_active_seqs", "decode_tokens", "decode_engine_s")
+TARGETS = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_active_seqs", "decode_tokens", "decode_engine_s", "live_kv_tokens")
 QUANTILES = (0.1, 0.5, 0.9)  # the 10-90 % interval is what coverage is measured on
 _Z = np.array([NormalDist().inv_cdf(q) for q in QUANTILES])
 

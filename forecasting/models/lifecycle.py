@@ -45,7 +45,7 @@ from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, continuation_weights, truncated
 from forecasting.models.timeseries import Naive
-from forecasting.series import TokenCost
+from forecasting.series import LIVE_KV, TokenCost
 
 
 MAX_CYCLES_AHEAD = 4  # async: batch cycles followed within the horizon
@@ -64,13 +64,15 @@ class _Demand:
     decode_tokens: np.ndarray = field(init=False)
     decode_engine_s: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
-    var: dict[str, np.ndarray] = field(init=False)
+    kv_now: float = 0.0  # the live trajectories' KV now (LiveState.live_context_tokens)
+    kv_delta: np.ndarray = field(init=False)  # its expected change in each slot
+    var: dict[str, np.ndarray] = field(init=False)  # live_kv_tokens: per slot, of the change
     # flow target -> per source: (expected items per slot, their sizes): a compound Poisson flow
     compound: dict[str, list[tuple[np.ndarray, Empirical]]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.compound = {t: [] for t in COMPOUND}
-        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_engine_s", "decode_active"):
+        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_engine_s", "decode_active", "kv_delta"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
 
@@ -81,11 +83,20 @@ class _Flows:
     starts: np.ndarray  # PRE ends: decodes started
     ends: np.ndarray  # DEC ends: decodes completed
     ends_context: np.ndarray  # Σ over those decodes of the context each one reads (tokens)
+    finishes: np.ndarray  # the decode ends after which the trajectory finishes
+    finish_context: np.ndarray  # Σ over those of the context (the KV the trajectory lets go)
 
     @staticmethod
-    def of(by_phase: np.ndarray, ends_context: np.ndarray) -> "_Flows":
-        """From the (3, slots) ends per phase, and the decode ends' contexts."""
-        return _Flows(arrivals=by_phase[TOOL], starts=by_phase[PRE], ends=by_phase[DEC], ends_context=ends_context)
+    def of(by_phase: np.ndarray, decode_ends: np.ndarray) -> "_Flows":
+        """From the (3, slots) ends per phase, and the (3, slots) decode ends' contexts, the
+        finishing ends and their contexts."""
+        return _Flows(by_phase[TOOL], by_phase[PRE], by_phase[DEC], *decode_ends)
+
+    @staticmethod
+    def none(arrivals: np.ndarray) -> "_Flows":
+        """Arrivals alone."""
+        zero = np.zeros_like(arrivals)
+        return _Flows(arrivals, zero, zero, zero, zero, zero)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,19 +113,28 @@ class _Block:
         return self.sizes.mean() * self.count
 
 
+def _finishing(weights: np.ndarray) -> np.ndarray:
+    """From continuation weights W[m] (P(going on past the next m decode completions)): the
+    probability of finishing at the m-th decode completion ahead, W[m] - W[m+1] (none past
+    the chain's last)."""
+    return np.vstack([weights[:-1] - weights[1:], np.zeros((1, weights.shape[1]))])
+
+
 def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
     """Trajectories with the same (elapsed bucket, first turn) have the same future: the
-    distinct pairs' buckets, and per pair (rows 0..M) their continuation weights times how
-    many share it, then (rows M+1..) times the contexts their decodes read, summed: the m-th
-    decode ahead reads its trajectory's `context` plus m turns' `growth`."""
+    distinct pairs' buckets, and per pair four blocks of rows (one per decode completion
+    ahead, m = 0..M): their continuation weights times how many share it; the same times the
+    contexts their decodes read, summed (the m-th decode ahead reads its trajectory's
+    `context` plus m turns' `growth`); and both again with the probability of finishing
+    there (`_finishing`) in place of going on."""
     turn = np.minimum(first_turn, weights.shape[1] - 1)
     low, width = int(turn.min()), int(bucket.max()) + 1
     key = (turn - low) * width + bucket
     counts = np.bincount(key)
     pairs = np.flatnonzero(counts)
-    w = weights[:, pairs // width + low]
-    ahead = growth * np.arange(len(weights))[:, None] * counts[pairs]
-    return pairs % width, np.vstack([w * counts[pairs], w * (np.bincount(key, context)[pairs] + ahead)])
+    contexts = np.bincount(key, context)[pairs] + growth * np.arange(len(weights))[:, None] * counts[pairs]
+    blocks = [weights[:, pairs // width + low], _finishing(weights)[:, pairs // width + low]]
+    return pairs % width, np.vstack([x for w in blocks for x in (w * counts[pairs], w * contexts)])
 
 
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
@@ -163,6 +183,7 @@ class _Opening:
     queued: int  # prompts in it, prefilled or not: they start decoding then
     waiting_engine_s: float  # the prefill work still to do
     waiting_miss_tokens: float
+    waiting_new_tokens: float  # the prompts not prefilled yet (KV the fleet will hold once they are)
 
 
 def _opening(live: LiveState, now_s: float) -> _Opening | None:
@@ -181,7 +202,8 @@ def _opening(live: LiveState, now_s: float) -> _Opening | None:
         return None
     engine_s, miss = _waiting_prefills(live, pooled, pooled, pre)
     rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
-    return _Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()))
+    waiting_new = float(live.queued_new[pre[~live.prefilled[pre]]].sum())
+    return _Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()), waiting_new)
 
 
 @register
@@ -221,7 +243,7 @@ class Lifecycle(Forecaster):
             raise FitError("lifecycle: predict before update")
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
-        demand = _Demand(slots, live.decode_cost)
+        demand = _Demand(slots, live.decode_cost, kv_now=float(live.live_context_tokens()))
         if self._opening is not None:
             self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
@@ -241,8 +263,7 @@ class Lifecycle(Forecaster):
         weights = continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
         obs, gen = _stat(stats, pooled, "obs_tokens"), _stat(stats, pooled, "gen_tokens")
-        ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk
-        # (counts, then contexts: `_shared`)
+        ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`_shared`'s blocks)
         phase_of, turn_of = live.phase[members], live.turn[members]
         groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
                   (DEC, phase_of == DEC, stages[DEC]), (TOOL, phase_of == TOOL, stages[TOOL])]  # fmt: skip
@@ -265,8 +286,11 @@ class Lifecycle(Forecaster):
                 engine_s, miss = _waiting_prefills(live, stats, pooled, sel)
                 demand.miss_tokens[0] += miss.sum()
                 demand.engine_s[0] += engine_s.sum()
+                # the KV this turn adds by its decode: its new tokens unless prefilled already
+                # (in place of the family's mean observation, which the chain adds at every PRE end)
+                own = np.where(live.prefilled[sel], 0.0, live.queued_new[sel]) - obs.mean()
+                demand.kv_delta += stage.residual_sums(bucket, own[None, :], step_s, demand.slots, elapsed_s if self.censoring else None)[0]
             if phase == TOOL and _stat(stats, pooled, "cached_share").n:  # the next prefill: on this trajectory's context
-                obs = _stat(stats, pooled, "obs_tokens")
                 engine_s, miss = _next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
                 own = np.array([engine_s - _stat(stats, pooled, "engine_s").mean(), miss - _stat(stats, pooled, "miss_tokens").mean()])
                 first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
@@ -275,8 +299,8 @@ class Lifecycle(Forecaster):
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         rows = len(weights)
         flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
-        context_hat = sum(chain.spectrum(phase, ends[rows:])[DEC] for phase, ends in ends_by_phase.items())
-        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat), chain.inverse(context_hat)), stats, pooled, turn0=False)
+        decode_hat = sum(np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items())
+        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat)), stats, pooled, turn0=False)
 
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
@@ -296,6 +320,12 @@ class Lifecycle(Forecaster):
         demand.engine_s += flows.arrivals * engine.mean()
         demand.decode_tokens += flows.ends * gen.mean()
         demand.decode_engine_s += flows.ends * (a * gen.mean() + k * gen.second_moment() / 2.0) + flows.ends_context * k * gen.mean()
+        # the live KV: a decode start adds its turn's new tokens, a decode end its generated
+        # ones, or lets the whole context go where the trajectory finishes
+        going_on = flows.ends - flows.finishes
+        demand.kv_delta += flows.starts * obs.mean() + going_on * gen.mean() - flows.finish_context
+        let_go_squared = np.divide(flows.finish_context**2, flows.finishes, out=np.zeros(demand.slots), where=flows.finishes > 1e-12)
+        demand.var[LIVE_KV] += flows.starts * obs.second_moment() + np.abs(going_on) * gen.second_moment() + let_go_squared
         occupancy = np.cumsum(flows.starts - flows.ends)
         demand.decode_active += occupancy
         demand.var["prefill_new_tokens"] += flows.arrivals * obs.second_moment()
@@ -316,6 +346,7 @@ class Lifecycle(Forecaster):
         first = int(opening.drain_s / step_s)
         if first < demand.slots:
             demand.decode_active[first:] += opening.queued
+            demand.kv_delta[first] += opening.waiting_new_tokens
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
@@ -363,13 +394,16 @@ class Lifecycle(Forecaster):
         prompt_pre = _stat(stats, pooled, "prompt_pre_s")
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
         # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
-        queued = size * weights[:, None] * truncated(p, first_pre)[None, :]
-        growth = _stat(stats, pooled, "gen_tokens").mean() + _stat(stats, pooled, "obs_tokens").mean()
-        context = queued * (_stat(stats, pooled, "prompt_tokens").mean() + growth * np.arange(len(weights)))[:, None]  # the m-th decode's
-        flows = _Flows.of(chain.inverse(chain.spectrum(PRE, queued)), chain.inverse(chain.spectrum(PRE, context)[DEC]))
-        self._add_sizes(demand, flows, stats, pooled, turn0=False)
-        none = np.zeros(demand.slots)  # a wave's prompts arrive together: one block of `size` with probability p
-        self._add_sizes(demand, _Flows(arrivals=size * p, starts=none, ends=none, ends_context=none), stats, pooled, turn0=True, block=size if wave else 0.0)
+        first_ends = size * truncated(p, first_pre)
+        prompt, obs = _stat(stats, pooled, "prompt_tokens").mean(), _stat(stats, pooled, "obs_tokens").mean()
+        read = prompt + (_stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
+        finish = _finishing(weights[:, None])[:, 0]
+        blocks = [weights[:, None] * first_ends, (weights * read)[:, None] * first_ends, finish[:, None] * first_ends, (finish * read)[:, None] * first_ends]
+        decode_hat = np.array([chain.spectrum(PRE, b)[DEC] for b in blocks[1:]])
+        self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, blocks[0])), chain.inverse(decode_hat)), stats, pooled, turn0=False)
+        demand.kv_delta += first_ends * (prompt - obs)  # the first decode start adds the prompt, not an observation
+        # a wave's prompts arrive together: one block of `size` with probability p
+        self._add_sizes(demand, _Flows.none(size * p), stats, pooled, turn0=True, block=size if wave else 0.0)
 
     # --- slots → bins ------------------------------------------------------------------------
     def _to_bins(self, d: _Demand, horizon_bins: int) -> Prediction:
@@ -379,7 +413,11 @@ class Lifecycle(Forecaster):
         def level(x: np.ndarray) -> np.ndarray:
             return x.reshape(horizon_bins, self.substeps).mean(axis=1)
 
+        def at_end(x: np.ndarray) -> np.ndarray:
+            return x.reshape(horizon_bins, self.substeps)[:, -1]
+
         mean = {
+            LIVE_KV: d.kv_now + at_end(np.cumsum(d.kv_delta)),
             "prefill_new_tokens": flow(d.new_tokens),
             "prefill_miss_tokens": flow(d.miss_tokens),
             "prefill_engine_s": flow(d.engine_s),
@@ -387,7 +425,7 @@ class Lifecycle(Forecaster):
             "decode_tokens": flow(d.decode_tokens),
             "decode_engine_s": flow(d.decode_engine_s),
         }
-        var = {t: (level if t == "decode_active_seqs" else flow)(v) for t, v in d.var.items()}
+        var = {t: level(v) if t == "decode_active_seqs" else at_end(np.cumsum(v)) if t == LIVE_KV else flow(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
         bins = np.arange(horizon_bins) if self.exact_bins is None else np.array([b for b in self.exact_bins if b < horizon_bins], np.int64)
         for target, sources in d.compound.items():  # the compound Poisson distribution of items × sizes
