@@ -44,6 +44,7 @@ from forecasting.empirical import Empirical
 from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, continuation_weights, truncated
+from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting_prefills
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV, TokenCost
 
@@ -148,64 +149,6 @@ def _stages(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
     return [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
 
 
-def _stat(stats: FamilyStats, pooled: FamilyStats, name: str):
-    own = getattr(stats, name)
-    return own if own.n else getattr(pooled, name)
-
-
-def _next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, members: np.ndarray, new, new_squared) -> tuple[np.ndarray, np.ndarray]:
-    """Expected engine-seconds and cache-missed tokens of each member's next prefill: `new`
-    tokens (mean, and mean square) on its context C, of which a share ρ is cached (the
-    family's learned ρ). With n = C(1-ρ) + new missed on a prefix ρC (series.TokenCost):
-    E[n] = C(1 - E[ρ]) + E[new];
-    E[cost] = t·E[n] + k·(C²(1 - E[ρ²])/2 + C·E[new] + E[new²]/2)."""
-    context = live.context[members]
-    share = _stat(stats, pooled, "cached_share")
-    r1, r2 = (share.mean(), share.second_moment()) if share.n else (1.0, 1.0)  # none seen: all cached
-    miss = context * (1.0 - r1) + new
-    pairs = context * context * (1.0 - r2) / 2.0 + context * new + new_squared / 2.0
-    return live.cost.per_token_s * miss + live.cost.per_token_pair_s * pairs, miss
-
-
-def _waiting_prefills(live: LiveState, stats: FamilyStats, pooled: FamilyStats, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Engine-seconds and cache-missed tokens of the prefills queued by `pre` (trajectories in
-    PRE) and not computed yet."""
-    waiting = pre[~live.prefilled[pre]]
-    new = live.queued_new[waiting]
-    return _next_prefill(live, stats, pooled, waiting, new, new * new)
-
-
-@dataclass(frozen=True, slots=True)
-class _Opening:
-    """A run's opening, before any decode has started (`_opening`)."""
-
-    drain_s: float  # until the prefill queue is empty
-    queued: int  # prompts in it, prefilled or not: they start decoding then
-    waiting_engine_s: float  # the prefill work still to do
-    waiting_miss_tokens: float
-    waiting_new_tokens: float  # the prompts not prefilled yet (KV the fleet will hold once they are)
-
-
-def _opening(live: LiveState, now_s: float) -> _Opening | None:
-    """Before any decode starts no phase has ended, and the phase durations are unknown; but
-    the burst is a queue. It drains at the rate it has drained since the first prompt was
-    queued (the prefills done so far, at their mean engine-seconds, per second), and the
-    prompts prefilled but not decoding wait for it to empty: a colocated engine runs its
-    prefills first (SGLang's default). On the bench's DeepSeek SWE row the first of 1,024
-    decodes starts at 20.1 s and all are decoding at 22 s. None until a prefill is done, and
-    for a run joined after its opening (a live trajectory decoding or in a tool call)."""
-    pooled = live.stats[POOLED]
-    pre = np.flatnonzero(live.alive & (live.phase == PRE))
-    done = int(live.prefilled[pre].sum())
-    elapsed_s = now_s - float(live.entered_s[pre].min()) if len(pre) else 0.0
-    if done == 0 or pooled.prompt_engine_s.mean() <= 0.0 or elapsed_s <= 0.0 or len(pre) < int(live.alive.sum()):
-        return None
-    engine_s, miss = _waiting_prefills(live, pooled, pooled, pre)
-    rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
-    waiting_new = float(live.queued_new[pre[~live.prefilled[pre]]].sum())
-    return _Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()), waiting_new)
-
-
 @register
 class Lifecycle(Forecaster):
     """substeps: slots per bin; cycles: turns followed ahead; censoring: running stages count
@@ -224,7 +167,7 @@ class Lifecycle(Forecaster):
         self.censoring = censoring
         self.cycles = cycles
         self._history: History | None = None
-        self._opening: _Opening | None = None  # set by update while no decode has started
+        self._opening: Opening | None = None  # set by update while no decode has started
 
     def update(self, history: History) -> Self:
         live = history.live
@@ -232,7 +175,7 @@ class Lifecycle(Forecaster):
         if live is None:
             raise FitError("lifecycle: needs the live trajectory state")
         if live.stats[POOLED].stage_s[PRE].n == 0:  # a run's opening: no decode has started yet
-            self._opening = _opening(live, history.now_s)
+            self._opening = opening(live, history.now_s)
             if self._opening is None:
                 raise FitError("lifecycle: no prefill finished yet")
         self._history = history
@@ -261,8 +204,8 @@ class Lifecycle(Forecaster):
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
         weights = continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
-        prompt_pre = _stat(stats, pooled, "prompt_pre_s")
-        obs, gen = _stat(stats, pooled, "obs_tokens"), _stat(stats, pooled, "gen_tokens")
+        prompt_pre = stat(stats, pooled, "prompt_pre_s")
+        obs, gen = stat(stats, pooled, "obs_tokens"), stat(stats, pooled, "gen_tokens")
         ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`_shared`'s blocks)
         phase_of, turn_of = live.phase[members], live.turn[members]
         groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
@@ -283,16 +226,16 @@ class Lifecycle(Forecaster):
             if phase == DEC:
                 demand.decode_active += len(sel)
             if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
-                engine_s, miss = _waiting_prefills(live, stats, pooled, sel)
+                engine_s, miss = waiting_prefills(live, stats, pooled, sel)
                 demand.miss_tokens[0] += miss.sum()
                 demand.engine_s[0] += engine_s.sum()
                 # the KV this turn adds by its decode: its new tokens unless prefilled already
                 # (in place of the family's mean observation, which the chain adds at every PRE end)
                 own = np.where(live.prefilled[sel], 0.0, live.queued_new[sel]) - obs.mean()
                 demand.kv_delta += stage.residual_sums(bucket, own[None, :], step_s, demand.slots, elapsed_s if self.censoring else None)[0]
-            if phase == TOOL and _stat(stats, pooled, "cached_share").n:  # the next prefill: on this trajectory's context
-                engine_s, miss = _next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
-                own = np.array([engine_s - _stat(stats, pooled, "engine_s").mean(), miss - _stat(stats, pooled, "miss_tokens").mean()])
+            if phase == TOOL and stat(stats, pooled, "cached_share").n:  # the next prefill: on this trajectory's context
+                engine_s, miss = next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
+                own = np.array([engine_s - stat(stats, pooled, "engine_s").mean(), miss - stat(stats, pooled, "miss_tokens").mean()])
                 first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
@@ -305,11 +248,11 @@ class Lifecycle(Forecaster):
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
         flow's distribution has blocks, not single arrivals, as its items."""
-        obs = _stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
-        miss = _stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
-        engine = _stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
-        gen = _stat(stats, pooled, "gen_tokens")
-        decode_s = _stat(stats, pooled, "decode_engine_s")  # its sizes; its mean from each decode's context:
+        obs = stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
+        miss = stat(stats, pooled, "prompt_miss_tokens" if turn0 else "miss_tokens")
+        engine = stat(stats, pooled, "prompt_engine_s" if turn0 else "engine_s")
+        gen = stat(stats, pooled, "gen_tokens")
+        decode_s = stat(stats, pooled, "decode_engine_s")  # its sizes; its mean from each decode's context:
         a, k = demand.decode_cost.per_token_s, demand.decode_cost.per_token_pair_s  # E = a·E[g] + k·(C·E[g] + E[g²]/2)
         demand.new_tokens += flows.arrivals * obs.mean()
         for target, sizes in (("prefill_new_tokens", obs), ("prefill_miss_tokens", miss), ("prefill_engine_s", engine)):
@@ -337,16 +280,16 @@ class Lifecycle(Forecaster):
 
     # --- a run's opening ------------------------------------------------------------------------
     @staticmethod
-    def _add_opening(demand: _Demand, opening: _Opening, step_s: float) -> None:
-        """Before the first decode starts (`_opening`): every prompt queued now starts
+    def _add_opening(demand: _Demand, queue: Opening, step_s: float) -> None:
+        """Before the first decode starts (`prefill_work.opening`): every prompt queued now starts
         decoding when the queue has drained, and none ends within the horizon (no decode has
         been seen to end); the waiting prefills' work is demand now."""
-        demand.miss_tokens[0] += opening.waiting_miss_tokens
-        demand.engine_s[0] += opening.waiting_engine_s
-        first = int(opening.drain_s / step_s)
+        demand.miss_tokens[0] += queue.waiting_miss_tokens
+        demand.engine_s[0] += queue.waiting_engine_s
+        first = int(queue.drain_s / step_s)
         if first < demand.slots:
-            demand.decode_active[first:] += opening.queued
-            demand.kv_delta[first] += opening.waiting_new_tokens
+            demand.decode_active[first:] += queue.queued
+            demand.kv_delta[first] += queue.waiting_new_tokens
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
@@ -378,9 +321,9 @@ class Lifecycle(Forecaster):
         for key, share in ({live.families[f]: share for f, share in mix.items()} or {POOLED: 1.0}).items():
             stats = live.stats[key]
             self._add_family_starts(demand, stats, pooled, size * share, p, step_s, wave)
-            prompt_new += share * _stat(stats, pooled, "prompt_tokens").mean()
-            prompt_miss += share * _stat(stats, pooled, "prompt_miss_tokens").mean()
-            prompt_engine_s += share * _stat(stats, pooled, "prompt_engine_s").mean()
+            prompt_new += share * stat(stats, pooled, "prompt_tokens").mean()
+            prompt_miss += share * stat(stats, pooled, "prompt_miss_tokens").mean()
+            prompt_engine_s += share * stat(stats, pooled, "prompt_engine_s").mean()
         burst_var = size**2 * p * (1 - np.minimum(p, 1.0))
         demand.var["prefill_new_tokens"] += burst_var * prompt_new**2
         demand.var["prefill_miss_tokens"] += burst_var * prompt_miss**2
@@ -391,12 +334,12 @@ class Lifecycle(Forecaster):
         turns = stats.turns if stats.turns.n else pooled.turns
         weights = continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
-        prompt_pre = _stat(stats, pooled, "prompt_pre_s")
+        prompt_pre = stat(stats, pooled, "prompt_pre_s")
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
         # a start queues its prompt (an arrival of prompt size); its first PRE is the prompt's
         first_ends = size * truncated(p, first_pre)
-        prompt, obs = _stat(stats, pooled, "prompt_tokens").mean(), _stat(stats, pooled, "obs_tokens").mean()
-        read = prompt + (_stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
+        prompt, obs = stat(stats, pooled, "prompt_tokens").mean(), stat(stats, pooled, "obs_tokens").mean()
+        read = prompt + (stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
         finish = _finishing(weights[:, None])[:, 0]
         blocks = [weights[:, None] * first_ends, (weights * read)[:, None] * first_ends, finish[:, None] * first_ends, (finish * read)[:, None] * first_ends]
         decode_hat = np.array([chain.spectrum(PRE, b)[DEC] for b in blocks[1:]])
