@@ -1,9 +1,10 @@
 """Demand forecasts, published by the forecaster actor on subjects.forecast() every tick.
 
-Values are per bin of `bin_s` model seconds: flows (tokens) are sums over the bin, levels
-(sequences) time-weighted means over it. Horizon h means the bin that ends h seconds after
-`as_of_s`. Targets (see forecasting.series): prefill_new_tokens, prefill_miss_tokens,
-prefill_engine_s, decode_active_seqs, decode_tokens, decode_engine_s.
+Values are per bin of `bin_s` model seconds: flows (tokens, engine-seconds) are sums over
+the bin, decode_active_seqs its time-weighted mean, live_kv_tokens its value at the bin's
+end. Horizon h means the bin that ends h seconds after `as_of_s`. Targets (see
+forecasting.series): prefill_new_tokens, prefill_miss_tokens, prefill_engine_s,
+decode_active_seqs, decode_tokens, decode_engine_s, live_kv_tokens.
 """
 
 from __future__ import annotations

@@ -79,17 +79,19 @@ class TokenCost:
         per-sequence share (t_dec_s + c_seq_s), per context token read c_kv_s."""
         return cls(per_token_s=preset.t_dec_s + preset.c_seq_s, per_token_pair_s=preset.c_kv_s)
 
-    def engine_s(self, miss_tokens, prefix_tokens):
-        return self.per_token_s * miss_tokens + self.per_token_pair_s * miss_tokens * (prefix_tokens + miss_tokens / 2.0)
+    def engine_s(self, tokens, context_tokens):
+        """n `tokens` computed on `context_tokens` p before them (a prefill's cache-missed
+        tokens on its cached prefix; a decode's generated tokens on the context it reads)."""
+        return self.per_token_s * tokens + self.per_token_pair_s * tokens * (context_tokens + tokens / 2.0)
 
-    def attention_tokens(self, engine_s: float, miss_tokens: float) -> float:
-        """The inverse of `engine_s` over many prefills: the mean context a cache-missed token
-        attends over (its cached prefix plus the tokens before it in its own prefill, p + n/2
-        for one prefill), weighted by tokens. 0 where it cannot be told (no tokens, or costs
-        that do not price attention)."""
-        if miss_tokens <= 0 or self.per_token_pair_s <= 0:
+    def attention_tokens(self, engine_s: float, tokens: float) -> float:
+        """The inverse of `engine_s` over many prefills (or decodes): the mean context a
+        computed token attends over (the context before it and the tokens before it in its
+        own prefill or decode, p + n/2 for one), weighted by tokens. 0 where it cannot be told
+        (no tokens, or costs that do not price attention)."""
+        if tokens <= 0 or self.per_token_pair_s <= 0:
             return 0.0
-        return max(0.0, (engine_s / miss_tokens - self.per_token_s) / self.per_token_pair_s)
+        return max(0.0, (engine_s / tokens - self.per_token_s) / self.per_token_pair_s)
 
 
 UNIT_COST = TokenCost()

@@ -25,11 +25,18 @@ grows with those groups, not with the number of trajectories; the chains of phas
 walked as spectra (`forecasting.models.chain`). Uncertainty: a compound Poisson spread per slot (variance =
 Σ p · E[size²]); the next step's burst arrives as a block (variance N² p (1-p) · size²);
 quantiles are normal on that spread. The flows (prefill new and cache-missed tokens, prefill
-engine-seconds, decode tokens) instead take the compound Poisson distribution itself
-(forecasting.compound: arrivals per family × its learned sizes, scaled to the mean where a
-trajectory's own context prices its next prefill): a per-bin flow is often zero and
-heavy-tailed, so its point forecast is the median (the one that minimises the absolute
-error; `median_flows`), and the quantiles are its own.
+engine-seconds, decode tokens and engine-seconds) instead take the compound Poisson
+distribution itself (forecasting.compound: arrivals per family × its learned sizes, scaled
+to the mean where a trajectory's own context prices its next prefill or its decodes): a
+per-bin flow is often zero and heavy-tailed, so its point forecast is the median (the one
+that minimises the absolute error; `median_flows`), and the quantiles are its own.
+
+Decode engine-seconds are linear in the context a decode reads, so the chains are also
+walked with each trajectory weighted by its context (`_shared`); the KV footprint
+(live_kv_tokens) is the KV of now plus the expected changes those walks give (a decode start
+adds its turn's new tokens, a decode end its generated ones or, where the trajectory
+finishes, its whole context). The prefill work each live trajectory will ask for, and a
+run's opening, are priced in forecasting.models.prefill_work.
 """
 
 from __future__ import annotations
@@ -114,27 +121,28 @@ class _Block:
         return self.sizes.mean() * self.count
 
 
-def _finishing(weights: np.ndarray) -> np.ndarray:
-    """From continuation weights W[m] (P(going on past the next m decode completions)): the
-    probability of finishing at the m-th decode completion ahead, W[m] - W[m+1] (none past
-    the chain's last)."""
-    return np.vstack([weights[:-1] - weights[1:], np.zeros((1, weights.shape[1]))])
+def _ahead(cont: np.ndarray, cycles: int) -> tuple[np.ndarray, np.ndarray]:
+    """The continuation weights W[m] (P(going on past the next m decode completions), m =
+    0..cycles: `continuation_weights`) and the probability of finishing at the m-th decode
+    completion ahead, W[m] - W[m+1]."""
+    weights = continuation_weights(cont, cycles + 1)
+    return weights[:-1], weights[:-1] - weights[1:]
 
 
-def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
+def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, finishing: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
     """Trajectories with the same (elapsed bucket, first turn) have the same future: the
     distinct pairs' buckets, and per pair four blocks of rows (one per decode completion
     ahead, m = 0..M): their continuation weights times how many share it; the same times the
     contexts their decodes read, summed (the m-th decode ahead reads its trajectory's
     `context` plus m turns' `growth`); and both again with the probability of finishing
-    there (`_finishing`) in place of going on."""
+    there (`finishing`, `_ahead`) in place of going on."""
     turn = np.minimum(first_turn, weights.shape[1] - 1)
     low, width = int(turn.min()), int(bucket.max()) + 1
     key = (turn - low) * width + bucket
     counts = np.bincount(key)
     pairs = np.flatnonzero(counts)
     contexts = np.bincount(key, context)[pairs] + growth * np.arange(len(weights))[:, None] * counts[pairs]
-    blocks = [weights[:, pairs // width + low], _finishing(weights)[:, pairs // width + low]]
+    blocks = [weights[:, pairs // width + low], finishing[:, pairs // width + low]]
     return pairs % width, np.vstack([x for w in blocks for x in (w * counts[pairs], w * contexts)])
 
 
@@ -203,7 +211,7 @@ class Lifecycle(Forecaster):
         pooled = live.stats[POOLED]
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights = continuation_weights(turns.continue_prob(live.turn[members]), self.cycles)
+        weights, finishing = _ahead(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
         obs, gen = stat(stats, pooled, "obs_tokens"), stat(stats, pooled, "gen_tokens")
         ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`_shared`'s blocks)
@@ -220,7 +228,7 @@ class Lifecycle(Forecaster):
             # the context the next decode reads: the history, and this turn's new tokens (a
             # trajectory in a tool call: the observation it will get)
             context = live.context[sel] + (obs.mean() if phase == TOOL else live.queued_new[sel])
-            shared = _shared(bucket, first_turn, weights, context, gen.mean() + obs.mean())
+            shared = _shared(bucket, first_turn, weights, finishing, context, gen.mean() + obs.mean())
             ends = stage.residual_sums(*shared, step_s, demand.slots, elapsed_s if self.censoring else None)
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
@@ -283,13 +291,15 @@ class Lifecycle(Forecaster):
     def _add_opening(demand: _Demand, queue: Opening, step_s: float) -> None:
         """Before the first decode starts (`prefill_work.opening`): every prompt queued now starts
         decoding when the queue has drained, and none ends within the horizon (no decode has
-        been seen to end); the waiting prefills' work is demand now."""
+        been seen to end); the waiting prefills' work is demand now, and their prompts are
+        held as they are prefilled."""
         demand.miss_tokens[0] += queue.waiting_miss_tokens
         demand.engine_s[0] += queue.waiting_engine_s
         first = int(queue.drain_s / step_s)
         if first < demand.slots:
             demand.decode_active[first:] += queue.queued
-            demand.kv_delta[first] += queue.waiting_new_tokens
+        # the waiting prompts are held as they are prefilled: evenly until the queue drains
+        demand.kv_delta[: min(first + 1, demand.slots)] += queue.waiting_new_tokens / (first + 1)
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
@@ -332,7 +342,7 @@ class Lifecycle(Forecaster):
     def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights = continuation_weights(turns.continue_prob(np.zeros(0, np.int64)), self.cycles)[:, 0]
+        weights, finish = (w[:, 0] for w in _ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
@@ -340,7 +350,6 @@ class Lifecycle(Forecaster):
         first_ends = size * truncated(p, first_pre)
         prompt, obs = stat(stats, pooled, "prompt_tokens").mean(), stat(stats, pooled, "obs_tokens").mean()
         read = prompt + (stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
-        finish = _finishing(weights[:, None])[:, 0]
         blocks = [weights[:, None] * first_ends, (weights * read)[:, None] * first_ends, finish[:, None] * first_ends, (finish * read)[:, None] * first_ends]
         decode_hat = np.array([chain.spectrum(PRE, b)[DEC] for b in blocks[1:]])
         self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, blocks[0])), chain.inverse(decode_hat)), stats, pooled, turn0=False)
