@@ -127,17 +127,15 @@ class ForecastCore:
 
     def _ingest_by_bin(self, events: pl.DataFrame, until_s: float) -> np.ndarray:
         """Feed the live state the events of [end_s, until_s), one bin at a time (earlier ones
-        in the first), and read the live trajectories' KV after each bin (series.LIVE_KV)."""
+        in the first; in the order they came within a bin), and read the live trajectories' KV
+        after each bin (series.LIVE_KV)."""
         n_bins = round((until_s - self.end_s) / self.config.bin_s)
-        if n_bins <= 1:
-            self.live.ingest(events)
-            return np.array([float(self.live.live_context_tokens())])
-        events = events.sort("at_s", maintain_order=True)
-        edges = self.end_s + self.config.bin_s * np.arange(1, n_bins)
-        cuts = [0, *np.searchsorted(events["at_s"].to_numpy(), edges, side="left").tolist(), events.height]
+        local = np.clip(np.floor((events["at_s"].to_numpy() - self.end_s) / self.config.bin_s), 0, n_bins - 1).astype(np.int64)
+        order = np.argsort(local, kind="stable")
+        cuts = np.searchsorted(local[order], np.arange(n_bins + 1), side="left")
         kv = np.zeros(n_bins)
         for b in range(n_bins):
-            self.live.ingest(events.slice(cuts[b], cuts[b + 1] - cuts[b]))
+            self.live.ingest(events[order[cuts[b] : cuts[b + 1]]])
             kv[b] = self.live.live_context_tokens()
         return kv
 

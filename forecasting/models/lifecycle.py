@@ -146,6 +146,15 @@ def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, fin
     return pairs % width, np.vstack([x for w in blocks for x in (w * counts[pairs], w * contexts)])
 
 
+def _walked(chain: PhaseChain, ends_by_phase: dict[int, np.ndarray]) -> _Flows:
+    """The flows that follow the ends of each phase, given as `_shared`'s four blocks of rows
+    (counts, contexts, finishing counts, finishing contexts), walked along the chain."""
+    rows = chain.cycles + 1
+    flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
+    decode_hat = sum(np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items())
+    return _Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat))
+
+
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
     """The stage's centred pmf on the slot grid, kept until the stage learns a new sample
     (none: a stage never seen to end, `Empirical.survival`)."""
@@ -248,10 +257,7 @@ class Lifecycle(Forecaster):
                 demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
                 demand.miss_tokens += first[1]
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
-        rows = len(weights)
-        flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
-        decode_hat = sum(np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items())
-        self._add_sizes(demand, _Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat)), stats, pooled, turn0=False)
+        self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, turn0=False)
 
     def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
@@ -350,9 +356,8 @@ class Lifecycle(Forecaster):
         first_ends = size * truncated(p, first_pre)
         prompt, obs = stat(stats, pooled, "prompt_tokens").mean(), stat(stats, pooled, "obs_tokens").mean()
         read = prompt + (stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
-        blocks = [weights[:, None] * first_ends, (weights * read)[:, None] * first_ends, finish[:, None] * first_ends, (finish * read)[:, None] * first_ends]
-        decode_hat = np.array([chain.spectrum(PRE, b)[DEC] for b in blocks[1:]])
-        self._add_sizes(demand, _Flows.of(chain.inverse(chain.spectrum(PRE, blocks[0])), chain.inverse(decode_hat)), stats, pooled, turn0=False)
+        blocks = np.vstack([w[:, None] * first_ends for w in (weights, weights * read, finish, finish * read)])  # as `_shared`'s
+        self._add_sizes(demand, _walked(chain, {PRE: blocks}), stats, pooled, turn0=False)
         demand.kv_delta += first_ends * (prompt - obs)  # the first decode start adds the prompt, not an observation
         # a wave's prompts arrive together: one block of `size` with probability p
         self._add_sizes(demand, _Flows.none(size * p), stats, pooled, turn0=True, block=size if wave else 0.0)

@@ -32,12 +32,17 @@ def next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, membe
     return live.cost.per_token_s * miss + live.cost.per_token_pair_s * pairs, miss
 
 
+def waiting(live: LiveState, pre: np.ndarray) -> np.ndarray:
+    """Those of `pre` (trajectories in PRE) whose queued prefill is not computed yet."""
+    return pre[~live.prefilled[pre]]
+
+
 def waiting_prefills(live: LiveState, stats: FamilyStats, pooled: FamilyStats, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Engine-seconds and cache-missed tokens of the prefills queued by `pre` (trajectories in
     PRE) and not computed yet."""
-    waiting = pre[~live.prefilled[pre]]
-    new = live.queued_new[waiting]
-    return next_prefill(live, stats, pooled, waiting, new, new * new)
+    queued = waiting(live, pre)
+    new = live.queued_new[queued]
+    return next_prefill(live, stats, pooled, queued, new, new * new)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,5 +72,5 @@ def opening(live: LiveState, now_s: float) -> Opening | None:
         return None
     engine_s, miss = waiting_prefills(live, pooled, pooled, pre)
     rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
-    waiting_new = float(live.queued_new[pre[~live.prefilled[pre]]].sum())
+    waiting_new = float(live.queued_new[waiting(live, pre)].sum())
     return Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()), waiting_new)
