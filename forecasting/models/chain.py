@@ -1,5 +1,6 @@
 """A task family's phase chain PRE → DEC → TOOL → PRE …, walked as spectra (the lifecycle
-model's core: forecasting.models.lifecycle), and the turn-continuation weights along it."""
+model's core: forecasting.models.lifecycle), the turn-continuation weights along it, and the
+rows a group of live trajectories puts into the walk."""
 
 from __future__ import annotations
 
@@ -75,3 +76,28 @@ def continuation_weights(cont: np.ndarray, cycles: int) -> np.ndarray:
     for m in range(1, cycles + 1):
         weights[m] = weights[m - 1] * cont[np.minimum(turns + m - 1, len(cont) - 1)]
     return weights
+
+
+def ahead(cont: np.ndarray, cycles: int) -> tuple[np.ndarray, np.ndarray]:
+    """The continuation weights W[m] (P(going on past the next m decode completions), m =
+    0..cycles: `continuation_weights`) and the probability of finishing at the m-th decode
+    completion ahead, W[m] - W[m+1]."""
+    weights = continuation_weights(cont, cycles + 1)
+    return weights[:-1], weights[:-1] - weights[1:]
+
+
+def shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, finishing: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
+    """Trajectories with the same (elapsed bucket, first turn) have the same future: the
+    distinct pairs' buckets, and per pair four blocks of rows (one per decode completion
+    ahead, m = 0..M): their continuation weights times how many share it; the same times the
+    contexts their decodes read, summed (the m-th decode ahead reads its trajectory's
+    `context` plus m turns' `growth`); and both again with the probability of finishing
+    there (`finishing`, `ahead`) in place of going on."""
+    turn = np.minimum(first_turn, weights.shape[1] - 1)
+    low, width = int(turn.min()), int(bucket.max()) + 1
+    key = (turn - low) * width + bucket
+    counts = np.bincount(key)
+    pairs = np.flatnonzero(counts)
+    contexts = np.bincount(key, context)[pairs] + growth * np.arange(len(weights))[:, None] * counts[pairs]
+    blocks = [weights[:, pairs // width + low], finishing[:, pairs // width + low]]
+    return pairs % width, np.vstack([x for w in blocks for x in (w * counts[pairs], w * contexts)])

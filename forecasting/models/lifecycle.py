@@ -32,7 +32,7 @@ per-bin flow is often zero and heavy-tailed, so its point forecast is the median
 that minimises the absolute error; `median_flows`), and the quantiles are its own.
 
 Decode engine-seconds are linear in the context a decode reads, so the chains are also
-walked with each trajectory weighted by its context (`_shared`); the KV footprint
+walked with each trajectory weighted by its context (`chain.shared`); the KV footprint
 (live_kv_tokens) is the KV of now plus the expected changes those walks give (a decode start
 adds its turn's new tokens, a decode end its generated ones or, where the trajectory
 finishes, its whole context). The prefill work each live trajectory will ask for, and a
@@ -50,7 +50,7 @@ from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
 from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
-from forecasting.models.chain import PhaseChain, continuation_weights, truncated
+from forecasting.models.chain import PhaseChain, ahead, shared, truncated
 from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting_prefills
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV, TokenCost
@@ -121,33 +121,8 @@ class _Block:
         return self.sizes.mean() * self.count
 
 
-def _ahead(cont: np.ndarray, cycles: int) -> tuple[np.ndarray, np.ndarray]:
-    """The continuation weights W[m] (P(going on past the next m decode completions), m =
-    0..cycles: `continuation_weights`) and the probability of finishing at the m-th decode
-    completion ahead, W[m] - W[m+1]."""
-    weights = continuation_weights(cont, cycles + 1)
-    return weights[:-1], weights[:-1] - weights[1:]
-
-
-def _shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, finishing: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
-    """Trajectories with the same (elapsed bucket, first turn) have the same future: the
-    distinct pairs' buckets, and per pair four blocks of rows (one per decode completion
-    ahead, m = 0..M): their continuation weights times how many share it; the same times the
-    contexts their decodes read, summed (the m-th decode ahead reads its trajectory's
-    `context` plus m turns' `growth`); and both again with the probability of finishing
-    there (`finishing`, `_ahead`) in place of going on."""
-    turn = np.minimum(first_turn, weights.shape[1] - 1)
-    low, width = int(turn.min()), int(bucket.max()) + 1
-    key = (turn - low) * width + bucket
-    counts = np.bincount(key)
-    pairs = np.flatnonzero(counts)
-    contexts = np.bincount(key, context)[pairs] + growth * np.arange(len(weights))[:, None] * counts[pairs]
-    blocks = [weights[:, pairs // width + low], finishing[:, pairs // width + low]]
-    return pairs % width, np.vstack([x for w in blocks for x in (w * counts[pairs], w * contexts)])
-
-
 def _walked(chain: PhaseChain, ends_by_phase: dict[int, np.ndarray]) -> _Flows:
-    """The flows that follow the ends of each phase, given as `_shared`'s four blocks of rows
+    """The flows that follow the ends of each phase, given as `chain.shared`'s four blocks of rows
     (counts, contexts, finishing counts, finishing contexts), walked along the chain."""
     rows = chain.cycles + 1
     flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
@@ -220,10 +195,10 @@ class Lifecycle(Forecaster):
         pooled = live.stats[POOLED]
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights, finishing = _ahead(turns.continue_prob(live.turn[members]), self.cycles)
+        weights, finishing = ahead(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
         obs, gen = stat(stats, pooled, "obs_tokens"), stat(stats, pooled, "gen_tokens")
-        ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`_shared`'s blocks)
+        ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`chain.shared`'s blocks)
         phase_of, turn_of = live.phase[members], live.turn[members]
         groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
                   (DEC, phase_of == DEC, stages[DEC]), (TOOL, phase_of == TOOL, stages[TOOL])]  # fmt: skip
@@ -237,8 +212,8 @@ class Lifecycle(Forecaster):
             # the context the next decode reads: the history, and this turn's new tokens (a
             # trajectory in a tool call: the observation it will get)
             context = live.context[sel] + (obs.mean() if phase == TOOL else live.queued_new[sel])
-            shared = _shared(bucket, first_turn, weights, finishing, context, gen.mean() + obs.mean())
-            ends = stage.residual_sums(*shared, step_s, demand.slots, elapsed_s if self.censoring else None)
+            rows = shared(bucket, first_turn, weights, finishing, context, gen.mean() + obs.mean())
+            ends = stage.residual_sums(*rows, step_s, demand.slots, elapsed_s if self.censoring else None)
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
@@ -348,7 +323,7 @@ class Lifecycle(Forecaster):
     def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
-        weights, finish = (w[:, 0] for w in _ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
+        weights, finish = (w[:, 0] for w in ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
         first_pre = _pmf(prompt_pre, step_s, demand.slots) if prompt_pre.n else _pmf(stages[PRE], step_s, demand.slots)
@@ -356,7 +331,7 @@ class Lifecycle(Forecaster):
         first_ends = size * truncated(p, first_pre)
         prompt, obs = stat(stats, pooled, "prompt_tokens").mean(), stat(stats, pooled, "obs_tokens").mean()
         read = prompt + (stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
-        blocks = np.vstack([w[:, None] * first_ends for w in (weights, weights * read, finish, finish * read)])  # as `_shared`'s
+        blocks = np.vstack([w[:, None] * first_ends for w in (weights, weights * read, finish, finish * read)])  # as `chain.shared`'s
         self._add_sizes(demand, _walked(chain, {PRE: blocks}), stats, pooled, turn0=False)
         demand.kv_delta += first_ends * (prompt - obs)  # the first decode start adds the prompt, not an observation
         # a wave's prompts arrive together: one block of `size` with probability p
