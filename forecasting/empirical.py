@@ -131,6 +131,82 @@ class Empirical:
         return self.residual_mass(np.zeros(1), step_s, slots)[0]
 
 
+class SizedDelays:
+    """Delays paired with the sizes they carry: a prefill's time from queued to done, with the
+    tokens it computed and their engine-seconds. `shape` is where a flow's mass lands after
+    its arrival, each delay weighted by its size: a prefill that misses the cache computes
+    its whole context and lands seconds after a hit would, so its tokens land late while the
+    hits' land at once (the flow targets count a prefill's compute when it is done)."""
+
+    def __init__(self, columns: int, max_samples: int = 2000) -> None:
+        self._rows = np.zeros((max_samples, 1 + columns))  # a ring: each delay and its sizes
+        self._next = 0  # where the next row goes
+        self._count = 0
+        self._memo: dict = {}
+
+    @property
+    def n(self) -> int:
+        return self._count
+
+    def add_many(self, delays_s: np.ndarray, sizes: np.ndarray) -> None:
+        """`sizes`: (len(delays_s), columns); the most recent `max_samples` are kept."""
+        if len(delays_s) == 0:
+            return
+        capacity = len(self._rows)
+        rows = np.column_stack([delays_s, sizes])[-capacity:]
+        at = (self._next + np.arange(len(rows))) % capacity
+        self._rows[at] = rows
+        self._next = int((at[-1] + 1) % capacity)
+        self._count = min(capacity, self._count + len(rows))
+        self._memo.clear()
+
+    def _array(self) -> np.ndarray:
+        """(n, 1 + columns): each delay and its sizes."""
+        return self._rows[: self._count]
+
+    def shape(self, column: int, step_s: float, slots: int) -> np.ndarray:
+        """(slots,): the share of column's mass that lands j slots after its arrival (a delay
+        d in slot round(d / step)); what lands past the horizon is left out. No sample, or
+        no mass: all of it at once."""
+        key = (column, step_s, slots)
+        if key not in self._memo:
+            rows = self._array()
+            weight = np.maximum(rows[:, 1 + column], 0.0)
+            out = np.eye(1, slots)[0]
+            if weight.sum() > 0:
+                slot = np.rint(np.maximum(rows[:, 0], 0.0) / step_s).astype(np.int64)
+                inside = slot < slots
+                out = np.bincount(slot[inside], weight[inside], minlength=slots)[:slots] / weight.sum()
+            self._memo[key] = out
+        return self._memo[key]
+
+    def residual(self, column: int, waited_s: np.ndarray, amounts: np.ndarray, step_s: float, slots: int) -> np.ndarray:
+        """(slots,): `amounts` (column's mass) of prefills queued `waited_s` ago and not done
+        yet, where they land: each spread as the delays longer than its wait are, from now;
+        one waiting longer than any delay seen lands now."""
+        out = np.zeros(slots)
+        if len(amounts) == 0:
+            return out
+        rows = self._array()
+        delay, weight = np.maximum(rows[:, 0], 0.0), np.maximum(rows[:, 1 + column], 0.0)
+        bucket = np.floor(np.maximum(waited_s, 0.0) / step_s).astype(np.int64)
+        for b in np.unique(bucket):
+            amount = float(amounts[bucket == b].sum())
+            later = delay > b * step_s
+            if weight[later].sum() <= 0:
+                out[0] += amount
+                continue
+            slot = np.minimum(np.rint((delay[later] - b * step_s) / step_s).astype(np.int64), slots)
+            out += amount * np.bincount(slot, weight[later], minlength=slots + 1)[:slots] / weight[later].sum()
+        return out
+
+    def lagged(self, column: int, arrivals: np.ndarray, step_s: float) -> np.ndarray:
+        """`arrivals` (per slot, in units of column's mass) moved to where they land."""
+        if self.n == 0:
+            return arrivals
+        return np.convolve(arrivals, self.shape(column, step_s, len(arrivals)))[: len(arrivals)]
+
+
 class TurnHazard:
     """P(a trajectory of a family continues after its turn n) for n = 0, 1, …"""
 

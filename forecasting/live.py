@@ -41,12 +41,13 @@ import numpy as np
 import polars as pl
 
 from bus_schemas.lifecycle import FINAL_STEP
-from forecasting.empirical import Empirical, TurnHazard
+from forecasting.empirical import Empirical, SizedDelays, TurnHazard
 from forecasting.series import UNIT_COST, TokenCost, kind_codes, of_fleet
 
 PRE, DEC, TOOL = 0, 1, 2
 PHASES = ("pre", "dec", "tool")
 POOLED = "*"  # statistics over every family (used for trajectories not yet assigned)
+MISS_COLUMN, ENGINE_COLUMN = 0, 1  # a prefill delay's sizes (FamilyStats.prefill_delays)
 
 # Event kinds the trajectory state machine reads, as small integer codes.
 _KINDS = ("started", "prefill_queued", "reprefill", "prefill_done", "decode_started", "decode_done", "tool_done", "finished")
@@ -71,6 +72,10 @@ class FamilyStats:
     prompt_engine_s: Empirical = field(default_factory=Empirical)  # ... of turn 0
     prompt_tokens: Empirical = field(default_factory=Empirical)
     turns: TurnHazard = field(default_factory=TurnHazard)
+    # prefill_queued → prefill_done, with the computed tokens and engine-seconds (columns
+    # MISS_COLUMN, ENGINE_COLUMN)
+    prefill_delays: SizedDelays = field(default_factory=lambda: SizedDelays(2))  # turns > 0
+    prompt_delays: SizedDelays = field(default_factory=lambda: SizedDelays(2))  # turn 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +344,10 @@ class LiveState:
         engine_s = self.cost.engine_s(miss.astype(float), col["cached_prefix_tokens"].astype(float))
         self._learn("prompt_engine_s", fam[done & (turn == 0)], engine_s[done & (turn == 0)])
         self._learn("engine_s", fam[done & (turn != 0)], engine_s[done & (turn != 0)])
+        delayed = done & (phase_before == PRE)  # from the queued (or re-sent) turn's clock
+        sizes = np.column_stack([miss, engine_s]).astype(float)
+        self._learn_delays("prompt_delays", fam, delayed & (turn == 0), at_s - entered_before, sizes)
+        self._learn_delays("prefill_delays", fam, delayed & (turn != 0), at_s - entered_before, sizes)
         later = done & (turn != 0) & (col["context_tokens"] > 0)
         self._learn("cached_share", fam[later], np.minimum(col["cached_prefix_tokens"][later] / np.maximum(col["context_tokens"][later], 1), 1.0))
         done = code == DEC_DONE
@@ -432,6 +441,10 @@ class LiveState:
     def _learn(self, what: str, fam: np.ndarray, values: np.ndarray) -> None:
         for key, members in self._by_family(fam):
             getattr(self.stats[key], what).add_many(values[members])
+
+    def _learn_delays(self, what: str, fam: np.ndarray, mask: np.ndarray, delays_s: np.ndarray, sizes: np.ndarray) -> None:
+        for key, members in self._by_family(fam[mask]):
+            getattr(self.stats[key], what).add_many(np.maximum(delays_s[mask][members], 0.0), sizes[mask][members])
 
     def _learn_stage(self, fam: np.ndarray, phase: int, durations_s: np.ndarray) -> None:
         for key, members in self._by_family(fam):

@@ -48,10 +48,10 @@ import numpy as np
 
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
-from forecasting.live import DEC, POOLED, PRE, TOOL, FamilyStats, LiveState
+from forecasting.live import DEC, ENGINE_COLUMN, MISS_COLUMN, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, ahead, shared, truncated
-from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting_prefills
+from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting, waiting_prefills
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV, TokenCost
 
@@ -65,6 +65,7 @@ class _Demand:
     """Expected demand per fine slot, and its variance."""
 
     slots: int
+    step_s: float  # a slot's length
     decode_cost: TokenCost  # what a decode of g tokens on a context C costs (series.TokenCost)
     new_tokens: np.ndarray = field(init=False)
     miss_tokens: np.ndarray = field(init=False)
@@ -178,7 +179,7 @@ class Lifecycle(Forecaster):
             raise FitError("lifecycle: predict before update")
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
-        demand = _Demand(slots, live.decode_cost, kv_now=float(live.live_context_tokens()))
+        demand = _Demand(slots, step_s, live.decode_cost, kv_now=float(live.live_context_tokens()))
         if self._opening is not None:
             self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
@@ -217,10 +218,12 @@ class Lifecycle(Forecaster):
             ends_by_phase[phase] = ends_by_phase[phase] + ends if phase in ends_by_phase else ends
             if phase == DEC:
                 demand.decode_active += len(sel)
-            if phase == PRE:  # prefills queued now but not yet computed: their miss lands next
+            if phase == PRE:  # prefills queued now but not yet computed: their compute lands when they are done
                 engine_s, miss = waiting_prefills(live, stats, pooled, sel)
-                demand.miss_tokens[0] += miss.sum()
-                demand.engine_s[0] += engine_s.sum()
+                waited_s = np.maximum(now_s - live.entered_s[waiting(live, sel)], 0.0)
+                delays = stat(stats, pooled, "prompt_delays" if stage is prompt_pre else "prefill_delays")
+                demand.miss_tokens += delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots)
+                demand.engine_s += delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots)
                 # the KV this turn adds by its decode: its new tokens unless prefilled already
                 # (in place of the family's mean observation, which the chain adds at every PRE end)
                 own = np.where(live.prefilled[sel], 0.0, live.queued_new[sel]) - obs.mean()
@@ -229,8 +232,9 @@ class Lifecycle(Forecaster):
                 engine_s, miss = next_prefill(live, stats, pooled, sel, obs.mean(), obs.second_moment())
                 own = np.array([engine_s - stat(stats, pooled, "engine_s").mean(), miss - stat(stats, pooled, "miss_tokens").mean()])
                 first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
-                demand.engine_s += first[0]  # in place of the family's mean size for the first arrival
-                demand.miss_tokens += first[1]
+                delays = stat(stats, pooled, "prefill_delays")  # ... computed when its prefill is done
+                demand.engine_s += delays.lagged(ENGINE_COLUMN, first[0], step_s)  # in place of the family's mean size for the first arrival
+                demand.miss_tokens += delays.lagged(MISS_COLUMN, first[1], step_s)
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, turn0=False)
 
@@ -244,12 +248,15 @@ class Lifecycle(Forecaster):
         decode_s = stat(stats, pooled, "decode_engine_s")  # its sizes; its mean from each decode's context:
         a, k = demand.decode_cost.per_token_s, demand.decode_cost.per_token_pair_s  # E = a·E[g] + k·(C·E[g] + E[g²]/2)
         demand.new_tokens += flows.arrivals * obs.mean()
-        for target, sizes in (("prefill_new_tokens", obs), ("prefill_miss_tokens", miss), ("prefill_engine_s", engine)):
-            demand.compound[target].append((flows.arrivals / block, _Block(sizes, block)) if block > 0 else (flows.arrivals, sizes))
+        # a prefill's compute counts when it is done: its arrival moved by its size's delay
+        delays = stat(stats, pooled, "prompt_delays" if turn0 else "prefill_delays")
+        done = {column: delays.lagged(column, flows.arrivals, demand.step_s) for column in (MISS_COLUMN, ENGINE_COLUMN)}
+        for target, sizes, rate in (("prefill_new_tokens", obs, flows.arrivals), ("prefill_miss_tokens", miss, done[MISS_COLUMN]), ("prefill_engine_s", engine, done[ENGINE_COLUMN])):
+            demand.compound[target].append((rate / block, _Block(sizes, block)) if block > 0 else (rate, sizes))
         demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.compound["decode_engine_s"].append((flows.ends, decode_s))
-        demand.miss_tokens += flows.arrivals * miss.mean()
-        demand.engine_s += flows.arrivals * engine.mean()
+        demand.miss_tokens += done[MISS_COLUMN] * miss.mean()
+        demand.engine_s += done[ENGINE_COLUMN] * engine.mean()
         demand.decode_tokens += flows.ends * gen.mean()
         demand.decode_engine_s += flows.ends * (a * gen.mean() + k * gen.second_moment() / 2.0) + flows.ends_context * k * gen.mean()
         # the live KV: a decode start adds its turn's new tokens, a decode end its generated
@@ -261,8 +268,8 @@ class Lifecycle(Forecaster):
         occupancy = np.cumsum(flows.starts - flows.ends)
         demand.decode_active += occupancy
         demand.var["prefill_new_tokens"] += flows.arrivals * obs.second_moment()
-        demand.var["prefill_miss_tokens"] += flows.arrivals * miss.second_moment()
-        demand.var["prefill_engine_s"] += flows.arrivals * engine.second_moment()
+        demand.var["prefill_miss_tokens"] += done[MISS_COLUMN] * miss.second_moment()
+        demand.var["prefill_engine_s"] += done[ENGINE_COLUMN] * engine.second_moment()
         demand.var["decode_tokens"] += flows.ends * gen.second_moment()
         demand.var["decode_engine_s"] += flows.ends * decode_s.second_moment()
         demand.var["decode_active_seqs"] += np.abs(occupancy)
@@ -272,15 +279,15 @@ class Lifecycle(Forecaster):
     def _add_opening(demand: _Demand, queue: Opening, step_s: float) -> None:
         """Before the first decode starts (`prefill_work.opening`): every prompt queued now starts
         decoding when the queue has drained, and none ends within the horizon (no decode has
-        been seen to end); the waiting prefills' work is demand now, and their prompts are
-        held as they are prefilled."""
-        demand.miss_tokens[0] += queue.waiting_miss_tokens
-        demand.engine_s[0] += queue.waiting_engine_s
+        been seen to end); the waiting prefills are done, and their prompts held, evenly
+        until the queue drains."""
         first = int(queue.drain_s / step_s)
         if first < demand.slots:
             demand.decode_active[first:] += queue.queued
-        # the waiting prompts are held as they are prefilled: evenly until the queue drains
-        demand.kv_delta[: min(first + 1, demand.slots)] += queue.waiting_new_tokens / (first + 1)
+        draining = slice(0, min(first + 1, demand.slots))
+        demand.miss_tokens[draining] += queue.waiting_miss_tokens / (first + 1)
+        demand.engine_s[draining] += queue.waiting_engine_s / (first + 1)
+        demand.kv_delta[draining] += queue.waiting_new_tokens / (first + 1)
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
     def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
