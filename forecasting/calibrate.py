@@ -88,7 +88,7 @@ class Conformal:
             calibrated[:, :, self._columns] = np.sort(np.maximum(raw[:, :, self._columns] + shift, 0.0), axis=1)
         self._issued[issued_at] = (raw, calibrated[:, LO].copy(), calibrated[:, HI].copy())
         quantiles = dict(prediction.quantiles) | {t: calibrated[i] for i, t in enumerate(TARGETS)}
-        return Prediction(prediction.mean, quantiles, prediction.point)
+        return Prediction(prediction.mean, quantiles, prediction.point, prediction.asked)
 
     def shift(self) -> np.ndarray | None:
         """(targets, levels, horizons kept): the shift of each quantile; None: too few residuals

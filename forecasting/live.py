@@ -9,7 +9,8 @@ Each live trajectory is in one phase of its turn cycle:
 
 Every completed phase adds its duration to the family's distribution (a turn-0 PRE, the
 prompt's queue under a step's start burst, to its own); tool_done adds the tool latency and
-the observation length, decode_done the generation length, finished the number of turns.
+the observation length, decode_done the generation length, finished the number of turns,
+prefill_done the time since the turn was queued with what it computed (`prefill_delays`).
 Fleet events give the RL cadence, in either mode (`mode`, read from the events alone):
 
     sync   rollout_done → step_started (the trainer's gap), step_started → each start (the

@@ -2,7 +2,8 @@
 prefill_engine_s are credited at prefill_done), not when it is queued: the lifecycle model
 moves each expected prefill by the delays its family's prefills took, each weighted by its
 size (forecasting.empirical.SizedDelays), and spreads the prefills waiting now over the
-delays longer than their wait."""
+delays longer than their wait. The window mean the allocator provisions on counts the same
+compute when it is asked for (`Prediction.asked`)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def test_a_prefills_compute_is_forecast_when_it_will_be_done_not_when_it_is_queu
     """20 trajectories in lockstep: every 9 s their turns are queued within 2 s, and done 4 s
     later. The forecast's compute peaks where the log's does, 4 s after the new tokens'."""
     now_s = 60
-    mean = Lifecycle().update(_history_at(_log(20, until_s=now_s), now_s)).predict(30).mean
+    prediction = Lifecycle().update(_history_at(_log(20, until_s=now_s), now_s)).predict(30)
+    mean, asked = prediction.mean, prediction.asked
     later = _log(20, until_s=now_s + 30)
     done = later.filter((later["kind"] == "prefill_done") & (later["at_s"] >= now_s) & (later["at_s"] < now_s + 30))
     bins = np.floor(done["at_s"].to_numpy() - now_s).astype(int)
@@ -69,8 +71,13 @@ def test_a_prefills_compute_is_forecast_when_it_will_be_done_not_when_it_is_queu
         queued_peak = first + int(np.argmax(mean["prefill_new_tokens"][window]))
         assert first + int(np.argmax(mean["prefill_miss_tokens"][window])) == first + int(np.argmax(actual[window])) == queued_peak + 4
         assert first + int(np.argmax(mean["prefill_engine_s"][window])) == queued_peak + 4
+        # as asked for (queued), what the window mean the allocator provisions on counts
+        assert first + int(np.argmax(asked["prefill_miss_tokens"][window])) == queued_peak
     near = np.convolve(actual > 0, np.ones(3), mode="same") > 0  # the log's compute bins, +-1
     assert mean["prefill_miss_tokens"][near].sum() > 0.8 * mean["prefill_miss_tokens"].sum()
+    for target in ("prefill_miss_tokens", "prefill_engine_s"):
+        assert prediction.window_mean(target, 9) == pytest.approx(asked[target][:10].mean())
+        assert asked[target].sum() == pytest.approx(mean[target].sum(), rel=0.25)  # the same work, timed apart
 
 
 def test_prefills_waiting_now_land_as_the_delays_longer_than_their_wait():

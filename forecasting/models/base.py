@@ -54,14 +54,20 @@ class Prediction:
     # minimises absolute error, of a zero-inflated heavy-tailed flow); demand consumers
     # (the allocator) use the mean, accuracy tables score the point forecast
     point: dict[str, np.ndarray] = field(default_factory=dict)
+    # target -> (H,): a flow timed when its work is asked for, where the model tells that from
+    # when the series counts it (a prefill's compute: queued, against done); the window
+    # mean uses it: over a window, what capacity must serve is the work asked for, and timed
+    # when done, work a short-handed stage pushes past the window would not show
+    asked: dict[str, np.ndarray] = field(default_factory=dict)
 
     def point_forecast(self, target: str) -> np.ndarray:
         return self.point.get(target, self.mean[target])
 
     def window_mean(self, target: str, hi: int) -> float:
         """The mean forecast over horizon indices 0..hi: the demand of the next hi + 1 bins,
-        per bin (what the allocator sizes on; runners.replay --score window scores it)."""
-        return float(self.mean[target][: hi + 1].mean())
+        per bin, as asked for (what the allocator sizes on; runners.replay --score window
+        scores it)."""
+        return float(self.asked.get(target, self.mean[target])[: hi + 1].mean())
 
     @staticmethod
     def normal(mean: dict[str, np.ndarray], sd: dict[str, np.ndarray]) -> "Prediction":

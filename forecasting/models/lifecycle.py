@@ -68,8 +68,10 @@ class _Demand:
     step_s: float  # a slot's length
     decode_cost: TokenCost  # what a decode of g tokens on a context C costs (series.TokenCost)
     new_tokens: np.ndarray = field(init=False)
-    miss_tokens: np.ndarray = field(init=False)
+    miss_tokens: np.ndarray = field(init=False)  # a prefill's compute when it is done (what the series counts) ...
     engine_s: np.ndarray = field(init=False)
+    miss_asked: np.ndarray = field(init=False)  # ... and when it is asked for (queued: what capacity must serve)
+    engine_s_asked: np.ndarray = field(init=False)
     decode_tokens: np.ndarray = field(init=False)
     decode_engine_s: np.ndarray = field(init=False)
     decode_active: np.ndarray = field(init=False)
@@ -81,9 +83,20 @@ class _Demand:
 
     def __post_init__(self) -> None:
         self.compound = {t: [] for t in COMPOUND}
-        for name in ("new_tokens", "miss_tokens", "engine_s", "decode_tokens", "decode_engine_s", "decode_active", "kv_delta"):
+        for name in ("new_tokens", "miss_tokens", "engine_s", "miss_asked", "engine_s_asked", "decode_tokens", "decode_engine_s", "decode_active", "kv_delta"):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
+
+    def add_prefill(self, miss_done: np.ndarray, engine_s_done: np.ndarray, miss_asked: np.ndarray, engine_s_asked: np.ndarray) -> None:
+        """Prefill compute per slot, timed when it is done and when it is asked for."""
+        self.miss_tokens += miss_done
+        self.engine_s += engine_s_done
+        self.miss_asked += miss_asked
+        self.engine_s_asked += engine_s_asked
+
+    def now(self, amount: float) -> np.ndarray:
+        """`amount` in the first slot."""
+        return np.eye(1, self.slots)[0] * amount
 
 
 @dataclass(slots=True)
@@ -222,8 +235,8 @@ class Lifecycle(Forecaster):
                 engine_s, miss = waiting_prefills(live, stats, pooled, sel)
                 waited_s = np.maximum(now_s - live.entered_s[waiting(live, sel)], 0.0)
                 delays = stat(stats, pooled, "prompt_delays" if stage is prompt_pre else "prefill_delays")
-                demand.miss_tokens += delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots)
-                demand.engine_s += delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots)
+                demand.add_prefill(delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots), delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots),
+                                   demand.now(miss.sum()), demand.now(engine_s.sum()))  # fmt: skip
                 # the KV this turn adds by its decode: its new tokens unless prefilled already
                 # (in place of the family's mean observation, which the chain adds at every PRE end)
                 own = np.where(live.prefilled[sel], 0.0, live.queued_new[sel]) - obs.mean()
@@ -233,8 +246,8 @@ class Lifecycle(Forecaster):
                 own = np.array([engine_s - stat(stats, pooled, "engine_s").mean(), miss - stat(stats, pooled, "miss_tokens").mean()])
                 first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 delays = stat(stats, pooled, "prefill_delays")  # ... computed when its prefill is done
-                demand.engine_s += delays.lagged(ENGINE_COLUMN, first[0], step_s)  # in place of the family's mean size for the first arrival
-                demand.miss_tokens += delays.lagged(MISS_COLUMN, first[1], step_s)
+                # in place of the family's mean size for the first arrival
+                demand.add_prefill(delays.lagged(MISS_COLUMN, first[1], step_s), delays.lagged(ENGINE_COLUMN, first[0], step_s), first[1], first[0])
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, turn0=False)
 
@@ -255,8 +268,7 @@ class Lifecycle(Forecaster):
             demand.compound[target].append((rate / block, _Block(sizes, block)) if block > 0 else (rate, sizes))
         demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.compound["decode_engine_s"].append((flows.ends, decode_s))
-        demand.miss_tokens += done[MISS_COLUMN] * miss.mean()
-        demand.engine_s += done[ENGINE_COLUMN] * engine.mean()
+        demand.add_prefill(done[MISS_COLUMN] * miss.mean(), done[ENGINE_COLUMN] * engine.mean(), flows.arrivals * miss.mean(), flows.arrivals * engine.mean())
         demand.decode_tokens += flows.ends * gen.mean()
         demand.decode_engine_s += flows.ends * (a * gen.mean() + k * gen.second_moment() / 2.0) + flows.ends_context * k * gen.mean()
         # the live KV: a decode start adds its turn's new tokens, a decode end its generated
@@ -284,9 +296,9 @@ class Lifecycle(Forecaster):
         first = int(queue.drain_s / step_s)
         if first < demand.slots:
             demand.decode_active[first:] += queue.queued
-        draining = slice(0, min(first + 1, demand.slots))
-        demand.miss_tokens[draining] += queue.waiting_miss_tokens / (first + 1)
-        demand.engine_s[draining] += queue.waiting_engine_s / (first + 1)
+        draining = np.arange(demand.slots) <= first
+        demand.add_prefill(draining * queue.waiting_miss_tokens / (first + 1), draining * queue.waiting_engine_s / (first + 1),
+                           demand.now(queue.waiting_miss_tokens), demand.now(queue.waiting_engine_s))  # fmt: skip
         demand.kv_delta[draining] += queue.waiting_new_tokens / (first + 1)
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
@@ -366,6 +378,7 @@ class Lifecycle(Forecaster):
         }
         var = {t: level(v) if t == "decode_active_seqs" else at_end(np.cumsum(v)) if t == LIVE_KV else flow(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
+        prediction.asked.update({"prefill_miss_tokens": np.maximum(flow(d.miss_asked), 0.0), "prefill_engine_s": np.maximum(flow(d.engine_s_asked), 0.0)})
         bins = np.arange(horizon_bins) if self.exact_bins is None else np.array([b for b in self.exact_bins if b < horizon_bins], np.int64)
         for target, sources in d.compound.items():  # the compound Poisson distribution of items × sizes
             if not sources or not len(bins):
