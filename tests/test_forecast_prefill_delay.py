@@ -12,10 +12,9 @@ import pytest
 
 from bus_schemas.eventlog import events_frame
 from bus_schemas.lifecycle import EventKind, LifecycleEvent
-from forecasting.core import CoreConfig, ForecastCore
 from forecasting.empirical import SizedDelays
-from forecasting.models import History
 from forecasting.models.lifecycle import Lifecycle
+from tests.forecast_helpers import history_at
 
 QUEUE_TO_DONE_S = 4.0  # every prefill after the first turn: queued, then done 4 s later
 DECODE_S, TOOL_S = 2.0, 3.0
@@ -48,19 +47,11 @@ def _log(n: int, until_s: float):
     return events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
 
 
-def _history_at(log, now_s: int) -> History:
-    core = ForecastCore(CoreConfig(models=("naive",)))
-    at_s = log["at_s"].to_numpy()
-    for until_s in range(1, now_s + 1):
-        core.tick(log.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
-    return History(1.0, float(now_s), {t: s.view() for t, s in core.series.items()}, core.live)
-
-
 def test_a_prefills_compute_is_forecast_when_it_will_be_done_not_when_it_is_queued():
     """20 trajectories in lockstep: every 9 s their turns are queued within 2 s, and done 4 s
     later. The forecast's compute peaks where the log's does, 4 s after the new tokens'."""
     now_s = 60
-    prediction = Lifecycle().update(_history_at(_log(20, until_s=now_s), now_s)).predict(30)
+    prediction = Lifecycle().update(history_at(_log(20, until_s=now_s), now_s)).predict(30)
     mean, asked = prediction.mean, prediction.asked
     later = _log(20, until_s=now_s + 30)
     done = later.filter((later["kind"] == "prefill_done") & (later["at_s"] >= now_s) & (later["at_s"] < now_s + 30))

@@ -18,6 +18,7 @@ from forecasting.models import QUANTILES, FitError, History
 from forecasting.models.chain import PhaseChain, truncated
 from forecasting.models.lifecycle import Lifecycle
 from forecasting.synthetic import synthetic_log
+from tests.forecast_helpers import history_at
 
 SLOTS, CYCLES = 40, 5
 
@@ -213,14 +214,6 @@ def _burst(prefilled_at_s: list[float], decode_started_at_s: list[float | None],
     return events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
 
 
-def _history_at(log, now_s: int) -> History:
-    core = ForecastCore(CoreConfig(models=("naive",)))
-    at_s = log["at_s"].to_numpy()
-    for until_s in range(1, now_s + 1):
-        core.tick(log.filter((at_s >= until_s - 1) & (at_s < until_s)), float(until_s))
-    return History(1.0, float(now_s), {t: s.view() for t, s in core.series.items()}, core.live)
-
-
 def test_a_runs_opening_burst_starts_decoding_when_the_prefill_queue_has_drained():
     """A colocated engine runs its prefills first: 400 prompts queued at t = 0 are prefilled
     one every 50 ms, and none starts decoding until the last is done (20 s). At 5 s no phase
@@ -229,17 +222,17 @@ def test_a_runs_opening_burst_starts_decoding_when_the_prefill_queue_has_drained
     prefill, a decode and a tool call had each ended: the naive one, 0 decoding throughout."""
     n = 400
     log = _burst([0.05 * (i + 1) for i in range(n)], [None] * n)
-    history = _history_at(log, 5)
+    history = history_at(log, 5)
     decoding = Lifecycle().update(history).predict(30).mean["decode_active_seqs"]
     assert decoding[:15].tolist() == [0.0] * 15  # still draining, 10 s ahead included
     assert decoding[15:].tolist() == [float(n)] * 15  # from the bin the queue empties in (15-16 s ahead): every one
     model = Lifecycle().update(history)
     with pytest.raises(FitError, match="no prefill finished"):  # nothing drained yet: no rate to read
-        model.update(_history_at(_burst([9.5] * n, [None] * n), 5))
+        model.update(history_at(_burst([9.5] * n, [None] * n), 5))
     with pytest.raises(FitError, match="predict before update"):  # not from the history before
         model.predict(30)
     with pytest.raises(FitError, match="no prefill finished"):  # a prompt of no size: no rate either
-        Lifecycle().update(_history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n, new_tokens=0), 5))
+        Lifecycle().update(history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n, new_tokens=0), 5))
 
 
 def test_decodes_not_yet_seen_to_end_are_forecast_to_keep_running():
@@ -249,7 +242,7 @@ def test_decodes_not_yet_seen_to_end_are_forecast_to_keep_running():
     rises and never falls."""
     n = 400
     log = _burst([0.05 * (i + 1) for i in range(n)], [0.05 * (i + 1) for i in range(n)])
-    decoding = Lifecycle().update(_history_at(log, 5)).predict(30).mean["decode_active_seqs"]
+    decoding = Lifecycle().update(history_at(log, 5)).predict(30).mean["decode_active_seqs"]
     assert decoding[0] >= 99
     assert np.all(np.diff(decoding) >= -1e-9)  # none ends
     assert 250 < decoding[19] <= n  # most of the 301 queued have started 20 s ahead
