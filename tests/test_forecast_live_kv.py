@@ -12,7 +12,8 @@ from forecasting.core import CoreConfig, ForecastCore
 from forecasting.models.lifecycle import Lifecycle
 from forecasting.series import LIVE_KV, live_context_by_bin
 from forecasting.synthetic import synthetic_log
-from tests.test_forecasting_lifecycle import _burst, _history_at
+from tests.forecast_helpers import history_at
+from tests.test_forecasting_lifecycle import _burst
 
 
 def _ticked(events, tick_s: int, until_s: int, models=("naive",)) -> ForecastCore:
@@ -38,7 +39,7 @@ def test_an_opening_burst_holds_its_prompts_as_the_queue_drains_them():
     their prompts; the other 301 are held as the queue drains them, all by the bin it empties
     in (15-16 s ahead)."""
     n = 400
-    history = _history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n), 5)
+    history = history_at(_burst([0.05 * (i + 1) for i in range(n)], [None] * n), 5)
     kv = Lifecycle().update(history).predict(30).mean[LIVE_KV]
     assert 99 * 300.0 < kv[0] < 120 * 300.0  # about 20 more prefilled within the first second
     assert np.all(np.diff(kv[:16]) > 0) and kv[14] < n * 300.0
