@@ -18,8 +18,10 @@ class TargetForecast(msgspec.Struct, frozen=True, kw_only=True):
     quantile_levels: list[float]  # e.g. [0.1, 0.5, 0.9]
     quantiles: list[list[float]]  # [level][horizon], in the target's unit per bin
     # per horizon h: the mean forecast averaged over every bin from the first to h's, in the
-    # target's unit per bin (what a consumer sizing for the next h seconds reads); empty: not
-    # published (a consumer falls back to averaging `mean` over the horizons up to h)
+    # target's unit per bin (what a consumer sizing for the next h seconds reads; a prefill's
+    # compute counted when it is asked for where the model tells that from when it is done,
+    # so it can differ from averaging `mean`); empty: not published (a consumer falls back
+    # to averaging `mean` over the horizons up to h)
     window_mean: list[float] = msgspec.field(default_factory=list)
 
 

@@ -189,14 +189,17 @@ class SizedDelays:
             return out
         rows = self._array()
         delay, weight = np.maximum(rows[:, 0], 0.0), np.maximum(rows[:, 1 + column], 0.0)
-        bucket = np.floor(np.maximum(waited_s, 0.0) / step_s).astype(np.int64)
+        waited_s = np.maximum(waited_s, 0.0)
+        bucket = np.floor(waited_s / step_s).astype(np.int64)
         for b in np.unique(bucket):
-            amount = float(amounts[bucket == b].sum())
-            later = delay > b * step_s
+            mine = bucket == b
+            amount = float(amounts[mine].sum())
+            wait_s = float(waited_s[mine].mean())  # the bucket's waits, as one
+            later = delay > wait_s
             if weight[later].sum() <= 0:
                 out[0] += amount
                 continue
-            slot = np.minimum(np.rint((delay[later] - b * step_s) / step_s).astype(np.int64), slots)
+            slot = np.minimum(np.floor((delay[later] - wait_s) / step_s).astype(np.int64), slots)  # slot j: (j, j+1] steps from now
             out += amount * np.bincount(slot, weight[later], minlength=slots + 1)[:slots] / weight[later].sum()
         return out
 

@@ -345,7 +345,7 @@ class LiveState:
         engine_s = self.cost.engine_s(miss.astype(float), col["cached_prefix_tokens"].astype(float))
         self._learn("prompt_engine_s", fam[done & (turn == 0)], engine_s[done & (turn == 0)])
         self._learn("engine_s", fam[done & (turn != 0)], engine_s[done & (turn != 0)])
-        delayed = done & (phase_before == PRE)  # from the queued (or re-sent) turn's clock
+        delayed = done & (phase_before == PRE)  # from when the turn was queued (a re-send keeps that clock)
         sizes = np.column_stack([miss, engine_s]).astype(float)
         self._learn_delays("prompt_delays", fam, delayed & (turn == 0), at_s - entered_before, sizes)
         self._learn_delays("prefill_delays", fam, delayed & (turn != 0), at_s - entered_before, sizes)

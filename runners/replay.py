@@ -131,7 +131,8 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
 
 def _window(model: str, target: str, h_s: float, hi: int, rows: list, actual: np.ndarray) -> Scored:
     """The mean over horizon indices 0..hi (the next h_s seconds) of each tick's mean
-    forecast, against the mean of the same bins."""
+    forecast (a prefill's compute as asked for, where the model tells it: `Prediction.window_mean`),
+    against the mean of the same bins."""
     return Scored(
         model, target, h_s,
         actual=np.array([actual[b - hi : b + 1].mean() for _, b in rows]),

@@ -73,7 +73,7 @@ def test_a_prefills_compute_is_forecast_when_it_will_be_done_not_when_it_is_queu
 
 def test_prefills_waiting_now_land_as_the_delays_longer_than_their_wait():
     delays = SizedDelays(2)
-    delays.add_many(np.array([1.0, 4.0, 4.0]), np.array([[100.0, 1.0], [300.0, 3.0], [300.0, 3.0]]))
+    delays.add_many(np.array([1.0, 4.0, 4.0]), np.array([[100.0, 6.0], [300.0, 1.0], [300.0, 1.0]]))
     step_s, slots = 0.25, 40
     # queued 2 s ago: only the 4 s delays are longer: it lands 2 s from now
     landed = delays.residual(0, np.array([2.0]), np.array([500.0]), step_s, slots)
@@ -84,9 +84,13 @@ def test_prefills_waiting_now_land_as_the_delays_longer_than_their_wait():
     assert landed[4] == pytest.approx(100.0) and landed[16] == pytest.approx(600.0)
     # waited longer than any delay seen: it lands now
     assert delays.residual(0, np.array([9.0]), np.array([50.0]), step_s, slots)[0] == pytest.approx(50.0)
+    # engine-seconds weigh the delays their own way: 6 of 8 land in 1 s
+    landed = delays.residual(1, np.array([0.0]), np.array([8.0]), step_s, slots)
+    assert landed[4] == pytest.approx(6.0) and landed[16] == pytest.approx(2.0)
     # arrivals move by the size-weighted delays; without samples they stay where they are
     arrivals = np.eye(1, slots)[0] * 7.0
     assert delays.lagged(0, arrivals, step_s)[[4, 16]] == pytest.approx([1.0, 6.0])
+    assert delays.lagged(1, arrivals, step_s)[[4, 16]] == pytest.approx([5.25, 1.75])
     assert np.array_equal(SizedDelays(2).lagged(0, arrivals, step_s), arrivals)
 
 
@@ -96,3 +100,21 @@ def test_the_ring_keeps_the_most_recent_delays():
     delays.add_many(np.array([3.0, 4.0]), np.array([[1.0], [1.0]]))
     assert delays.n == 3
     assert delays.shape(0, 1.0, 10)[[2, 3, 4]] == pytest.approx([1 / 3] * 3)  # 1 s dropped out
+    delays.add_many(np.arange(5.0, 10.0), np.ones((5, 1)))  # more than it holds at once: the last 3
+    assert delays.n == 3 and delays.shape(0, 1.0, 10)[[7, 8, 9]] == pytest.approx([1 / 3] * 3)
+
+
+def test_the_window_the_allocator_reads_does_not_depend_on_the_delays():
+    """What the allocator provisions on (the window, as asked) is the same whatever the
+    delays; with none learned the forecast as done is the forecast as asked."""
+    now_s = 60
+    history = history_at(_log(20, until_s=now_s), now_s)
+    timed = Lifecycle().update(history).predict(30)
+    for stats in history.live.stats.values():
+        stats.prefill_delays, stats.prompt_delays = SizedDelays(2), SizedDelays(2)
+    untimed = Lifecycle().update(history).predict(30)
+    for target in ("prefill_miss_tokens", "prefill_engine_s"):
+        assert np.allclose(timed.asked[target], untimed.asked[target])
+        assert np.allclose(untimed.mean[target], untimed.asked[target])
+        assert not np.allclose(timed.mean[target], timed.asked[target])
+        assert [timed.window_mean(target, h) for h in (4, 9, 29)] == pytest.approx([untimed.window_mean(target, h) for h in (4, 9, 29)])

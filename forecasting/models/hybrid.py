@@ -51,13 +51,15 @@ class Hybrid(Forecaster):
     def predict(self, horizon_bins: int) -> Prediction:
         base = self.base.predict(horizon_bins)
         self._issued[self._seen] = base
-        mean, quantiles = {}, {}
+        mean, quantiles, asked = {}, {}, {}
         for t in TARGETS:
             shift = self._bias.get(t, np.zeros(horizon_bins))[:horizon_bins]
             shift = np.pad(shift, (0, horizon_bins - len(shift)))
             mean[t] = np.maximum(base.mean[t] + shift, 0.0)
             quantiles[t] = np.maximum(base.quantiles[t] + shift[None, :], 0.0)
-        return Prediction(mean, quantiles)
+            if t in base.asked:  # the same shift on the flow as asked for (the window's timing)
+                asked[t] = np.maximum(base.asked[t] + shift, 0.0)
+        return Prediction(mean, quantiles, asked=asked)
 
 
 __all__ = ["Hybrid"]

@@ -7,7 +7,10 @@ family's learned duration distributions; at each decode completion the trajector
 with the family's turn-continuation probability. That gives, per slot, the expected
 
     prefill arrivals (TOOL ends)   × observation tokens (and cache-missed tokens, and their
-                                     prefill engine-seconds)
+                                     prefill engine-seconds, each counted when the prefill is
+                                     done: the arrivals moved by the family's queued-to-done
+                                     delays, weighted by size, `SizedDelays`; the window the
+                                     allocator sizes on counts them as asked, `Prediction.asked`)
     decode starts and completions  → decode sequences active; × generation tokens
     plus the start bursts of the RL cadence, in the log's mode (forecasting.live.Cadence):
     sync: the running step's trajectories not started yet (as many as the step before had,
@@ -264,8 +267,10 @@ class Lifecycle(Forecaster):
         # a prefill's compute counts when it is done: its arrival moved by its size's delay
         delays = stat(stats, pooled, "prompt_delays" if turn0 else "prefill_delays")
         done = {column: delays.lagged(column, flows.arrivals, demand.step_s) for column in (MISS_COLUMN, ENGINE_COLUMN)}
-        for target, sizes, rate in (("prefill_new_tokens", obs, flows.arrivals), ("prefill_miss_tokens", miss, done[MISS_COLUMN]), ("prefill_engine_s", engine, done[ENGINE_COLUMN])):
-            demand.compound[target].append((rate / block, _Block(sizes, block)) if block > 0 else (rate, sizes))
+        # a wave's prompts are queued as one block, but done one by one as the queue drains
+        demand.compound["prefill_new_tokens"].append((flows.arrivals / block, _Block(obs, block)) if block > 0 else (flows.arrivals, obs))
+        demand.compound["prefill_miss_tokens"].append((done[MISS_COLUMN], miss))
+        demand.compound["prefill_engine_s"].append((done[ENGINE_COLUMN], engine))
         demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.compound["decode_engine_s"].append((flows.ends, decode_s))
         demand.add_prefill(done[MISS_COLUMN] * miss.mean(), done[ENGINE_COLUMN] * engine.mean(), flows.arrivals * miss.mean(), flows.arrivals * engine.mean())
@@ -335,9 +340,10 @@ class Lifecycle(Forecaster):
             prompt_miss += share * stat(stats, pooled, "prompt_miss_tokens").mean()
             prompt_engine_s += share * stat(stats, pooled, "prompt_engine_s").mean()
         burst_var = size**2 * p * (1 - np.minimum(p, 1.0))
+        delays = pooled.prompt_delays  # the burst's compute is done as its queue drains
         demand.var["prefill_new_tokens"] += burst_var * prompt_new**2
-        demand.var["prefill_miss_tokens"] += burst_var * prompt_miss**2
-        demand.var["prefill_engine_s"] += burst_var * prompt_engine_s**2
+        demand.var["prefill_miss_tokens"] += delays.lagged(MISS_COLUMN, burst_var, step_s) * prompt_miss**2
+        demand.var["prefill_engine_s"] += delays.lagged(ENGINE_COLUMN, burst_var, step_s) * prompt_engine_s**2
 
     def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
