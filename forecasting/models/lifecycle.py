@@ -39,12 +39,12 @@ walked with each trajectory weighted by its context (`chain.shared`); the KV foo
 (live_kv_tokens) is the KV of now plus the expected changes those walks give (a decode start
 adds its turn's new tokens, a decode end its generated ones or, where the trajectory
 finishes, its whole context). The prefill work each live trajectory will ask for, and a
-run's opening, are priced in forecasting.models.prefill_work.
+run's opening, are priced in forecasting.models.prefill_work; what the model adds up per
+slot is in forecasting.models.slots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Self
 
 import numpy as np
@@ -52,99 +52,22 @@ import numpy as np
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
 from forecasting.live import DEC, ENGINE_COLUMN, MISS_COLUMN, POOLED, PRE, TOOL, FamilyStats, LiveState
-from forecasting.models.base import QUANTILES, TARGETS, FitError, Forecaster, History, Prediction, register
+from forecasting.models.base import QUANTILES, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, ahead, shared, truncated
 from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting, waiting_prefills
+from forecasting.models.slots import Block, Flows, SlotDemand
 from forecasting.models.timeseries import Naive
-from forecasting.series import LIVE_KV, TokenCost
+from forecasting.series import LIVE_KV
 
 
 MAX_CYCLES_AHEAD = 4  # async: batch cycles followed within the horizon
-COMPOUND = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_tokens", "decode_engine_s")  # the flows
-
-
-@dataclass(slots=True)
-class _Demand:
-    """Expected demand per fine slot, and its variance."""
-
-    slots: int
-    step_s: float  # a slot's length
-    decode_cost: TokenCost  # what a decode of g tokens on a context C costs (series.TokenCost)
-    new_tokens: np.ndarray = field(init=False)
-    miss_tokens: np.ndarray = field(init=False)  # a prefill's compute when it is done (what the series counts) ...
-    engine_s: np.ndarray = field(init=False)
-    miss_asked: np.ndarray = field(init=False)  # ... and when it is asked for (queued: what capacity must serve)
-    engine_s_asked: np.ndarray = field(init=False)
-    decode_tokens: np.ndarray = field(init=False)
-    decode_engine_s: np.ndarray = field(init=False)
-    decode_active: np.ndarray = field(init=False)
-    kv_now: float = 0.0  # the live trajectories' KV now (LiveState.live_context_tokens)
-    kv_delta: np.ndarray = field(init=False)  # its expected change in each slot
-    var: dict[str, np.ndarray] = field(init=False)  # live_kv_tokens: per slot, of the change
-    # flow target -> per source: (expected items per slot, their sizes): a compound Poisson flow
-    compound: dict[str, list[tuple[np.ndarray, Empirical]]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.compound = {t: [] for t in COMPOUND}
-        for name in ("new_tokens", "miss_tokens", "engine_s", "miss_asked", "engine_s_asked", "decode_tokens", "decode_engine_s", "decode_active", "kv_delta"):
-            setattr(self, name, np.zeros(self.slots))
-        self.var = {t: np.zeros(self.slots) for t in TARGETS}
-
-    def add_prefill(self, miss_done: np.ndarray, engine_s_done: np.ndarray, miss_asked: np.ndarray, engine_s_asked: np.ndarray) -> None:
-        """Prefill compute per slot, timed when it is done and when it is asked for."""
-        self.miss_tokens += miss_done
-        self.engine_s += engine_s_done
-        self.miss_asked += miss_asked
-        self.engine_s_asked += engine_s_asked
-
-    def now(self, amount: float) -> np.ndarray:
-        """`amount` in the first slot."""
-        return np.eye(1, self.slots)[0] * amount
-
-
-@dataclass(slots=True)
-class _Flows:
-    arrivals: np.ndarray  # TOOL ends (and trajectory starts): prefills queued
-    starts: np.ndarray  # PRE ends: decodes started
-    ends: np.ndarray  # DEC ends: decodes completed
-    ends_context: np.ndarray  # Σ over those decodes of the context each one reads (tokens)
-    finishes: np.ndarray  # the decode ends after which the trajectory finishes
-    finish_context: np.ndarray  # Σ over those of the context (the KV the trajectory lets go)
-
-    @staticmethod
-    def of(by_phase: np.ndarray, decode_ends: np.ndarray) -> "_Flows":
-        """From the (3, slots) ends per phase, and the (3, slots) decode ends' contexts, the
-        finishing ends and their contexts."""
-        return _Flows(by_phase[TOOL], by_phase[PRE], by_phase[DEC], *decode_ends)
-
-    @staticmethod
-    def none(arrivals: np.ndarray) -> "_Flows":
-        """Arrivals alone."""
-        zero = np.zeros_like(arrivals)
-        return _Flows(arrivals, zero, zero, zero, zero, zero)
-
-
-@dataclass(frozen=True, slots=True)
-class _Block:
-    """`count` items of `sizes` that arrive together, as one item (their sizes scaled)."""
-
-    sizes: Empirical
-    count: float
-
-    def values(self) -> np.ndarray:
-        return self.sizes.values() * self.count
-
-    def mean(self) -> float:
-        return self.sizes.mean() * self.count
-
-
-def _walked(chain: PhaseChain, ends_by_phase: dict[int, np.ndarray]) -> _Flows:
+def _walked(chain: PhaseChain, ends_by_phase: dict[int, np.ndarray]) -> Flows:
     """The flows that follow the ends of each phase, given as `chain.shared`'s four blocks of rows
     (counts, contexts, finishing counts, finishing contexts), walked along the chain."""
     rows = chain.cycles + 1
     flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
     decode_hat = sum(np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items())
-    return _Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat))
+    return Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat))
 
 
 def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
@@ -195,7 +118,7 @@ class Lifecycle(Forecaster):
             raise FitError("lifecycle: predict before update")
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
-        demand = _Demand(slots, step_s, live.decode_cost, kv_now=float(live.live_context_tokens()))
+        demand = SlotDemand(slots, step_s, live.decode_cost, kv_now=float(live.live_context_tokens()))
         if self._opening is not None:
             self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
@@ -208,7 +131,7 @@ class Lifecycle(Forecaster):
         return self._to_bins(demand, horizon_bins)
 
     # --- per family --------------------------------------------------------------------------
-    def _add_family(self, demand: _Demand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float) -> None:
+    def _add_family(self, demand: SlotDemand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float) -> None:
         pooled = live.stats[POOLED]
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
@@ -254,7 +177,7 @@ class Lifecycle(Forecaster):
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, turn0=False)
 
-    def _add_sizes(self, demand: _Demand, flows: _Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
+    def _add_sizes(self, demand: SlotDemand, flows: Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
         flow's distribution has blocks, not single arrivals, as its items."""
         obs = stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
@@ -268,7 +191,7 @@ class Lifecycle(Forecaster):
         delays = stat(stats, pooled, "prompt_delays" if turn0 else "prefill_delays")
         done = {column: delays.lagged(column, flows.arrivals, demand.step_s) for column in (MISS_COLUMN, ENGINE_COLUMN)}
         # a wave's prompts are queued as one block, but done one by one as the queue drains
-        demand.compound["prefill_new_tokens"].append((flows.arrivals / block, _Block(obs, block)) if block > 0 else (flows.arrivals, obs))
+        demand.compound["prefill_new_tokens"].append((flows.arrivals / block, Block(obs, block)) if block > 0 else (flows.arrivals, obs))
         demand.compound["prefill_miss_tokens"].append((done[MISS_COLUMN], miss))
         demand.compound["prefill_engine_s"].append((done[ENGINE_COLUMN], engine))
         demand.compound["decode_tokens"].append((flows.ends, gen))
@@ -293,7 +216,7 @@ class Lifecycle(Forecaster):
 
     # --- a run's opening ------------------------------------------------------------------------
     @staticmethod
-    def _add_opening(demand: _Demand, queue: Opening, step_s: float) -> None:
+    def _add_opening(demand: SlotDemand, queue: Opening, step_s: float) -> None:
         """Before the first decode starts (`prefill_work.opening`): every prompt queued now starts
         decoding when the queue has drained, and none ends within the horizon (no decode has
         been seen to end); the waiting prefills are done, and their prompts held, evenly
@@ -307,7 +230,7 @@ class Lifecycle(Forecaster):
         demand.kv_delta[draining] += queue.waiting_new_tokens / (first + 1)
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
-    def _add_starts(self, demand: _Demand, live: LiveState, step_s: float, now_s: float) -> None:
+    def _add_starts(self, demand: SlotDemand, live: LiveState, step_s: float, now_s: float) -> None:
         """Trajectories still to start: the running cycle's pending ones, then the next
         cycles' (sync: the next step, once the rollout is done; async: each batch's wave, the
         batches' gap apart), in the families' shares of the cycle before."""
@@ -328,7 +251,7 @@ class Lifecycle(Forecaster):
             if anchor.sum() < 1e-3:
                 break
 
-    def _add_burst(self, demand: _Demand, live: LiveState, size: float, mix: dict[int, float], p: np.ndarray, step_s: float, wave: bool) -> None:
+    def _add_burst(self, demand: SlotDemand, live: LiveState, size: float, mix: dict[int, float], p: np.ndarray, step_s: float, wave: bool) -> None:
         """`size` trajectories that start in each slot with probability p, in the families'
         shares `mix` (pooled statistics where it is empty); `wave`: all at once (async)."""
         pooled = live.stats[POOLED]
@@ -345,7 +268,7 @@ class Lifecycle(Forecaster):
         demand.var["prefill_miss_tokens"] += delays.lagged(MISS_COLUMN, burst_var, step_s) * prompt_miss**2
         demand.var["prefill_engine_s"] += delays.lagged(ENGINE_COLUMN, burst_var, step_s) * prompt_engine_s**2
 
-    def _add_family_starts(self, demand: _Demand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
+    def _add_family_starts(self, demand: SlotDemand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
         weights, finish = (w[:, 0] for w in ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
@@ -360,10 +283,10 @@ class Lifecycle(Forecaster):
         self._add_sizes(demand, _walked(chain, {PRE: blocks}), stats, pooled, turn0=False)
         demand.kv_delta += first_ends * (prompt - obs)  # the first decode start adds the prompt, not an observation
         # a wave's prompts arrive together: one block of `size` with probability p
-        self._add_sizes(demand, _Flows.none(size * p), stats, pooled, turn0=True, block=size if wave else 0.0)
+        self._add_sizes(demand, Flows.none(size * p), stats, pooled, turn0=True, block=size if wave else 0.0)
 
     # --- slots → bins ------------------------------------------------------------------------
-    def _to_bins(self, d: _Demand, horizon_bins: int) -> Prediction:
+    def _to_bins(self, d: SlotDemand, horizon_bins: int) -> Prediction:
         def flow(x: np.ndarray) -> np.ndarray:
             return x.reshape(horizon_bins, self.substeps).sum(axis=1)
 
