@@ -153,7 +153,7 @@ class SizedDelays:
         if len(delays_s) == 0:
             return
         capacity = len(self._rows)
-        rows = np.column_stack([delays_s, sizes])[-capacity:]
+        rows = np.column_stack([np.maximum(delays_s, 0.0), sizes])[-capacity:]  # a delay is never negative
         at = (self._next + np.arange(len(rows))) % capacity
         self._rows[at] = rows
         self._next = int((at[-1] + 1) % capacity)
@@ -174,7 +174,7 @@ class SizedDelays:
             weight = np.maximum(rows[:, 1 + column], 0.0)
             out = np.eye(1, slots)[0]
             if weight.sum() > 0:
-                slot = np.rint(np.maximum(rows[:, 0], 0.0) / step_s).astype(np.int64)
+                slot = np.rint(rows[:, 0] / step_s).astype(np.int64)
                 inside = slot < slots
                 out = np.bincount(slot[inside], weight[inside], minlength=slots)[:slots] / weight.sum()
             self._memo[key] = out
@@ -188,7 +188,7 @@ class SizedDelays:
         if len(amounts) == 0:
             return out
         rows = self._array()
-        delay, weight = np.maximum(rows[:, 0], 0.0), np.maximum(rows[:, 1 + column], 0.0)
+        delay, weight = rows[:, 0], np.maximum(rows[:, 1 + column], 0.0)
         waited_s = np.maximum(waited_s, 0.0)
         bucket = np.floor(waited_s / step_s).astype(np.int64)
         for b in np.unique(bucket):

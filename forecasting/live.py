@@ -445,7 +445,7 @@ class LiveState:
 
     def _learn_delays(self, what: str, fam: np.ndarray, mask: np.ndarray, delays_s: np.ndarray, sizes: np.ndarray) -> None:
         for key, members in self._by_family(fam[mask]):
-            getattr(self.stats[key], what).add_many(np.maximum(delays_s[mask][members], 0.0), sizes[mask][members])
+            getattr(self.stats[key], what).add_many(delays_s[mask][members], sizes[mask][members])
 
     def _learn_stage(self, fam: np.ndarray, phase: int, durations_s: np.ndarray) -> None:
         for key, members in self._by_family(fam):

@@ -118,7 +118,7 @@ class Lifecycle(Forecaster):
             raise FitError("lifecycle: predict before update")
         h, live = self._history, self._history.live
         step_s, slots = h.bin_s / self.substeps, horizon_bins * self.substeps
-        demand = SlotDemand(slots, step_s, live.decode_cost, kv_now=float(live.live_context_tokens()))
+        demand = SlotDemand(slots, live.decode_cost, kv_now=float(live.live_context_tokens()))
         if self._opening is not None:
             self._add_opening(demand, self._opening, step_s)
             self._add_starts(demand, live, step_s, h.now_s)
@@ -158,8 +158,9 @@ class Lifecycle(Forecaster):
             if phase == DEC:
                 demand.decode_active += len(sel)
             if phase == PRE:  # prefills queued now but not yet computed: their compute lands when they are done
-                engine_s, miss = waiting_prefills(live, stats, pooled, sel)
-                waited_s = np.maximum(now_s - live.entered_s[waiting(live, sel)], 0.0)
+                queued = waiting(live, sel)
+                engine_s, miss = waiting_prefills(live, stats, pooled, queued)
+                waited_s = now_s - live.entered_s[queued]
                 delays = stat(stats, pooled, "prompt_delays" if stage is prompt_pre else "prefill_delays")
                 demand.add_prefill(delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots), delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots),
                                    demand.now(miss.sum()), demand.now(engine_s.sum()))  # fmt: skip
@@ -175,9 +176,9 @@ class Lifecycle(Forecaster):
                 # in place of the family's mean size for the first arrival
                 demand.add_prefill(delays.lagged(MISS_COLUMN, first[1], step_s), delays.lagged(ENGINE_COLUMN, first[0], step_s), first[1], first[0])
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
-        self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, turn0=False)
+        self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, step_s, turn0=False)
 
-    def _add_sizes(self, demand: SlotDemand, flows: Flows, stats: FamilyStats, pooled: FamilyStats, turn0: bool, block: float = 0.0) -> None:
+    def _add_sizes(self, demand: SlotDemand, flows: Flows, stats: FamilyStats, pooled: FamilyStats, step_s: float, turn0: bool, block: float = 0.0) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
         flow's distribution has blocks, not single arrivals, as its items."""
         obs = stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
@@ -189,7 +190,7 @@ class Lifecycle(Forecaster):
         demand.new_tokens += flows.arrivals * obs.mean()
         # a prefill's compute counts when it is done: its arrival moved by its size's delay
         delays = stat(stats, pooled, "prompt_delays" if turn0 else "prefill_delays")
-        done = {column: delays.lagged(column, flows.arrivals, demand.step_s) for column in (MISS_COLUMN, ENGINE_COLUMN)}
+        done = {column: delays.lagged(column, flows.arrivals, step_s) for column in (MISS_COLUMN, ENGINE_COLUMN)}
         # a wave's prompts are queued as one block, but done one by one as the queue drains
         demand.compound["prefill_new_tokens"].append((flows.arrivals / block, Block(obs, block)) if block > 0 else (flows.arrivals, obs))
         demand.compound["prefill_miss_tokens"].append((done[MISS_COLUMN], miss))
@@ -280,10 +281,10 @@ class Lifecycle(Forecaster):
         prompt, obs = stat(stats, pooled, "prompt_tokens").mean(), stat(stats, pooled, "obs_tokens").mean()
         read = prompt + (stat(stats, pooled, "gen_tokens").mean() + obs) * np.arange(len(weights))  # the m-th decode's context
         blocks = np.vstack([w[:, None] * first_ends for w in (weights, weights * read, finish, finish * read)])  # as `chain.shared`'s
-        self._add_sizes(demand, _walked(chain, {PRE: blocks}), stats, pooled, turn0=False)
+        self._add_sizes(demand, _walked(chain, {PRE: blocks}), stats, pooled, step_s, turn0=False)
         demand.kv_delta += first_ends * (prompt - obs)  # the first decode start adds the prompt, not an observation
         # a wave's prompts arrive together: one block of `size` with probability p
-        self._add_sizes(demand, Flows.none(size * p), stats, pooled, turn0=True, block=size if wave else 0.0)
+        self._add_sizes(demand, Flows.none(size * p), stats, pooled, step_s, turn0=True, block=size if wave else 0.0)
 
     # --- slots → bins ------------------------------------------------------------------------
     def _to_bins(self, d: SlotDemand, horizon_bins: int) -> Prediction:

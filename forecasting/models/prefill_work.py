@@ -37,10 +37,9 @@ def waiting(live: LiveState, pre: np.ndarray) -> np.ndarray:
     return pre[~live.prefilled[pre]]
 
 
-def waiting_prefills(live: LiveState, stats: FamilyStats, pooled: FamilyStats, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Engine-seconds and cache-missed tokens of the prefills queued by `pre` (trajectories in
-    PRE) and not computed yet."""
-    queued = waiting(live, pre)
+def waiting_prefills(live: LiveState, stats: FamilyStats, pooled: FamilyStats, queued: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Engine-seconds and cache-missed tokens of the prefills `queued` trajectories wait for
+    (those not computed yet: `waiting`)."""
     new = live.queued_new[queued]
     return next_prefill(live, stats, pooled, queued, new, new * new)
 
@@ -70,7 +69,8 @@ def opening(live: LiveState, now_s: float) -> Opening | None:
     elapsed_s = now_s - float(live.entered_s[pre].min()) if len(pre) else 0.0
     if done == 0 or pooled.prompt_engine_s.mean() <= 0.0 or elapsed_s <= 0.0 or len(pre) < int(live.alive.sum()):
         return None
-    engine_s, miss = waiting_prefills(live, pooled, pooled, pre)
+    queued = waiting(live, pre)
+    engine_s, miss = waiting_prefills(live, pooled, pooled, queued)
     rate = done * pooled.prompt_engine_s.mean() / elapsed_s  # engine-seconds of prefill per second
-    waiting_new = float(live.queued_new[waiting(live, pre)].sum())
+    waiting_new = float(live.queued_new[queued].sum())
     return Opening(float(engine_s.sum()) / rate, len(pre), float(engine_s.sum()), float(miss.sum()), waiting_new)

@@ -21,7 +21,6 @@ class SlotDemand:
     """Expected demand per fine slot, and its variance."""
 
     slots: int
-    step_s: float  # a slot's length
     decode_cost: TokenCost  # what a decode of g tokens on a context C costs (series.TokenCost)
     new_tokens: np.ndarray = field(init=False)
     miss_tokens: np.ndarray = field(init=False)  # a prefill's compute when it is done (what the series counts) ...
