@@ -48,7 +48,9 @@ from ops.export import EventLogError, load_events
 
 console = Console(stderr=True)
 MIN_SCORED_BINS = 10  # beyond the longest horizon
-SCORES = ("bin", "window")  # the bin h s ahead; the mean over the next h s (--score)
+# the bin h s ahead, by each model's point forecast; the same bin by each model's published
+# (calibrated) median; the mean over the next h s (--score)
+SCORES = ("bin", "median", "window")
 
 
 class ReplayError(ValueError):
@@ -101,8 +103,9 @@ class Scored:
 
 
 def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarray], from_s: float, score: str = "bin") -> list[Scored]:
-    """Pair each forecast with the bin it was for (score "bin"), or with the mean of the
-    bins up to it ("window"), for ticks at or after from_s."""
+    """Pair each forecast with the bin it was for (score "bin": the model's point forecast;
+    "median": its published median, the conformal layer's median shift applied to every model
+    alike), or with the mean of the bins up to it ("window"), for ticks at or after from_s."""
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r} (known: {', '.join(SCORES)})")
     out: list[Scored] = []
@@ -121,12 +124,20 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
                 out.append(Scored(
                     model, target, h_s,
                     actual=np.array([actual[target][b] for _, b in rows]),
-                    forecast=np.array([r.outcomes[model].prediction.point_forecast(target)[hi] for r, _ in rows]),
+                    forecast=np.array([_point(r.outcomes[model].prediction, target, hi, score) for r, _ in rows]),
                     quantiles=np.array([[r.outcomes[model].prediction.quantiles[target][q, hi] for r, _ in rows] for q in range(len(QUANTILES))]),
                     naive=np.array([r.outcomes["naive"].prediction.mean[target][hi] for r, _ in rows]),
                     raw_quantiles=None if any(q is None for q in raw) else np.array([[q[target][l, hi] for q in raw] for l in range(len(QUANTILES))]),
+                    score=score,
                 ))  # fmt: skip
     return out
+
+
+def _point(prediction, target: str, hi: int, score: str) -> float:
+    """What MAE scores at horizon index hi: the model's point forecast, or its published median."""
+    if score == "median":
+        return float(prediction.quantiles[target][QUANTILES.index(0.5), hi])
+    return float(prediction.point_forecast(target)[hi])
 
 
 def _window(model: str, target: str, h_s: float, hi: int, rows: list, actual: np.ndarray) -> Scored:
@@ -342,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
     parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
     parser.add_argument("--score", nargs="+", choices=SCORES, default=["bin"],
-                        help="bin: the bin h s ahead; window: the mean over the next h s (what an allocator with that horizon sizes on)")
+                        help="bin: the bin h s ahead, by each model's point forecast; median: the same bin by each model's published "
+                             "(calibrated) median; window: the mean over the next h s (what an allocator with that horizon sizes on)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import logging

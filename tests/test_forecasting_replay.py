@@ -12,6 +12,7 @@ import pytest
 from forecasting.synthetic import synthetic_log
 from ops.export import EventLogError, load_events
 from forecasting.models import TARGETS
+from forecasting.models.base import QUANTILES
 from runners import replay
 
 
@@ -116,3 +117,30 @@ def test_both_scores_in_one_run(log_path, tmp_path):
     assert window.filter(pl.col("model") == "naive")["mase"].drop_nans().to_list() == pytest.approx([1.0] * window.filter(pl.col("model") == "naive")["mase"].drop_nans().len())
     gain = pl.read_csv(out / "gain.csv")
     assert set(gain["score"]) == {"bin", "window"} and set(gain["model"]) == {"lifecycle"}
+
+
+def test_the_median_score_takes_each_models_published_median(log_path):
+    """`--score median`: the same bins as `bin`, scored by each model's published (calibrated)
+    median instead of its point forecast. A model whose point is its mean (moving average) is
+    moved by the conformal median shift once it has residuals; uncalibrated, its median is its
+    mean, and the two scores agree."""
+    import numpy as np
+
+    from forecasting.core import CoreConfig
+
+    events = load_events(log_path)
+    med = QUANTILES.index(0.5)
+    for calibrate in (True, False):
+        cfg = CoreConfig(models=("naive", "moving_average"), horizons_s=(1.0, 5.0), calibrate=calibrate)
+        results, _ = replay.replay(events, cfg)
+        actual = replay.actuals(events, cfg, results[-1].as_of_s)
+        start = float(events["at_s"].min())
+        bins = {(s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "bin")}
+        medians = {(s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "median")}
+        assert bins.keys() == medians.keys()
+        moved = 0
+        for key, m in medians.items():
+            assert m.score == "median" and np.array_equal(m.actual, bins[key].actual)
+            assert np.array_equal(m.forecast, m.quantiles[med])  # the published median
+            moved += int(not np.allclose(m.forecast, bins[key].forecast))
+        assert (moved > 0) == calibrate, (calibrate, moved)
