@@ -18,7 +18,9 @@ seeds are pooled into one row per (model, target, horizon). Exit 2, with one lin
 the problem, for a log or config that cannot be used.
 
 `--score` picks what a forecast h seconds ahead is scored on (a `score` column in both
-tables): `bin`, the one bin that ends h seconds after the tick (the default), and
+tables): `bin`, the one bin that ends h seconds after the tick (the default), by each
+model's point forecast; `median`, the same bin by each model's published (calibrated)
+median, which for ETS and ARIMA is not their point (their mean); and
 `window`, the mean over the next h seconds, bins 1..h, which is what an allocator with an
 h-second horizon sizes on (`actors.allocator.demand.from_forecast` averages the forecast
 over its horizon). A window is scored on each model's mean forecast, the figure the
