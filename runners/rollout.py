@@ -269,14 +269,16 @@ def _run_one(args: tuple[bytes, str, bool]) -> dict:
 
 def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     """No policy's `rollout_s` can beat this. A trajectory's critical path: every prefill alone
-    on a prefill engine (new tokens on a cached prefix), every decode at the fastest step (one
-    sequence alone on the engine), its tool latencies, no queueing. Sync: the sum over steps of
-    the longest path of the step. Async (no step boundaries): the longest path of the run."""
-    prefill, decode = config.engines.cost_preset(Role.PREFILL), config.engines.cost_preset(Role.DECODE)
-    tpot_s = decode_step_s(decode, 1, 0)  # one sequence alone: under DP attention, busy peers slow a step
+    on an engine (new tokens on a cached prefix), every decode at the fastest step (one
+    sequence alone on the engine), its tool latencies, no queueing; each at the fastest of the
+    fleet's layouts (with stage layouts a colocated TP engine decodes a lone sequence faster
+    than the DP-attention decode layout). Sync: the sum over steps of the longest path of the
+    step. Async (no step boundaries): the longest path of the run."""
+    presets = [config.engines.cost_preset(role) for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)]
+    tpot_s = min(decode_step_s(p, 1, 0) for p in presets)  # one sequence alone: under DP attention, busy peers slow a step
     turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "new_tokens", "context_tokens")
     prefill_col = pl.struct("new_tokens", "context_tokens").map_elements(
-        lambda r: prefill_s(prefill, max(1, r["new_tokens"]), r["context_tokens"]), return_dtype=pl.Float64
+        lambda r: min(prefill_s(p, max(1, r["new_tokens"]), r["context_tokens"]) for p in presets), return_dtype=pl.Float64
     )
     per_traj = turns.with_columns(prefill_col.alias("s")).group_by("trajectory_id").agg(pl.col("s").sum().alias("prefill_s"))
     step = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first())  # sync: the trajectory's step

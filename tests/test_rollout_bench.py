@@ -101,6 +101,26 @@ def test_lower_bound_is_the_longest_critical_path(tmp_path: Path):
     assert 5.0 + 1000 * 0.003 < bound < 5.0 + 1000 * 0.01  # a's path: its tool time and 1000 tokens at a fast TPOT
 
 
+def test_lower_bound_takes_the_fastest_layout_of_a_stage_layout_fleet():
+    """moe-stage: decode engines run DP attention + EP, colocated and prefill engines TP; a lone
+    sequence decodes faster under TP, so the bound prices every decode there (a bound at the
+    decode layout's step was beaten by colocated-sticky runs on search)."""
+    from actors.allocator.capacity import decode_step_s
+    from bus_schemas.control import Role
+
+    suite = SUITES["paper"]
+    case = next(c for c in suite.cases(("main",)) if c.fleet.name == "moe-stage")
+    config = run_config(suite, case, "colocated")
+    tp, dp = (decode_step_s(config.engines.cost_preset(role), 1, 0) for role in (Role.COLOCATED, Role.DECODE))
+    assert tp < dp
+    events = pl.DataFrame([
+        {"kind": "prefill_queued", "trajectory_id": "a", "step": 0, "new_tokens": 1, "context_tokens": 0, "generated_tokens": 0, "duration_s": 0.0},
+        {"kind": "decode_done", "trajectory_id": "a", "step": 0, "new_tokens": 0, "context_tokens": 0, "generated_tokens": 10_000, "duration_s": 0.0},
+    ])  # fmt: skip
+    bound = lower_bound_s(config, events)
+    assert 10_000 * tp < bound < 10_000 * tp + 0.1 < 10_000 * dp
+
+
 def test_paper_suite_plans_the_pd_tables_with_their_settings():
     suite = SUITES["paper"]
     cases = suite.cases()
