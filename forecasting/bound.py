@@ -6,8 +6,8 @@ in a bin a few seconds ahead, and with how many tokens, is a bet on lengths. Thi
 forecasts the bins with everything else a recorded log can tell, more than any live
 forecaster has, and so gives a ceiling for one that does not know lengths:
 
-* each running decode's own pace (its seconds per generated token, from its duration and
-  length in the log), and so its tokens so far at the tick;
+* each running decode's own pace over its whole life (its duration over its length in the
+  log), and so its tokens so far at the tick and the pace it keeps to its end;
 * the true length distribution of its task family (every decode of that family in the log),
   from which its length is drawn given that it has outlasted its tokens so far (the
   emulated workload samples each turn's length independently, `actors/environment/workloads.py`);
