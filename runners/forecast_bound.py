@@ -19,42 +19,61 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from forecasting import series
 from forecasting.bound import bound_forecast, decodes
 from forecasting.core import CoreConfig
 from ops.export import EventLogError, load_events
-from runners.replay import BASELINES, actuals
+from runners.replay import BASELINES, tick_bounds
 
 
 def score(events: pl.DataFrame, horizons_s: list[float], bin_s: float = 1.0, samples: int = 300) -> pl.DataFrame:
-    """Per horizon: the bound's and the naive forecast's MAE on decode tokens, and the ticks scored."""
-    end_s = float(np.ceil(float(events["at_s"].max()) / bin_s) * bin_s)  # the last event's bin closed
-    actual = actuals(events, CoreConfig(models=("naive",), bin_s=bin_s), end_s)["decode_tokens"]
+    """Per horizon: the bound's and the naive forecast's MAE on decode tokens, and the ticks
+    scored: the ticks and bins `runners.replay` scores with one tick per bin."""
+    if events.height == 0:
+        raise ValueError("the log is empty: no events to score")
+    if samples < 1:
+        raise ValueError(f"--samples {samples}: want at least 1 draw per tick")
+    cfg = CoreConfig(models=("naive",), bin_s=bin_s, horizons_s=tuple(horizons_s))  # checks each horizon is whole bins
+    ticks_s = np.array(tick_bounds(events, cfg, bin_s))
+    actual = series.totals(series.bin_events(events, bin_s, end_s=float(ticks_s[-1])), "decode_tokens")
+    actual = np.asarray(actual, float)
+    ticks_s = ticks_s[ticks_s >= float(events["at_s"].min())]  # as `replay.align` scores them
     d = decodes(events)
-    first = int(np.ceil(float(events["at_s"].min()) / bin_s))
     rows = []
-    for h in horizons_s:
-        ahead = round(h / bin_s)
-        ticks = np.arange(max(first, 1), len(actual) - ahead + 1)  # the bin t + ahead - 1 closed
-        if len(ticks) == 0:
-            raise ValueError(f"the log is too short for a {h:g} s horizon")
-        truth = actual[ticks + ahead - 1]
-        forecast = bound_forecast(d, ticks * bin_s, h, bin_s, samples)
-        naive = actual[ticks - 1]
-        rows.append({"horizon_s": h, "ticks": len(ticks), "bound_mae": float(np.abs(truth - forecast).mean()), "naive_mae": float(np.abs(truth - naive).mean())})
+    for h_s, ahead in zip(cfg.horizons_s, (i + 1 for i in cfg.horizon_index())):
+        at = np.round(ticks_s / bin_s).astype(np.int64)
+        keep = at + ahead - 1 < len(actual)
+        if not keep.any():
+            raise ValueError(f"the log is too short for a {h_s:g} s horizon")
+        truth = actual[at[keep] + ahead - 1]
+        forecast = bound_forecast(d, ticks_s[keep], ahead * bin_s, bin_s, samples)
+        naive = actual[at[keep] - 1]
+        rows.append({"horizon_s": h_s, "ticks": int(keep.sum()), "bound_mae": float(np.abs(truth - forecast).mean()), "naive_mae": float(np.abs(truth - naive).mean())})
     return pl.DataFrame(rows)
 
 
 def gains(bound: pl.DataFrame, accuracy: pl.DataFrame) -> pl.DataFrame:
     """The bound's and every non-baseline model's MAE gain over the best of ETS/ARIMA, per score
-    and horizon of `accuracy` (decode tokens)."""
+    and horizon of `accuracy` (decode tokens). A cell must have scored the bound's ticks (one
+    log, one tick per bin, the same bins): else the gains compare different points."""
+    missing = {"log", "score", "model", "target", "horizon_s", "points", "mae"} - set(accuracy.columns)
+    if missing:
+        raise ValueError(f"the accuracy table lacks {', '.join(sorted(missing))}: want runners.replay's accuracy.csv")
+    if accuracy["log"].n_unique() > 1:
+        raise ValueError("the accuracy table scores several logs; give one log's table")
     rows = []
     table = accuracy.filter(pl.col("target") == "decode_tokens")
     for b in bound.iter_rows(named=True):
         for sc in sorted(set(table["score"]) - {"window"}):
             cell = table.filter((pl.col("score") == sc) & ((pl.col("horizon_s") - b["horizon_s"]).abs() < 1e-9))
-            best = cell.filter(pl.col("model").is_in(BASELINES))["mae"].min()
-            if best is None:
+            base = cell.filter(pl.col("model").is_in(BASELINES))
+            if base.height == 0:
                 continue
+            points = set(cell["points"].to_list())
+            if points != {b["ticks"]}:
+                raise ValueError(f"the accuracy table scored {sorted(points)} points at {b['horizon_s']:g} s, the bound {b['ticks']} ticks: "
+                                 "not the same log, bins or ticks (one log, --tick-s = --bin-s)")  # fmt: skip
+            best = base["mae"].min()
             row = {"score": sc, "horizon_s": b["horizon_s"], "best_baseline_mae": best, "bound": 1 - b["bound_mae"] / best}
             for model, mae in cell.filter(~pl.col("model").is_in([*BASELINES, "naive"])).select("model", "mae").iter_rows():
                 row[model] = 1 - mae / best
@@ -68,22 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horizons", nargs="+", type=float, default=[5.0, 10.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
     parser.add_argument("--samples", type=int, default=300, help="Monte Carlo draws per tick")
-    parser.add_argument("--accuracy", type=Path, help="runners.replay's accuracy.csv for the same log")
+    parser.add_argument("--accuracy", type=Path, help="runners.replay's accuracy.csv for the same log (one tick per bin)")
     args = parser.parse_args(argv)
     try:
+        accuracy = pl.read_csv(args.accuracy) if args.accuracy else None
         events = load_events(args.log)
         bound = score(events, args.horizons, args.bin_s, args.samples)
-        accuracy = pl.read_csv(args.accuracy) if args.accuracy else None
+        table = gains(bound, accuracy) if accuracy is not None else None
     except (EventLogError, ValueError, OSError, pl.exceptions.PolarsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with pl.Config(tbl_rows=50, float_precision=3):
         print(bound)
-        if accuracy is not None:
-            if accuracy["log"].n_unique() > 1:
-                print(f"error: {args.accuracy} scores several logs; give one log's table", file=sys.stderr)
-                return 2
-            print(gains(bound, accuracy))
+        if table is not None:
+            print(table if table.height else "no ETS or ARIMA rows for decode tokens in the accuracy table: no gains to give")
     return 0
 
 

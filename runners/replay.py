@@ -45,6 +45,7 @@ from actors.forecaster.actor import decode_cost, prefill_cost
 from forecasting import metrics, series
 from forecasting.core import CoreConfig, ForecastCore, TickResult
 from forecasting.models import QUANTILES, TARGETS
+from forecasting.models.base import Prediction
 from forecasting.series import UNIT_COST, TokenCost
 from ops.export import EventLogError, load_events
 
@@ -106,8 +107,8 @@ class Scored:
 
 def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarray], from_s: float, score: str = "bin") -> list[Scored]:
     """Pair each forecast with the bin it was for (score "bin": the model's point forecast;
-    "median": its published median, the conformal layer's median shift applied to every model
-    alike), or with the mean of the bins up to it ("window"), for ticks at or after from_s."""
+    "median": its published median, where calibration is on shifted by the conformal layer as
+    for every model), or with the mean of the bins up to it ("window"), for ticks at or after from_s."""
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r} (known: {', '.join(SCORES)})")
     out: list[Scored] = []
@@ -135,8 +136,9 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
     return out
 
 
-def _point(prediction, target: str, hi: int, score: str) -> float:
-    """What MAE scores at horizon index hi: the model's point forecast, or its published median."""
+def _point(prediction: Prediction, target: str, hi: int, score: str) -> float:
+    """What MAE scores at horizon index hi: the model's point forecast, or its published median
+    (calibrated, unless the replay runs with --no-calibrate)."""
     if score == "median":
         return float(prediction.quantiles[target][QUANTILES.index(0.5), hi])
     return float(prediction.point_forecast(target)[hi])

@@ -269,11 +269,13 @@ def _run_one(args: tuple[bytes, str, bool]) -> dict:
 
 def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     """No policy's `rollout_s` can beat this. A trajectory's critical path: every prefill alone
-    on an engine (new tokens on a cached prefix), every decode at the fastest step (one
-    sequence alone on the engine), its tool latencies, no queueing; each at the fastest of the
-    fleet's layouts (with stage layouts a colocated TP engine decodes a lone sequence faster
-    than the DP-attention decode layout). Sync: the sum over steps of the longest path of the
-    step. Async (no step boundaries): the longest path of the run."""
+    on an engine (new tokens on a cached prefix), every decode step at the fastest step (one
+    sequence alone on the engine; a decode's first token comes with its prefill), its tool
+    latencies, no queueing; each at the fastest of the fleet's prefill, decode and colocated
+    layouts (with stage layouts a colocated TP engine decodes a lone sequence faster than the
+    DP-attention decode layout). The same for every policy whose engines run among those
+    layouts. Sync: the sum over steps of the longest path of the step. Async (no step boundaries): the
+    longest path of the run."""
     presets = [config.engines.cost_preset(role) for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)]
     tpot_s = min(decode_step_s(p, 1, 0) for p in presets)  # one sequence alone: under DP attention, busy peers slow a step
     turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "new_tokens", "context_tokens")
@@ -282,7 +284,9 @@ def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     )
     per_traj = turns.with_columns(prefill_col.alias("s")).group_by("trajectory_id").agg(pl.col("s").sum().alias("prefill_s"))
     step = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first())  # sync: the trajectory's step
-    gen = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id").agg(pl.col("generated_tokens").sum().alias("gen"))
+    # a decode of g tokens takes g - 1 steps: its first token is sampled at the end of its prefill
+    steps = (pl.col("generated_tokens") - 1).clip(lower_bound=0)
+    gen = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id").agg(steps.sum().alias("gen"))
     tools = events.filter(pl.col("kind") == "tool_done").group_by("trajectory_id").agg(pl.col("duration_s").sum().alias("tool_s"))
     paths = (
         per_traj.join(step, on="trajectory_id", how="left")

@@ -135,8 +135,8 @@ def test_the_median_score_takes_each_models_published_median(log_path):
         results, _ = replay.replay(events, cfg)
         actual = replay.actuals(events, cfg, results[-1].as_of_s)
         start = float(events["at_s"].min())
-        bins = {(s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "bin")}
-        medians = {(s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "median")}
+        bins = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "bin")}
+        medians = {(s.model, s.target, s.horizon_s): s for s in replay.align(results, cfg, actual, start, "median")}
         assert bins.keys() == medians.keys()
         moved = 0
         for key, m in medians.items():
