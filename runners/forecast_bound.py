@@ -19,29 +19,25 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from forecasting import series
 from forecasting.bound import bound_forecast, decodes
 from forecasting.core import CoreConfig
 from ops.export import EventLogError, load_events
-from runners.replay import BASELINES, tick_bounds
+from runners.replay import BASELINES, actuals, tick_bounds
 
 
 def score(events: pl.DataFrame, horizons_s: list[float], bin_s: float = 1.0, samples: int = 300) -> pl.DataFrame:
     """Per horizon: the bound's and the naive forecast's MAE on decode tokens, and the ticks
     scored: the ticks and bins `runners.replay` scores with one tick per bin."""
-    if events.height == 0:
-        raise ValueError("the log is empty: no events to score")
     if samples < 1:
         raise ValueError(f"--samples {samples}: want at least 1 draw per tick")
     cfg = CoreConfig(models=("naive",), bin_s=bin_s, horizons_s=tuple(horizons_s))  # checks each horizon is whole bins
-    ticks_s = np.array(tick_bounds(events, cfg, bin_s))
-    actual = series.totals(series.bin_events(events, bin_s, end_s=float(ticks_s[-1])), "decode_tokens")
-    actual = np.asarray(actual, float)
+    ticks_s = np.array(tick_bounds(events, cfg, bin_s))  # (refuses an empty log)
+    actual = actuals(events, cfg, float(ticks_s[-1]))["decode_tokens"]
     ticks_s = ticks_s[ticks_s >= float(events["at_s"].min())]  # as `replay.align` scores them
+    at = np.round(ticks_s / bin_s).astype(np.int64)  # each tick's bin index
     d = decodes(events)
     rows = []
     for h_s, ahead in zip(cfg.horizons_s, (i + 1 for i in cfg.horizon_index())):
-        at = np.round(ticks_s / bin_s).astype(np.int64)
         keep = at + ahead - 1 < len(actual)
         if not keep.any():
             raise ValueError(f"the log is too short for a {h_s:g} s horizon")
