@@ -51,7 +51,8 @@ def decodes(events: pl.DataFrame) -> Decodes:
     and attempt)."""
     started = events.filter(pl.col("kind") == "decode_started").select(*KEYS, pl.col("at_s").alias("started_s"))
     done = events.filter(pl.col("kind") == "decode_done").select(*KEYS, pl.col("at_s").alias("done_s"), "generated_tokens", "task_family")
-    joined = done.join(started.unique(subset=KEYS, keep="first"), on=KEYS, how="inner")
+    # in a fixed order (a join's is not), so the Monte Carlo's draws fall the same every run
+    joined = done.join(started.unique(subset=KEYS, keep="first"), on=KEYS, how="inner").sort("started_s", *KEYS)
     return Decodes(
         joined["started_s"].to_numpy(), joined["done_s"].to_numpy(),
         joined["generated_tokens"].to_numpy().astype(float), joined["task_family"].to_numpy(),

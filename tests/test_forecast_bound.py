@@ -114,3 +114,14 @@ def test_bad_input_is_one_line_and_exit_2(log, tmp_path, capsys):
     pl.DataFrame({"log": ["a"], "mae": [1.0]}).write_csv(bare)
     assert forecast_bound.main([str(path), "--horizons", "5", "--accuracy", str(bare)]) == 2
     assert "lacks" in capsys.readouterr().err
+
+
+def test_the_decodes_come_in_one_order_whatever_the_logs(log):
+    """The Monte Carlo draws follow the decodes' order, so it must not depend on the order of
+    the log's rows (nor on a join's): the same bound every run."""
+    shuffled = log.sample(fraction=1.0, shuffle=True, seed=1)
+    a, b = decodes(log), decodes(shuffled)
+    for name in ("started_s", "done_s", "tokens", "family"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    ticks = np.arange(5.0, 60.0)
+    assert np.array_equal(bound_forecast(a, ticks, 5.0, samples=50), bound_forecast(b, ticks, 5.0, samples=50))
