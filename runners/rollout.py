@@ -274,8 +274,8 @@ def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     latencies, no queueing; each at the fastest of the fleet's prefill, decode and colocated
     layouts (with stage layouts a colocated TP engine decodes a lone sequence faster than the
     DP-attention decode layout). The same for every policy whose engines run among those
-    layouts. Sync: the sum over steps of the longest path of the step. Async (no step boundaries): the
-    longest path of the run."""
+    layouts. Sync: the sum over steps of the longest path of the step. Async (no step
+    boundaries): the longest path of the run."""
     presets = [config.engines.cost_preset(role) for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)]
     tpot_s = min(decode_step_s(p, 1, 0) for p in presets)  # one sequence alone: under DP attention, busy peers slow a step
     turns = events.filter(pl.col("kind") == "prefill_queued").select("trajectory_id", "new_tokens", "context_tokens")
@@ -286,14 +286,14 @@ def lower_bound_s(config: Config, events: pl.DataFrame) -> float:
     step = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first())  # sync: the trajectory's step
     # a decode of g tokens takes g - 1 steps: its first token is sampled at the end of its prefill
     steps = (pl.col("generated_tokens") - 1).clip(lower_bound=0)
-    gen = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id").agg(steps.sum().alias("gen"))
+    decode = events.filter(pl.col("kind") == "decode_done").group_by("trajectory_id").agg(steps.sum().alias("decode_steps"))
     tools = events.filter(pl.col("kind") == "tool_done").group_by("trajectory_id").agg(pl.col("duration_s").sum().alias("tool_s"))
     paths = (
         per_traj.join(step, on="trajectory_id", how="left")
-        .join(gen, on="trajectory_id", how="left")
+        .join(decode, on="trajectory_id", how="left")
         .join(tools, on="trajectory_id", how="left")
         .fill_null(0)
-        .with_columns((pl.col("prefill_s") + pl.col("gen") * tpot_s + pl.col("tool_s")).alias("path_s"))
+        .with_columns((pl.col("prefill_s") + pl.col("decode_steps") * tpot_s + pl.col("tool_s")).alias("path_s"))
     )
     if config.run.mode == "async":
         return float(paths["path_s"].max() or 0.0)
