@@ -9,7 +9,7 @@ import msgspec
 from bus_schemas import subjects
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"

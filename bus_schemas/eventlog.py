@@ -21,13 +21,27 @@ EVENT_COLUMNS = set(LifecycleEvent.__struct_fields__)
 def events_frame(events: list[LifecycleEvent]) -> pl.DataFrame:
     rows = msgspec.to_builtins(events)
     schema = {
-        "event_id": pl.String, "kind": pl.String, "at_s": pl.Float64, "actor_id": pl.String,
-        "trajectory_id": pl.String, "turn": pl.Int64, "attempt": pl.Int64, "task_family": pl.String,
-        "policy_version": pl.Int64, "step": pl.Int64, "engine_id": pl.String, "role": pl.String,
-        "new_tokens": pl.Int64, "cached_prefix_tokens": pl.Int64, "context_tokens": pl.Int64,
-        "generated_tokens": pl.Int64, "kv_bytes": pl.Int64, "duration_s": pl.Float64,
-        "reward": pl.Float64, "detail": pl.String,
-    }  # fmt: skip
+        "event_id": pl.String,
+        "kind": pl.String,
+        "at_s": pl.Float64,
+        "actor_id": pl.String,
+        "trajectory_id": pl.String,
+        "turn": pl.Int64,
+        "attempt": pl.Int64,
+        "task_family": pl.String,
+        "policy_version": pl.Int64,
+        "step": pl.Int64,
+        "engine_id": pl.String,
+        "role": pl.String,
+        "new_tokens": pl.Int64,
+        "cached_prefix_tokens": pl.Int64,
+        "context_tokens": pl.Int64,
+        "generated_tokens": pl.Int64,
+        "kv_bytes": pl.Int64,
+        "duration_s": pl.Float64,
+        "reward": pl.Float64,
+        "detail": pl.String,
+    }
     assert set(schema) == set(EVENT_COLUMNS), "events_frame schema out of date with LifecycleEvent"
     frame = pl.DataFrame(rows, schema=schema, orient="row") if rows else pl.DataFrame(schema=schema)
     return frame.sort("at_s", "event_id").with_columns(pl.lit(SCHEMA_VERSION, pl.Int64).alias("schema_version"))
@@ -38,10 +52,20 @@ class EventLogError(ValueError):
 
 
 _EXPORT_DTYPES = {
-    "event_id": pl.String, "kind": pl.String, "at_s": pl.Float64, "trajectory_id": pl.String, "turn": pl.Int64,
-    "task_family": pl.String, "step": pl.Int64, "new_tokens": pl.Int64, "cached_prefix_tokens": pl.Int64,
-    "context_tokens": pl.Int64, "generated_tokens": pl.Int64, "duration_s": pl.Float64, "schema_version": pl.Int64,
-}  # fmt: skip
+    "event_id": pl.String,
+    "kind": pl.String,
+    "at_s": pl.Float64,
+    "trajectory_id": pl.String,
+    "turn": pl.Int64,
+    "task_family": pl.String,
+    "step": pl.Int64,
+    "new_tokens": pl.Int64,
+    "cached_prefix_tokens": pl.Int64,
+    "context_tokens": pl.Int64,
+    "generated_tokens": pl.Int64,
+    "duration_s": pl.Float64,
+    "schema_version": pl.Int64,
+}
 
 
 def load_events(path: str | Path) -> pl.DataFrame:

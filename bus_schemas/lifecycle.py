@@ -14,7 +14,7 @@ import msgspec
 SCHEMA_VERSION = 1
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     # per turn, in order (colocated engines skip kv_transfer_done and decode_queued)
     PREFILL_QUEUED = "prefill_queued"
     PREFILL_STARTED = "prefill_started"

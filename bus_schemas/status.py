@@ -23,7 +23,9 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     held_kv_handles: int  # prefilled KV waiting for a decode engine to fetch it
     busy_fraction: float  # share of model time since the last heartbeat spent in iterations
     waiting_prefill_tokens: int = 0  # prefill tokens still to compute for the waiting sequences
-    decode_context_tokens: int = 0  # KV tokens of the decoding sequences, retracted ones included (their mean context = this / running_decode)
+    decode_context_tokens: int = (
+        0  # KV tokens of the decoding sequences, retracted ones included (their mean context = this / running_decode)
+    )
     switching: bool = False  # a SetRole is being carried out (draining or reconfiguring)
     role_since_s: float = 0.0  # model time the current role began
     prefilled_tokens_total: int = 0  # prefill tokens computed since the engine started (cumulative)

@@ -70,15 +70,11 @@ class StreamDef:
 
 
 LIFECYCLE = StreamDef("LIFECYCLE", (subjects.lifecycle_all(),), work_queue=False)
-WORK_PREFILL = StreamDef(
-    "WORK_PREFILL", (subjects.work_prefill(), subjects.work_prefill() + ".*"), work_queue=True
-)
+WORK_PREFILL = StreamDef("WORK_PREFILL", (subjects.work_prefill(), subjects.work_prefill() + ".*"), work_queue=True)
 WORK_DECODE = StreamDef("WORK_DECODE", (subjects.work_decode(), subjects.work_decode() + ".*"), work_queue=True)
 RESULTS = StreamDef("RESULTS", (subjects.result_all(),), work_queue=True)
 TASKS = StreamDef("TASKS", (subjects.train_tasks(),), work_queue=True)
-TRAIN = StreamDef(
-    "TRAIN", (subjects.train_finished(), subjects.train_policy(), subjects.train_step()), work_queue=False
-)
+TRAIN = StreamDef("TRAIN", (subjects.train_finished(), subjects.train_policy(), subjects.train_step()), work_queue=False)
 REPORTS = StreamDef("REPORTS", (subjects.report_all(),), work_queue=False)
 DEAD = StreamDef("DEAD", (subjects.dead_letter_all(),), work_queue=False)
 

@@ -40,10 +40,14 @@ def bench(trajectories: int, models: tuple[str, ...], timed_ticks: int = 10) -> 
         for model in core.models.values():
             model.predict(core.config.horizon_bins)
         model_ms.append((time.perf_counter() - began) * 1e3)
-    return {"live": float(np.mean(live)), "tick_ms": float(np.median(tick_ms)), "tick_best_ms": float(np.min(tick_ms)),
-            "tick_cpu_ms": float(np.median(cpu_ms)),
-            "predict_ms": float(np.median(model_ms)),
-            "events_per_tick": float((at_s.searchsorted(16 + timed_ticks) - at_s.searchsorted(16)) / timed_ticks)}  # fmt: skip
+    return {
+        "live": float(np.mean(live)),
+        "tick_ms": float(np.median(tick_ms)),
+        "tick_best_ms": float(np.min(tick_ms)),
+        "tick_cpu_ms": float(np.median(cpu_ms)),
+        "predict_ms": float(np.median(model_ms)),
+        "events_per_tick": float((at_s.searchsorted(16 + timed_ticks) - at_s.searchsorted(16)) / timed_ticks),
+    }
 
 
 def main() -> None:
@@ -54,9 +58,11 @@ def main() -> None:
     args = parser.parse_args()
     for n in args.trajectories:
         r = bench(n, tuple(args.models), args.ticks)
-        print(f"{'+'.join(args.models)}: {r['live']:.0f} live trajectories, {r['events_per_tick']:.0f} events/tick: "
-              f"tick {r['tick_ms']:.1f} ms (median; best {r['tick_best_ms']:.1f}; CPU {r['tick_cpu_ms']:.1f}), "
-              f"of which predict {r['predict_ms']:.1f} ms")  # fmt: skip
+        print(
+            f"{'+'.join(args.models)}: {r['live']:.0f} live trajectories, {r['events_per_tick']:.0f} events/tick: "
+            f"tick {r['tick_ms']:.1f} ms (median; best {r['tick_best_ms']:.1f}; CPU {r['tick_cpu_ms']:.1f}), "
+            f"of which predict {r['predict_ms']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

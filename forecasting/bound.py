@@ -54,9 +54,11 @@ def decodes(events: pl.DataFrame) -> Decodes:
     # in a fixed order (a join's is not), so the Monte Carlo's draws fall the same every run
     joined = done.join(started.unique(subset=KEYS, keep="first"), on=KEYS, how="inner").sort("started_s", *KEYS)
     return Decodes(
-        joined["started_s"].to_numpy(), joined["done_s"].to_numpy(),
-        joined["generated_tokens"].to_numpy().astype(float), joined["task_family"].to_numpy(),
-    )  # fmt: skip
+        joined["started_s"].to_numpy(),
+        joined["done_s"].to_numpy(),
+        joined["generated_tokens"].to_numpy().astype(float),
+        joined["task_family"].to_numpy(),
+    )
 
 
 def bound_forecast(d: Decodes, ticks_s: np.ndarray, horizon_s: float, bin_s: float = 1.0, samples: int = 300, seed: int = 0) -> np.ndarray:

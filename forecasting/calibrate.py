@@ -20,7 +20,6 @@ a (target, horizon) has `min_points` residuals its quantiles go out as the model
 The mean and the point forecast are never changed.
 """
 
-
 from __future__ import annotations
 
 import numpy as np

@@ -12,7 +12,7 @@ The caller hands each tick the events with at_s in [previous tick, this tick), s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -104,7 +104,11 @@ class ForecastCore:
         self._naive = {name: Naive() for name in self.config.models}
         self.fallbacks = {name: 0 for name in self.config.models}
         calibrated = tuple(self.config.horizon_index())  # the horizons published and scored
-        self.calibrators = {name: Conformal(self.config.calibration_window_bins, horizons=calibrated) for name in self.config.models} if self.config.calibrate else {}
+        self.calibrators = (
+            {name: Conformal(self.config.calibration_window_bins, horizons=calibrated) for name in self.config.models}
+            if self.config.calibrate
+            else {}
+        )
         self.series = {t: _Growing() for t in TARGETS}
         self.frames: list[pl.DataFrame] = []
         self.end_s = 0.0
@@ -113,9 +117,13 @@ class ForecastCore:
 
     def tick(self, events: pl.DataFrame, until_s: float) -> TickResult:
         """Close the bins of [end_s, until_s) with `events`, then forecast from until_s."""
-        totals, self._carry = series.chunk_totals(events, self.end_s, until_s, self.config.bin_s, self._carry, self.config.prefill_cost, self.config.decode_cost)
+        totals, self._carry = series.chunk_totals(
+            events, self.end_s, until_s, self.config.bin_s, self._carry, self.config.prefill_cost, self.config.decode_cost
+        )
         if self.config.keep_series:
-            chunk, self._family_carry = series.bin_chunk(events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost, self.config.decode_cost)
+            chunk, self._family_carry = series.bin_chunk(
+                events, self.end_s, until_s, self.config.bin_s, self._family_carry, self.config.prefill_cost, self.config.decode_cost
+            )
             self.frames.append(chunk)
         totals[series.LIVE_KV] = self._ingest_by_bin(events, until_s)
         for t in TARGETS:

@@ -49,7 +49,7 @@ class Empirical:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def extend(self, other: "Empirical") -> None:
+    def extend(self, other: Empirical) -> None:
         for v in other._samples:
             self.add(v)
 
@@ -106,7 +106,9 @@ class Empirical:
         surv = self.survival(grid)
         return (surv[:, :-1] - surv[:, 1:]) / np.maximum(surv[:, :1], 1e-300)
 
-    def residual_sums(self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None = None) -> np.ndarray:
+    def residual_sums(
+        self, bucket: np.ndarray, weights: np.ndarray, step_s: float, slots: int, censored: np.ndarray | None = None
+    ) -> np.ndarray:
         """(len(weights), slots): Σ_i weights[m, i] · P(end in slot j | lasted bucket[i]·step_s).
 
         One survival curve on the grid, the weights summed per bucket, then one matrix

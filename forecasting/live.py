@@ -192,12 +192,18 @@ class LiveState:
             return self._async_cadence(now_s)
         running = self.step_started_s is not None
         return Cadence(
-            pending=self.pending_starts(), pending_chance=1.0, pending_mix=self.step_mix(self.step) or self.step_mix(self.step - 1),
-            since_anchor_s=max(now_s - self.step_started_s, 0.0) if running else 0.0, offsets=self.start_offset_s,
-            next_size=self.last_step_size(), next_chance=0.0 if self.final_step_done else 1.0, next_mix=self.step_mix(self.last_step),
+            pending=self.pending_starts(),
+            pending_chance=1.0,
+            pending_mix=self.step_mix(self.step) or self.step_mix(self.step - 1),
+            since_anchor_s=max(now_s - self.step_started_s, 0.0) if running else 0.0,
+            offsets=self.start_offset_s,
+            next_size=self.last_step_size(),
+            next_chance=0.0 if self.final_step_done else 1.0,
+            next_mix=self.step_mix(self.last_step),
             next_waited_s=None if self.step_pending_since_s is None else max(now_s - self.step_pending_since_s, 0.0),
-            gap=self.step_gap_s, waves=False,
-        )  # fmt: skip
+            gap=self.step_gap_s,
+            waves=False,
+        )
 
     def _async_cadence(self, now_s: float) -> Cadence:
         """The running cycle opened at the last batch_ready. A cycle brings a wave with the
@@ -222,9 +228,18 @@ class LiveState:
             chance = late / (late + 1.0 - q)
         mix = self.cycle_mix(cycle - 1) or self.cycle_mix(cycle)
         return Cadence(
-            pending=pending, pending_chance=chance, pending_mix=self.cycle_mix(cycle) or mix, since_anchor_s=since_s,
-            offsets=self.wave_offset_s, next_size=wave, next_chance=q, next_mix=mix, next_waited_s=since_s, gap=self.batch_gap_s, waves=True,
-        )  # fmt: skip
+            pending=pending,
+            pending_chance=chance,
+            pending_mix=self.cycle_mix(cycle) or mix,
+            since_anchor_s=since_s,
+            offsets=self.wave_offset_s,
+            next_size=wave,
+            next_chance=q,
+            next_mix=mix,
+            next_waited_s=since_s,
+            gap=self.batch_gap_s,
+            waves=True,
+        )
 
     def cycle_mix(self, cycle: int) -> dict[int, float]:
         """Async: share of each family among the starts of that cycle."""
@@ -294,7 +309,9 @@ class LiveState:
             self.stats[name] = FamilyStats()
         return self._family_index[name]
 
-    def _slots(self, ids: list[str], families: pl.Series, rows: np.ndarray, at_s: np.ndarray, turn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _slots(
+        self, ids: list[str], families: pl.Series, rows: np.ndarray, at_s: np.ndarray, turn: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Slot of every event (-1: its trajectory has finished), and whether it opened in
         this chunk: a trajectory seen for the first time opens one at its first event."""
         slot = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
@@ -350,10 +367,14 @@ class LiveState:
         self._learn_delays("prompt_delays", fam, delayed & (turn == 0), at_s - entered_before, sizes)
         self._learn_delays("prefill_delays", fam, delayed & (turn != 0), at_s - entered_before, sizes)
         later = done & (turn != 0) & (col["context_tokens"] > 0)
-        self._learn("cached_share", fam[later], np.minimum(col["cached_prefix_tokens"][later] / np.maximum(col["context_tokens"][later], 1), 1.0))
+        self._learn(
+            "cached_share", fam[later], np.minimum(col["cached_prefix_tokens"][later] / np.maximum(col["context_tokens"][later], 1), 1.0)
+        )
         done = code == DEC_DONE
         self._learn("gen_tokens", fam[done], col["generated_tokens"][done])
-        decode_s = self.decode_cost.engine_s(col["generated_tokens"][done].astype(float), (col["context_tokens"] + col["new_tokens"])[done].astype(float))
+        decode_s = self.decode_cost.engine_s(
+            col["generated_tokens"][done].astype(float), (col["context_tokens"] + col["new_tokens"])[done].astype(float)
+        )
         self._learn("decode_engine_s", fam[done], decode_s)
         done = code == TOOL_DONE
         self._learn("obs_tokens", fam[done], col["new_tokens"][done])
@@ -416,10 +437,13 @@ class LiveState:
             (np.isin(code, (QUEUED, REPREFILL, PREFILLED, TOOL_DONE)), self.prefilled, code == PREFILLED),
             # a re-prefill re-sends the queued turn: its context and new tokens stand (logs
             # before stop 33 carry no token counts on reprefill events)
-            (np.isin(code, (QUEUED, DEC_DONE)), self.context,
-             np.where(code == DEC_DONE, col["context_tokens"] + col["new_tokens"] + col["generated_tokens"], col["context_tokens"])),
+            (
+                np.isin(code, (QUEUED, DEC_DONE)),
+                self.context,
+                np.where(code == DEC_DONE, col["context_tokens"] + col["new_tokens"] + col["generated_tokens"], col["context_tokens"]),
+            ),
             (code == QUEUED, self.queued_new, col["new_tokens"]),
-        ):  # fmt: skip
+        ):
             array[slot[valid]] = values[valid]  # repeated slots: the last event wins
         return phase_before, entered_before
 

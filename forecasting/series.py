@@ -69,12 +69,12 @@ class TokenCost:
     per_token_pair_s: float = 0.0
 
     @classmethod
-    def prefill_of(cls, preset) -> "TokenCost":
+    def prefill_of(cls, preset) -> TokenCost:
         """A prefill's costs on a cost-model preset (`CostPreset`: its t_tok_s and c_attn_s)."""
         return cls(per_token_s=preset.t_tok_s, per_token_pair_s=preset.c_attn_s)
 
     @classmethod
-    def decode_of(cls, preset) -> "TokenCost":
+    def decode_of(cls, preset) -> TokenCost:
         """A decode's costs on a cost-model preset: per generated token its GEMM and
         per-sequence share (t_dec_s + c_seq_s), per context token read c_kv_s."""
         return cls(per_token_s=preset.t_dec_s + preset.c_seq_s, per_token_pair_s=preset.c_kv_s)
@@ -104,7 +104,9 @@ def _kind(name: str) -> pl.Expr:
 def _flow_exprs(cost: TokenCost, decode_cost: TokenCost) -> list[pl.Expr]:
     miss = pl.col("context_tokens") - pl.col("cached_prefix_tokens") + pl.col("new_tokens")
     engine_s = cost.engine_s(miss.cast(pl.Float64), pl.col("cached_prefix_tokens").cast(pl.Float64))
-    decode_s = decode_cost.engine_s(pl.col("generated_tokens").cast(pl.Float64), (pl.col("context_tokens") + pl.col("new_tokens")).cast(pl.Float64))
+    decode_s = decode_cost.engine_s(
+        pl.col("generated_tokens").cast(pl.Float64), (pl.col("context_tokens") + pl.col("new_tokens")).cast(pl.Float64)
+    )
     return [
         pl.when(_kind("prefill_queued")).then(pl.col("new_tokens")).otherwise(0).alias("prefill_new_tokens"),
         pl.when(_kind("prefill_done")).then(miss).otherwise(0).alias("prefill_miss_tokens"),
@@ -145,9 +147,7 @@ def _levels(events: pl.DataFrame, start_s: float, bin_s: float, n_bins: int, car
     families = sorted(set(steps["task_family"].to_list()) | set(carry))
     if not families:
         return pl.DataFrame(schema={"bin": pl.Int64, "task_family": pl.String, **{c: pl.Float64 for c in LEVELS}}), {}
-    edges = pl.DataFrame({"at_s": [start_s + i * bin_s for i in range(n_bins)]}).join(
-        pl.DataFrame({"task_family": families}), how="cross"
-    )
+    edges = pl.DataFrame({"at_s": [start_s + i * bin_s for i in range(n_bins)]}).join(pl.DataFrame({"task_family": families}), how="cross")
     edges = edges.with_columns(pl.lit(0.0).alias(c) for c in LEVELS)
     start = pl.DataFrame({"task_family": families, **{c: [carry.get(f, {}).get(c, 0.0) for f in families] for c in LEVELS}})
     end_s = start_s + n_bins * bin_s
@@ -179,7 +179,9 @@ def bin_chunk(
     flows = _flows(trajectory_events, start_s, bin_s, n_bins, cost, decode_cost)
     levels, carry_out = _levels(trajectory_events, start_s, bin_s, n_bins, carry or {})
     families = sorted(set(flows["task_family"].to_list()) | set(levels["task_family"].to_list()))
-    grid = pl.DataFrame({"bin": list(range(n_bins))}).join(pl.DataFrame({"task_family": families}, schema={"task_family": pl.String}), how="cross")
+    grid = pl.DataFrame({"bin": list(range(n_bins))}).join(
+        pl.DataFrame({"task_family": families}, schema={"task_family": pl.String}), how="cross"
+    )
     per_family = grid.join(flows, on=["bin", "task_family"], how="left").join(levels, on=["bin", "task_family"], how="left")
     per_family = per_family.with_columns(pl.col(c).fill_null(0.0) for c in COLUMNS)
     total = per_family.group_by("bin").agg(pl.col(c).sum() for c in COLUMNS).with_columns(pl.lit(TOTAL).alias("task_family"))
@@ -234,7 +236,9 @@ def chunk_totals(
     kind = {k: code == i for i, k in enumerate(_TOTALS_KINDS)}
     at_s = np.maximum(events["at_s"].to_numpy()[rows], start_s)
     local = np.clip(np.floor((at_s - start_s) / bin_s).astype(np.int64), 0, n_bins - 1)
-    new, ctx, cached, generated = (events[c].to_numpy()[rows].astype(float) for c in ("new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens"))
+    new, ctx, cached, generated = (
+        events[c].to_numpy()[rows].astype(float) for c in ("new_tokens", "context_tokens", "cached_prefix_tokens", "generated_tokens")
+    )
     flows = {
         "prefill_new_tokens": np.where(kind["prefill_queued"], new, 0.0),
         "prefill_miss_tokens": np.where(kind["prefill_done"], ctx - cached + new, 0.0),
@@ -263,7 +267,9 @@ def _whole_bins(start_s: float, end_s: float, bin_s: float) -> int:
     return n_bins
 
 
-def bin_events(events: pl.DataFrame, bin_s: float, end_s: float | None = None, cost: TokenCost = UNIT_COST, decode_cost: TokenCost = UNIT_COST) -> pl.DataFrame:
+def bin_events(
+    events: pl.DataFrame, bin_s: float, end_s: float | None = None, cost: TokenCost = UNIT_COST, decode_cost: TokenCost = UNIT_COST
+) -> pl.DataFrame:
     """The whole log from t = 0 to `end_s` (default: the bin after the last event)."""
     if events.height == 0:
         raise ValueError("no events to bin: the log is empty")
@@ -283,19 +289,33 @@ def live_context_by_bin(events: pl.DataFrame, bin_s: float, bins: int) -> np.nda
     kinds = ("prefill_queued", "reprefill", "prefill_done", "decode_done", "finished")
     log = events.filter(pl.col("kind").is_in(kinds)).sort("at_s", maintain_order=True)
     queued = [
-        pl.when(_kind("prefill_queued")).then(pl.col(c)).otherwise(None).forward_fill().over("trajectory_id").fill_null(0).alias(f"queued_{c}")
+        pl.when(_kind("prefill_queued"))
+        .then(pl.col(c))
+        .otherwise(None)
+        .forward_fill()
+        .over("trajectory_id")
+        .fill_null(0)
+        .alias(f"queued_{c}")
         for c in ("context_tokens", "new_tokens")
     ]
     value = (
-        pl.when(_kind("decode_done")).then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))
-        .when(_kind("finished")).then(0)
-        .when(_kind("prefill_done")).then(pl.col("queued_context_tokens") + pl.col("queued_new_tokens"))
-        .when(_kind("reprefill")).then(pl.col("queued_context_tokens"))
+        pl.when(_kind("decode_done"))
+        .then(pl.col("context_tokens") + pl.col("new_tokens") + pl.col("generated_tokens"))
+        .when(_kind("finished"))
+        .then(0)
+        .when(_kind("prefill_done"))
+        .then(pl.col("queued_context_tokens") + pl.col("queued_new_tokens"))
+        .when(_kind("reprefill"))
+        .then(pl.col("queued_context_tokens"))
         .otherwise(pl.col("context_tokens"))
-    )  # fmt: skip
-    log = log.with_columns(queued).with_columns(value.alias("value")).with_columns(
-        (pl.col("value") - pl.col("value").shift(1).over("trajectory_id").fill_null(0)).alias("delta"),
-        (pl.col("at_s") // bin_s).cast(pl.Int64).clip(0, max(0, bins - 1)).alias("bin"),
+    )
+    log = (
+        log.with_columns(queued)
+        .with_columns(value.alias("value"))
+        .with_columns(
+            (pl.col("value") - pl.col("value").shift(1).over("trajectory_id").fill_null(0)).alias("delta"),
+            (pl.col("at_s") // bin_s).cast(pl.Int64).clip(0, max(0, bins - 1)).alias("bin"),
+        )
     )
     per_bin = np.zeros(bins)
     if bins and log.height:

@@ -8,13 +8,15 @@ import msgspec
 import numpy as np
 import polars as pl
 
-from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.eventlog import events_frame
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
 
 FAMILIES = ("swe", "math")
 
 
-def _trajectory(rng: np.random.Generator, index: int, start_s: float, max_turns: int, min_turns: int, until_s: float) -> list[LifecycleEvent]:
+def _trajectory(
+    rng: np.random.Generator, index: int, start_s: float, max_turns: int, min_turns: int, until_s: float
+) -> list[LifecycleEvent]:
     family = FAMILIES[index % len(FAMILIES)]
     tid = f"t{index}"
     base = dict(trajectory_id=tid, task_family=family, actor_id="synthetic", step=0, policy_version=0)
@@ -89,7 +91,10 @@ def synthetic_async_events(
     def start(count: int, at_s: float, version: int) -> None:
         first = sum(1 for e in events if e.kind is EventKind.STARTED)
         for i in range(first, first + count):
-            events.extend(msgspec.structs.replace(e, step=version, policy_version=version) for e in _trajectory(rng, i, at_s, max_turns, 1, float("inf")))
+            events.extend(
+                msgspec.structs.replace(e, step=version, policy_version=version)
+                for e in _trajectory(rng, i, at_s, max_turns, 1, float("inf"))
+            )
 
     start(2 * wave, 0.0, 0)
     ready_s = 0.0

@@ -53,7 +53,11 @@ class User:
         return {
             "user": self.name,
             "password": self.password,
-            "permissions": {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}, "allow_responses": True},
+            "permissions": {
+                "publish": {"allow": list(self.publish)},
+                "subscribe": {"allow": list(self.subscribe)},
+                "allow_responses": True,
+            },
         }
 
 
@@ -65,19 +69,30 @@ def _consume(stream: streams.StreamDef) -> list[str]:
     """Publish rights to create, look up and pull a consumer of `stream`, and ack its messages."""
     s = stream.name
     return [
-        f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.>",
-        f"$JS.API.CONSUMER.INFO.{s}.>", f"$JS.API.CONSUMER.MSG.NEXT.{s}.>", f"$JS.ACK.{s}.>",
-    ]  # fmt: skip
+        f"$JS.API.CONSUMER.CREATE.{s}",
+        f"$JS.API.CONSUMER.CREATE.{s}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.>",
+        f"$JS.API.CONSUMER.INFO.{s}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{s}.>",
+        f"$JS.ACK.{s}.>",
+    ]
 
 
 def _common(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
     """What every actor does: its heartbeats, report and lifecycle events; bringing the streams
     to their definition (ensure_streams); the run's origin; its own inbox."""
     publish = [
-        subjects.status(kind, actor_id), subjects.report(actor_id), subjects.lifecycle_all(),
-        "$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*",
-        f"$JS.API.DIRECT.GET.KV_{RUN_BUCKET}.>", f"$JS.API.STREAM.MSG.GET.KV_{RUN_BUCKET}", f"$KV.{RUN_BUCKET}.>",
-    ]  # fmt: skip
+        subjects.status(kind, actor_id),
+        subjects.report(actor_id),
+        subjects.lifecycle_all(),
+        "$JS.API.INFO",
+        "$JS.API.STREAM.INFO.*",
+        "$JS.API.STREAM.CREATE.*",
+        "$JS.API.STREAM.UPDATE.*",
+        f"$JS.API.DIRECT.GET.KV_{RUN_BUCKET}.>",
+        f"$JS.API.STREAM.MSG.GET.KV_{RUN_BUCKET}",
+        f"$KV.{RUN_BUCKET}.>",
+    ]
     subscribe = [f"{inbox_prefix(user_name(kind, actor_id))}.>", subjects.status_all()]
     return publish, subscribe
 
@@ -88,10 +103,22 @@ def role_permissions(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
     work = [subjects.work_prefill(), subjects.work_prefill() + ".*", subjects.work_decode(), subjects.work_decode() + ".*"]
     match kind:
         case "engine":
-            publish += work + [subjects.result_all(), "prorsa.kv.>", subjects.kv_store_put(), subjects.train_model(), subjects.train_weights()]
+            publish += work + [
+                subjects.result_all(),
+                "prorsa.kv.>",
+                subjects.kv_store_put(),
+                subjects.train_model(),
+                subjects.train_weights(),
+            ]
             publish += _consume(streams.WORK_PREFILL) + _consume(streams.WORK_DECODE)
             publish.append(f"$JS.API.STREAM.MSG.GET.{streams.LIFECYCLE.name}")  # the latest policy version at a restart
-            subscribe += [subjects.ctl_engine(actor_id), subjects.ctl_policy(actor_id), subjects.kv(actor_id), f"prorsa.kv.*.{actor_id}", subjects.kv_store_put()]
+            subscribe += [
+                subjects.ctl_engine(actor_id),
+                subjects.ctl_policy(actor_id),
+                subjects.kv(actor_id),
+                f"prorsa.kv.*.{actor_id}",
+                subjects.kv_store_put(),
+            ]
         case "environment":
             publish += [subjects.work_prefill(), subjects.work_prefill() + ".*", subjects.train_finished()]
             publish += _consume(streams.TASKS) + _consume(streams.RESULTS)
@@ -113,10 +140,20 @@ def role_permissions(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
 def monitor_permissions() -> tuple[list[str], list[str]]:
     """Read-only: look at streams and consumers, read messages, watch every subject."""
     publish = [
-        "$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.STREAM.MSG.GET.*",
-        "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.INFO.>", "$JS.API.CONSUMER.MSG.NEXT.>",
-        "$JS.API.CONSUMER.DELETE.>", "$JS.API.CONSUMER.LIST.*", "$JS.API.CONSUMER.NAMES.*", "$JS.FC.>",
-    ]  # fmt: skip
+        "$JS.API.INFO",
+        "$JS.API.STREAM.INFO.*",
+        "$JS.API.STREAM.NAMES",
+        "$JS.API.STREAM.LIST",
+        "$JS.API.STREAM.MSG.GET.*",
+        "$JS.API.DIRECT.GET.>",
+        "$JS.API.CONSUMER.CREATE.>",
+        "$JS.API.CONSUMER.INFO.>",
+        "$JS.API.CONSUMER.MSG.NEXT.>",
+        "$JS.API.CONSUMER.DELETE.>",
+        "$JS.API.CONSUMER.LIST.*",
+        "$JS.API.CONSUMER.NAMES.*",
+        "$JS.FC.>",
+    ]
     return publish, [">"]
 
 

@@ -110,9 +110,16 @@ class LifecycleFill:
     async def check(self) -> float:
         """The stream's fill (0..1; 0 without a limit); alert on crossing 90% and 100%."""
         info = await self.js.stream_info(streams.LIFECYCLE.name)
-        shares = [used / limit for used, limit in ((info.state.bytes, info.config.max_bytes), (info.state.messages, info.config.max_msgs)) if limit and limit > 0]
+        shares = [
+            used / limit
+            for used, limit in ((info.state.bytes, info.config.max_bytes), (info.state.messages, info.config.max_msgs))
+            if limit and limit > 0
+        ]
         fill = max(shares, default=0.0)
-        for level, text in ((1.0, "full: new lifecycle events are refused (discard new) and retried; raise bus.lifecycle_max_bytes/_msgs"), (FILL_WARN, "90% full")):
+        for level, text in (
+            (1.0, "full: new lifecycle events are refused (discard new) and retried; raise bus.lifecycle_max_bytes/_msgs"),
+            (FILL_WARN, "90% full"),
+        ):
             if fill >= level:
                 line = f"the LIFECYCLE stream is {text} ({info.state.messages} events, {info.state.bytes} bytes)"
                 if not any(a.startswith(f"the LIFECYCLE stream is {text}") for a in self.alerts):

@@ -66,8 +66,13 @@ def accounts_block(users: dict[str, User]) -> str:
 
 class LocalCluster:
     def __init__(
-        self, root: Path, servers: int = 3, sync_interval: str = "always", name: str = CLUSTER_NAME, accounts: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
+        self,
+        root: Path,
+        servers: int = 3,
+        sync_interval: str = "always",
+        name: str = CLUSTER_NAME,
+        accounts: tuple[str, ...] = (),
+    ) -> None:
         if servers < MIN_SERVERS:
             raise ValueError(f"a JetStream cluster needs at least {MIN_SERVERS} servers to survive the loss of one, not {servers}")
         for account in accounts:
@@ -90,7 +95,9 @@ class LocalCluster:
         for i, route_port in enumerate(self.route_ports):
             routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(self.route_ports) if j != i)
             block = f'cluster {{\n  name: "{self.name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
-            self.servers.append(EmbeddedNats(self.root / f"n{i}", sync_interval=self.sync_interval, authorization=auth, server_name=f"n{i}", cluster=block))
+            self.servers.append(
+                EmbeddedNats(self.root / f"n{i}", sync_interval=self.sync_interval, authorization=auth, server_name=f"n{i}", cluster=block)
+            )
 
     @property
     def urls(self) -> list[str]:
@@ -169,13 +176,15 @@ class LocalCluster:
                 proc = self.servers[i].proc
                 if proc is not None and proc.poll() is not None:  # exited after "ready": say why now, not after the timeout
                     raise exited_error(proc, self.servers[i].log_path, offsets[i])
-                tail = self.servers[i].log_path.read_bytes()[offsets[i]:]
+                tail = self.servers[i].log_path.read_bytes()[offsets[i] :]
                 if any(line in tail for line in META_LEADER_LINES):
                     waiting.discard(i)
             time.sleep(0.05)
         if waiting:
             names = ", ".join(f"n{i}" for i in sorted(waiting))
-            raise RuntimeError(f"no JetStream metadata leader seen by {names} after {META_LEADER_TIMEOUT_WALL_S} s; see {self.root}/n*/nats-server.log")
+            raise RuntimeError(
+                f"no JetStream metadata leader seen by {names} after {META_LEADER_TIMEOUT_WALL_S} s; see {self.root}/n*/nats-server.log"
+            )
 
     async def _wait_replicated_stream(self) -> None:
         """Until a stream replicated on every server can be created (and is deleted again):
@@ -184,7 +193,9 @@ class LocalCluster:
         user = next(iter(self.accounts.values()), None)
         nc = await connect(self.seed_url, "cluster-ready", LOG, user=user and user.name, password=user and user.password)
         js = nc.jetstream(timeout=5)
-        probe = api.StreamConfig(name=READY_STREAM, subjects=[f"_prorsa.{READY_STREAM}"], num_replicas=len(self.servers), storage=api.StorageType.MEMORY)
+        probe = api.StreamConfig(
+            name=READY_STREAM, subjects=[f"_prorsa.{READY_STREAM}"], num_replicas=len(self.servers), storage=api.StorageType.MEMORY
+        )
         deadline = time.monotonic() + META_LEADER_TIMEOUT_WALL_S
         try:
             while True:
@@ -194,7 +205,9 @@ class LocalCluster:
                     return
                 except BUS_ERRORS as err:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"no stream on all {len(self.servers)} servers after {META_LEADER_TIMEOUT_WALL_S} s ({err!r}); see {self.root}/n*/nats-server.log") from err
+                        raise RuntimeError(
+                            f"no stream on all {len(self.servers)} servers after {META_LEADER_TIMEOUT_WALL_S} s ({err!r}); see {self.root}/n*/nats-server.log"
+                        ) from err
                     await asyncio.sleep(POLL_WALL_S)
         finally:
             await close(nc)

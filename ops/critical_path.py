@@ -62,10 +62,24 @@ STATE_OF = {
 ORDER = {
     kind: i
     for i, kind in enumerate(
-        ("started", "prefill_queued", "reprefill", "prefill_started", "prefill_done", "kv_transfer_done", "decode_queued",
-         "decode_started", "decode_migrated", "turn_interrupted", "decode_done", "tool_started", "tool_done", "finished")
+        (
+            "started",
+            "prefill_queued",
+            "reprefill",
+            "prefill_started",
+            "prefill_done",
+            "kv_transfer_done",
+            "decode_queued",
+            "decode_started",
+            "decode_migrated",
+            "turn_interrupted",
+            "decode_done",
+            "tool_started",
+            "tool_done",
+            "finished",
+        )
     )
-}  # fmt: skip
+}
 
 
 def breakdown(trajectory_events: pl.DataFrame, origin_s: float, end_s: float | None = None) -> dict[str, float]:
@@ -73,10 +87,14 @@ def breakdown(trajectory_events: pl.DataFrame, origin_s: float, end_s: float | N
     event, and on to `end_s` (the batch formed: "batch"), per bucket (`BUCKETS`); the buckets
     add up to that span."""
     out = dict.fromkeys(BUCKETS, 0.0)
-    rows = trajectory_events.filter(pl.col("kind").is_in(list(ORDER))).with_columns(
-        pl.col("turn").fill_null(pl.when(pl.col("kind") == "finished").then(1 << 30).otherwise(-1)).alias("_turn"),
-        pl.col("kind").replace_strict(ORDER, return_dtype=pl.Int64).alias("_order"),
-    ).sort(["at_s", "_turn", "_order"])
+    rows = (
+        trajectory_events.filter(pl.col("kind").is_in(list(ORDER)))
+        .with_columns(
+            pl.col("turn").fill_null(pl.when(pl.col("kind") == "finished").then(1 << 30).otherwise(-1)).alias("_turn"),
+            pl.col("kind").replace_strict(ORDER, return_dtype=pl.Int64).alias("_order"),
+        )
+        .sort(["at_s", "_turn", "_order"])
+    )
     state, since = "start", origin_s
     for kind, at_s in zip(rows["kind"], rows["at_s"]):
         out[state] += max(0.0, at_s - since)
@@ -93,7 +111,9 @@ def critical_paths(events: pl.DataFrame, mode: str = "sync") -> list[dict]:
     family and turns, and `breakdown` of its time from the step's start. Steps with no
     finished trajectory are left out."""
     starts = events.filter(pl.col("kind") == "step_started").group_by("step").agg(pl.col("at_s").min().alias("origin_s")).sort("step")
-    started = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first(), pl.col("task_family").first())
+    started = (
+        events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("step").first(), pl.col("task_family").first())
+    )
     finished = events.filter(pl.col("kind") == "finished").group_by("trajectory_id").agg(pl.col("at_s").min().alias("finished_at_s"))
     runs = started.join(finished, on="trajectory_id")
     if mode == "async":  # one stretch: the run, up to the forming of the last batch

@@ -48,9 +48,9 @@ from actors.base.connection import BUS_ERRORS, close, connect, publish_origin
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from bus_schemas import streams
 from ops import access
+from ops.bus_guard import read_dead_letters
 from ops.cluster import announce_end, wait_for_reports, wait_for_run, watch_end
 from ops.export import read_run, write_run
-from ops.bus_guard import read_dead_letters
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
 from ops.supervise import STOP_GRACE_WALL_S, stop_all, supervise
@@ -133,7 +133,9 @@ def check_real_tasks(config: Config) -> None:
         return
     mc = config.model
     if config.engines.backend == "vllm" and not (mc.checkpoint or config.vllm.model) and mc.hidden_size // mc.heads < 32:
-        raise ConfigError(f"engines.backend = 'vllm' needs a head size >= 32 (model.hidden_size / model.heads = {mc.hidden_size // mc.heads})")
+        raise ConfigError(
+            f"engines.backend = 'vllm' needs a head size >= 32 (model.hidden_size / model.heads = {mc.hidden_size // mc.heads})"
+        )
     if config.engines.backend == "vllm":  # NIXL or TP this machine cannot run: one line before any engine starts
         from actors.engine.vllm.engine import check_config
 
@@ -189,16 +191,29 @@ async def spawn(spec: ActorSpec, config_path: Path, bus: Bus, logs: Path) -> asy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])), **bus.actor_env(spec)}
     try:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", f"actors.{spec.kind}", "--config", str(config_path), "--id", spec.actor_id,
-            "--nats-url", bus.url, *spec.extra,
-            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            env=env, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            f"actors.{spec.kind}",
+            "--config",
+            str(config_path),
+            "--id",
+            spec.actor_id,
+            "--nats-url",
+            bus.url,
+            *spec.extra,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
     finally:
         log.close()
 
 
-async def export(bus: Bus, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict) -> dict:
+async def export(
+    bus: Bus, out: Path, config: Config, status: str, wall_s: float, killed: list[str], supervision: Supervision, notes: dict
+) -> dict:
     nc = await bus.connect("launcher-export")
     try:
         record = await read_run(nc.jetstream())
@@ -271,7 +286,11 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
         console.print(f"replacing the earlier run in {out}", highlight=False)
         shutil.rmtree(out / "nats")
     users = None if nats_url else access.make_users([(spec.kind, spec.actor_id) for spec in specs])
-    server = None if nats_url else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval, authorization=access.authorization_block(users))
+    server = (
+        None
+        if nats_url
+        else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval, authorization=access.authorization_block(users))
+    )
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
     interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
@@ -311,7 +330,7 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
         supervision = Supervision(rc.on_actor_death, rc.max_restarts, rc.restart_backoff_wall_s)
         notes: dict = {}
         if not stop.is_set():
-            respawn = lambda spec: spawn(spec, config_path, bus, logs)  # noqa: E731
+            respawn = lambda spec: spawn(spec, config_path, bus, logs)
             status = await supervise(procs, logs, bus, config.trajectories_expected(), stop, supervision, respawn, notes, server)
         if ender is not None and ender.done() and ender.result() is not None:
             status = ender.result()  # the control host's word on the run
@@ -374,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     parser.add_argument("--on-actor-death", choices=["abort", "restart"], help="overrides run.on_actor_death")
     parser.add_argument(
-        "--only", action="append", metavar="GROUP",
+        "--only",
+        action="append",
+        metavar="GROUP",
         help="run only these actors of a run on --nats-url: control, engines[:ID[-ID]], environments[:ID[-ID]] (repeatable)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.only and not args.nats_url:
         console.print("error: --only joins a run on an external NATS cluster: give --nats-url", highlight=False)

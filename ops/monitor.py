@@ -157,7 +157,9 @@ async def once(bus: BusMonitor, state: MonitorState, args: argparse.Namespace) -
     return 0
 
 
-async def watch(bus: BusMonitor, state: MonitorState, target: BusTarget, args: argparse.Namespace, stop: asyncio.Event, started_wall_s: float) -> int:
+async def watch(
+    bus: BusMonitor, state: MonitorState, target: BusTarget, args: argparse.Namespace, stop: asyncio.Event, started_wall_s: float
+) -> int:
     collector = None
     if args.prometheus is not None:
         from ops.monitor_prom import serve
@@ -219,11 +221,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prometheus", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
     parser.add_argument("--prometheus-addr", default="0.0.0.0", metavar="ADDR", help="address the metrics server binds (default 0.0.0.0)")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="wall seconds between updates (default 1)")
-    parser.add_argument("--wait", type=float, default=2.0, metavar="S", help="--once: wall seconds to listen before the snapshot (default 2)")
+    parser.add_argument(
+        "--wait", type=float, default=2.0, metavar="S", help="--once: wall seconds to listen before the snapshot (default 2)"
+    )
     parser.add_argument("--window", type=float, default=300.0, metavar="S", help="model seconds of P:D history (default 300)")
-    parser.add_argument("--lease", type=float, metavar="S", help="wall seconds of silence before an engine is flagged (default: the run's lease)")
+    parser.add_argument(
+        "--lease", type=float, metavar="S", help="wall seconds of silence before an engine is flagged (default: the run's lease)"
+    )
     parser.add_argument("--no-history", action="store_true", help="follow new lifecycle events only (no replay from the stream's start)")
-    parser.add_argument("--no-commands", action="store_true", help="do not watch SetRole commands on prorsa.ctl.engine.* (switches still show from the log; no 'not acked' alerts)")
+    parser.add_argument(
+        "--no-commands",
+        action="store_true",
+        help="do not watch SetRole commands on prorsa.ctl.engine.* (switches still show from the log; no 'not acked' alerts)",
+    )
     parser.add_argument("--width", type=int, default=140, help="text width of --once without --json when not a terminal (default 140)")
     args = parser.parse_args(argv)
     if args.interval <= 0 or args.wait < 0 or args.window <= 0:

@@ -80,14 +80,19 @@ def target_from_run(run_dir: Path) -> BusTarget:
     except (OSError, ValueError) as err:
         raise MonitorInputError(f"{path}: not readable as JSON: {err}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("url"), str) or not raw["url"]:
-        raise MonitorInputError(f"{path}: no \"url\" in it")
+        raise MonitorInputError(f'{path}: no "url" in it')
     creds = raw.get("creds")
     if creds:
         creds = str((run_dir / creds) if not Path(creds).is_absolute() else Path(creds))
     return BusTarget(
-        url=raw["url"], user=raw.get("user") or None, password=raw.get("password") or None, creds=creds or None,
-        source=f"run {run_dir}", run_dir=run_dir, hints=run_hints(run_dir),
-    )  # fmt: skip
+        url=raw["url"],
+        user=raw.get("user") or None,
+        password=raw.get("password") or None,
+        creds=creds or None,
+        source=f"run {run_dir}",
+        run_dir=run_dir,
+        hints=run_hints(run_dir),
+    )
 
 
 def run_hints(run_dir: Path) -> dict:
@@ -131,9 +136,12 @@ def target_from_url(url: str, environ: dict | None = None) -> BusTarget:
     """Any deployment: credentials from NATS_USER / NATS_PASSWORD or NATS_CREDS where set."""
     env = os.environ if environ is None else environ
     return BusTarget(
-        url=url, user=env.get("NATS_USER") or None, password=env.get("NATS_PASSWORD") or None,
-        creds=env.get("NATS_CREDS") or None, source="--nats-url",
-    )  # fmt: skip
+        url=url,
+        user=env.get("NATS_USER") or None,
+        password=env.get("NATS_PASSWORD") or None,
+        creds=env.get("NATS_CREDS") or None,
+        source="--nats-url",
+    )
 
 
 def _connect_options(target: BusTarget) -> dict:
@@ -169,7 +177,7 @@ async def probe(target: BusTarget, timeout_s: float = 2.0) -> None:
         await asyncio.wait_for(
             nc.connect(target.url, allow_reconnect=False, connect_timeout=timeout_s, error_cb=quiet, **options), timeout=timeout_s + 1.0
         )
-    except Exception as err:  # noqa: BLE001: every failure becomes one line
+    except Exception as err:  # every failure becomes one line
         raise MonitorInputError(f"cannot connect to {target.url}: {_why(err)}") from None
     finally:
         if not nc.is_closed:
@@ -179,7 +187,9 @@ async def probe(target: BusTarget, timeout_s: float = 2.0) -> None:
 class BusMonitor:
     """Connects, subscribes, and feeds `state` until closed. `wall` is the wall clock."""
 
-    def __init__(self, state: MonitorState, target: BusTarget, *, history: bool = True, commands: bool = True, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, state: MonitorState, target: BusTarget, *, history: bool = True, commands: bool = True, wall: Callable[[], float] = time.time
+    ) -> None:
         self.state = state
         self.target = target
         self.history = history
@@ -215,10 +225,18 @@ class BusMonitor:
 
         self.nc = NATS()
         await self.nc.connect(
-            self.target.url, allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=1.0, connect_timeout=2,
-            ping_interval=5, max_outstanding_pings=3, error_cb=on_error, disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect, **_connect_options(self.target),
-        )  # fmt: skip
+            self.target.url,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1.0,
+            connect_timeout=2,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **_connect_options(self.target),
+        )
         state.on_bus(url=self.target.url, source=self.target.source, connected=True, error="")
         nc = self.nc
         for subject in (subjects.status_all(), subjects.forecast(), subjects.allocation(), subjects.train_step(), subjects.report_all()):
@@ -238,7 +256,7 @@ class BusMonitor:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.close()
-            except Exception as err:  # noqa: BLE001: closing a broken connection: nothing left to do
+            except Exception as err:  # closing a broken connection: nothing left to do
                 self._optional_failed("close", err)
 
     # --- callbacks -------------------------------------------------------------------------
@@ -248,9 +266,11 @@ class BusMonitor:
     async def _on_dead_letter(self, msg: Msg) -> None:
         headers = msg.headers or {}
         self.state.on_dead_letter(
-            stream=msg.subject.rsplit(".", 1)[-1], reason=headers.get(REASON_HEADER, ""),
-            subject=headers.get(SUBJECT_HEADER, msg.subject), wall_s=self.wall(),
-        )  # fmt: skip
+            stream=msg.subject.rsplit(".", 1)[-1],
+            reason=headers.get(REASON_HEADER, ""),
+            subject=headers.get(SUBJECT_HEADER, msg.subject),
+            wall_s=self.wall(),
+        )
 
     async def _on_lifecycle(self, msg: Msg) -> None:
         self.state.ingest(msg.subject, msg.data, self.wall())
@@ -288,9 +308,12 @@ class BusMonitor:
         kind = "terminated" if "MSG_TERMINATED" in msg.subject else "max_deliveries"
         deliveries = advisory.get("deliveries", 0)
         self.state.on_advisory(
-            kind=kind, stream=stream, consumer=str(advisory.get("consumer", "")),
-            deliveries=deliveries if isinstance(deliveries, int) else 0, wall_s=self.wall(),
-        )  # fmt: skip
+            kind=kind,
+            stream=stream,
+            consumer=str(advisory.get("consumer", "")),
+            deliveries=deliveries if isinstance(deliveries, int) else 0,
+            wall_s=self.wall(),
+        )
 
     # --- JetStream -------------------------------------------------------------------------
     async def _read_origin(self) -> None:
@@ -298,7 +321,7 @@ class BusMonitor:
             kv = await self.nc.jetstream(timeout=1.0).key_value(RUN_BUCKET)
             entry = await kv.get(ORIGIN_KEY)
             self.state.on_bus(run_name=decode(RunOrigin, entry.value).run_name)
-        except Exception as err:  # noqa: BLE001: optional (no bucket yet, no permission): the header goes without
+        except Exception as err:  # optional (no bucket yet, no permission): the header goes without
             self._optional_failed("run origin", err)
 
     async def _lifecycle(self) -> None:
@@ -316,7 +339,7 @@ class BusMonitor:
                     self.lifecycle_ready.set()  # nothing to catch up with
                     said_waiting = True
                 await asyncio.sleep(1.0)
-            except Exception as err:  # noqa: BLE001: no JetStream or no permission: live events only
+            except Exception as err:  # no JetStream or no permission: live events only
                 await self._live_lifecycle(f"live only (no JetStream access: {_why(err)})")
                 return
         self._lifecycle_target_seq = info.state.last_seq if self.history else 0
@@ -324,10 +347,13 @@ class BusMonitor:
             self.lifecycle_ready.set()
         try:
             await js.subscribe(
-                subjects.lifecycle_all(), stream=streams.LIFECYCLE.name, cb=self._on_lifecycle, ordered_consumer=True,
+                subjects.lifecycle_all(),
+                stream=streams.LIFECYCLE.name,
+                cb=self._on_lifecycle,
+                ordered_consumer=True,
                 deliver_policy=api.DeliverPolicy.ALL if self.history else api.DeliverPolicy.NEW,
-            )  # fmt: skip
-        except Exception as err:  # noqa: BLE001
+            )
+        except Exception as err:
             await self._live_lifecycle(f"live only (no consumer allowed: {_why(err)})")
             return
         self.lifecycle_mode = "stream"
@@ -346,18 +372,25 @@ class BusMonitor:
                 info = await js.stream_info(stream.name)
             except NotFoundError:
                 continue
-            except Exception as err:  # noqa: BLE001: no permission / disconnected: try again next round
+            except Exception as err:  # no permission / disconnected: try again next round
                 self._optional_failed("stream info", err)
                 return
             c, s = info.config, info.state
             self.state.on_stream_info(
-                stream.name, messages=s.messages, bytes_=s.bytes, max_msgs=c.max_msgs or -1, max_bytes=c.max_bytes or -1,
-                discard=str(getattr(c.discard, "value", c.discard) or ""), wall_s=self.wall(),
-            )  # fmt: skip
+                stream.name,
+                messages=s.messages,
+                bytes_=s.bytes,
+                max_msgs=c.max_msgs or -1,
+                max_bytes=c.max_bytes or -1,
+                discard=str(getattr(c.discard, "value", c.discard) or ""),
+                wall_s=self.wall(),
+            )
         try:
             account = await js.account_info()
-            self.state.on_account_info(storage_bytes=account.storage, max_storage_bytes=account.limits.max_storage or -1, wall_s=self.wall())
-        except Exception as err:  # noqa: BLE001: no permission / disconnected: try again next round
+            self.state.on_account_info(
+                storage_bytes=account.storage, max_storage_bytes=account.limits.max_storage or -1, wall_s=self.wall()
+            )
+        except Exception as err:  # no permission / disconnected: try again next round
             self._optional_failed("account info", err)
 
     async def _poll_streams(self) -> None:

@@ -18,9 +18,14 @@ from ops.monitor_common import drop_before, rounded
 ROLES = ("prefill", "decode", "colocated")
 # Events an engine stamps with its own role at the time (its role history between heartbeats).
 _ENGINE_KINDS = {
-    EventKind.PREFILL_STARTED, EventKind.PREFILL_DONE, EventKind.DECODE_QUEUED, EventKind.KV_TRANSFER_DONE,
-    EventKind.DECODE_STARTED, EventKind.DECODE_DONE, EventKind.DECODE_MIGRATED,
-}  # fmt: skip
+    EventKind.PREFILL_STARTED,
+    EventKind.PREFILL_DONE,
+    EventKind.DECODE_QUEUED,
+    EventKind.KV_TRANSFER_DONE,
+    EventKind.DECODE_STARTED,
+    EventKind.DECODE_DONE,
+    EventKind.DECODE_MIGRATED,
+}
 _MAX_ROLE_CHANGES = 1000  # per engine; past it the older half is dropped
 
 

@@ -53,7 +53,13 @@ class Health:
 
     # --- feeding ---------------------------------------------------------------------------
     def on_actor_status(self, s: ActorStatus, wall_s: float) -> None:
-        self.actors[s.actor_id] = {"kind": s.kind, "at_s": s.at_s, "wall_s": wall_s, "live_trajectories": s.live_trajectories, "counters": dict(s.counters)}
+        self.actors[s.actor_id] = {
+            "kind": s.kind,
+            "at_s": s.at_s,
+            "wall_s": wall_s,
+            "live_trajectories": s.live_trajectories,
+            "counters": dict(s.counters),
+        }
 
     def on_report(self, r: ActorReport) -> None:
         self.reports[r.actor_id] = r
@@ -76,7 +82,11 @@ class Health:
 
     def on_account_info(self, *, storage_bytes: int, max_storage_bytes: int) -> None:
         full = _fullness(storage_bytes, max_storage_bytes)
-        self.account = {"storage_bytes": storage_bytes, "max_storage_bytes": max_storage_bytes, "fullness": rounded(full, 4) if full is not None else None}
+        self.account = {
+            "storage_bytes": storage_bytes,
+            "max_storage_bytes": max_storage_bytes,
+            "fullness": rounded(full, 4) if full is not None else None,
+        }
 
     def on_dead_letter(self, *, stream: str, reason: str, subject: str, wall_s: float) -> None:
         self.dead_letters += 1
@@ -92,7 +102,12 @@ class Health:
 
     def actors_view(self, wall_s: float) -> dict:
         return {
-            a: {"kind": v["kind"], "heartbeat_age_s": rounded(wall_s - v["wall_s"], 2), "live_trajectories": v["live_trajectories"], "counters": v["counters"]}
+            a: {
+                "kind": v["kind"],
+                "heartbeat_age_s": rounded(wall_s - v["wall_s"], 2),
+                "live_trajectories": v["live_trajectories"],
+                "counters": v["counters"],
+            }
             for a, v in sorted(self.actors.items())
         }
 
@@ -126,7 +141,17 @@ class Health:
     def streams_view(self) -> dict:
         return {**self.streams, **({"account": self.account} if self.account else {})}
 
-    def alerts(self, *, bus: dict, engines: list[dict], missing: list[str], pending: list[dict], invalid: dict, dead: dict, forecast: DemandForecast | None) -> list[dict]:
+    def alerts(
+        self,
+        *,
+        bus: dict,
+        engines: list[dict],
+        missing: list[str],
+        pending: list[dict],
+        invalid: dict,
+        dead: dict,
+        forecast: DemandForecast | None,
+    ) -> list[dict]:
         """What needs a look, in a fixed order: the bus, engines (silent, missing), switches
         not acked, dead letters, full streams, malformed messages, a forecast fallback."""
         alerts = []
@@ -134,19 +159,37 @@ class Health:
             alerts.append(_alert("bus_disconnected", bus["url"], f"not connected to {bus['url']}: {bus.get('error') or 'reconnecting'}"))
         for e in engines:
             if e["silent"]:
-                alerts.append(_alert("engine_silent", e["engine_id"], f"engine {e['engine_id']} silent for {e['heartbeat_age_s']:.1f} s (lease {e['lease_s']:.1f} s)"))
+                alerts.append(
+                    _alert(
+                        "engine_silent",
+                        e["engine_id"],
+                        f"engine {e['engine_id']} silent for {e['heartbeat_age_s']:.1f} s (lease {e['lease_s']:.1f} s)",
+                    )
+                )
         for engine_id in missing:
             alerts.append(_alert("engine_missing", engine_id, f"engine {engine_id} has sent no heartbeat"))
         for c in pending:
             if c["overdue"]:
-                alerts.append(_alert("switch_not_acked", c["engine_id"], f"switch of {c['engine_id']} to {c['role']} (epoch {c['epoch']}) not acked after {c['age_s']:.1f} s"))
+                alerts.append(
+                    _alert(
+                        "switch_not_acked",
+                        c["engine_id"],
+                        f"switch of {c['engine_id']} to {c['role']} (epoch {c['epoch']}) not acked after {c['age_s']:.1f} s",
+                    )
+                )
         if dead["total"]:
             last = dead["last"] or {}
             detail = f"; last from {last.get('stream', '?')}: {last.get('reason') or 'no reason given'}" if last else ""
             alerts.append(_alert("dead_letters", last.get("stream", ""), f"dead letters: {dead['total']}{detail}"))
         for name, st in self.streams.items():
             if st["fullness"] is not None and st["fullness"] >= self.stream_full_ratio:
-                alerts.append(_alert("stream_near_full", name, f"stream {name} {st['fullness']:.0%} full ({st['messages']} messages, {st['bytes']} bytes)"))
+                alerts.append(
+                    _alert(
+                        "stream_near_full",
+                        name,
+                        f"stream {name} {st['fullness']:.0%} full ({st['messages']} messages, {st['bytes']} bytes)",
+                    )
+                )
         if self.account.get("fullness") is not None and self.account["fullness"] >= self.stream_full_ratio:
             alerts.append(_alert("stream_near_full", "account", f"JetStream storage {self.account['fullness']:.0%} full"))
         if invalid["total"]:

@@ -23,7 +23,6 @@ from ops.monitor_engines import ROLES
 from ops.monitor_phases import PHASES
 
 
-
 def target_unit(target: str) -> str | None:
     """A forecast target's unit, from its name (forecasting.series names them so)."""
     for suffix, unit in (("_tokens", "tokens"), ("_seqs", "sequences"), ("_engine_s", "engine_seconds")):
@@ -112,7 +111,11 @@ def metric_families(s: dict) -> list:
 
     d = s["demand"]
     forecast, demand = {}, {}
-    for unit, what in (("tokens", "tokens in the bin"), ("sequences", "mean sequences over the bin"), ("engine_seconds", "engine-seconds of prefill compute in the bin")):
+    for unit, what in (
+        ("tokens", "tokens in the bin"),
+        ("sequences", "mean sequences over the bin"),
+        ("engine_seconds", "engine-seconds of prefill compute in the bin"),
+    ):
         forecast[unit] = _g(f"prorsa_forecast_{unit}", f"Latest forecast: {what} ending horizon seconds after as_of", ["target", "horizon"])
         demand[unit] = _g(f"prorsa_demand_{unit}", f"Measured demand: {what}, the last whole bin", ["target"])
     for target, v in d["targets"].items():
@@ -176,7 +179,19 @@ def metric_families(s: dict) -> list:
     out += [msgs, size, full]
 
     alerts = _g("prorsa_alerts", "Active alerts by kind", ["kind"])
-    kinds: dict[str, int] = {k: 0 for k in ("engine_silent", "engine_missing", "switch_not_acked", "dead_letters", "stream_near_full", "invalid_messages", "bus_disconnected", "forecast_fallback")}
+    kinds: dict[str, int] = {
+        k: 0
+        for k in (
+            "engine_silent",
+            "engine_missing",
+            "switch_not_acked",
+            "dead_letters",
+            "stream_near_full",
+            "invalid_messages",
+            "bus_disconnected",
+            "forecast_fallback",
+        )
+    }
     for a in s["alerts"]:
         kinds[a["kind"]] = kinds.get(a["kind"], 0) + 1
     for kind, n in kinds.items():

@@ -66,9 +66,13 @@ class MonitorState:
     ) -> None:
         self.expected_engines = list(expected_engines)
         self.engines = Engines(
-            lease_wall_s=lease_wall_s, heartbeat_wall_s=heartbeat_wall_s, time_scale=time_scale,
-            rate_window_s=rate_window_s, window_s=window_s, history_points=history_points,
-        )  # fmt: skip
+            lease_wall_s=lease_wall_s,
+            heartbeat_wall_s=heartbeat_wall_s,
+            time_scale=time_scale,
+            rate_window_s=rate_window_s,
+            window_s=window_s,
+            history_points=history_points,
+        )
         self.trajectories = Trajectories(rate_window_s=rate_window_s)
         self.switches = Switches(ack_grace_wall_s=ack_grace_wall_s, max_switches=max_switches)
         self.demand = Demand(spark_bins=spark_bins, prefill_cost=prefill_cost)
@@ -158,7 +162,15 @@ class MonitorState:
     def on_step(self, r: StepReport, wall_s: float) -> None:
         self._seen(r.rollout_done_at_s)
         self.steps = [s for s in self.steps if s["step"] != r.step]
-        self.steps.append({"step": r.step, "rollout_s": rounded(r.rollout_s), "train_s": rounded(r.train_s), "trajectories": r.trajectories, "mean_reward": rounded(r.mean_reward)})
+        self.steps.append(
+            {
+                "step": r.step,
+                "rollout_s": rounded(r.rollout_s),
+                "train_s": rounded(r.train_s),
+                "trajectories": r.trajectories,
+                "mean_reward": rounded(r.mean_reward),
+            }
+        )
         self.steps.sort(key=lambda s: s["step"])
 
     def on_set_role(self, engine_id: str, c: SetRole, wall_s: float) -> None:
@@ -180,8 +192,12 @@ class MonitorState:
         if ev.trajectory_id:
             self.demand.on_event(ev)
 
-    def on_stream_info(self, name: str, *, messages: int, bytes_: int, max_msgs: int = -1, max_bytes: int = -1, discard: str = "", wall_s: float = 0.0) -> None:
-        self.health.on_stream_info(name, messages=messages, bytes_=bytes_, max_msgs=max_msgs, max_bytes=max_bytes, discard=discard, wall_s=wall_s)
+    def on_stream_info(
+        self, name: str, *, messages: int, bytes_: int, max_msgs: int = -1, max_bytes: int = -1, discard: str = "", wall_s: float = 0.0
+    ) -> None:
+        self.health.on_stream_info(
+            name, messages=messages, bytes_=bytes_, max_msgs=max_msgs, max_bytes=max_bytes, discard=discard, wall_s=wall_s
+        )
 
     def on_account_info(self, *, storage_bytes: int, max_storage_bytes: int, wall_s: float = 0.0) -> None:
         self.health.on_account_info(storage_bytes=storage_bytes, max_storage_bytes=max_storage_bytes)
@@ -214,9 +230,14 @@ class MonitorState:
         traffic = self.has_traffic()
         missing = [e for e in self.expected_engines if e not in self.engines.by_id and traffic]
         alerts = self.health.alerts(
-            bus=self.bus, engines=engines, missing=missing, pending=switches["commands"]["pending"],
-            invalid=invalid, dead=dead, forecast=self.demand.forecast,
-        )  # fmt: skip
+            bus=self.bus,
+            engines=engines,
+            missing=missing,
+            pending=switches["commands"]["pending"],
+            invalid=invalid,
+            dead=dead,
+            forecast=self.demand.forecast,
+        )
         return {
             "wall_s": rounded(wall_s),
             "model_s": rounded(now_s),

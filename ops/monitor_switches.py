@@ -72,7 +72,11 @@ class Switches:
 
     def on_switched(self, ev: LifecycleEvent, from_role: str, wall_s: float) -> None:
         cmd = next(
-            (c for c in reversed(self.commands.values()) if c.engine_id == ev.engine_id and c.role == ev.role and c.state in ("pending", "acked")),
+            (
+                c
+                for c in reversed(self.commands.values())
+                if c.engine_id == ev.engine_id and c.role == ev.role and c.state in ("pending", "acked")
+            ),
             None,
         )
         if cmd is not None:
@@ -110,8 +114,17 @@ class Switches:
         if self.decision is not None and d.at_s < self.decision["at_s"]:
             return  # an older tick, late
         roles = list(d.roles.values())
-        split = f"{roles.count('prefill')}:{roles.count('decode')}" + (f" +{roles.count('colocated')} colocated" if "colocated" in roles else "")
-        self.decision = {"at_s": rounded(d.at_s), "policy": d.policy, "split": split, "changes": len(d.changes), "reason": d.reason, "demand": d.demand_source}
+        split = f"{roles.count('prefill')}:{roles.count('decode')}" + (
+            f" +{roles.count('colocated')} colocated" if "colocated" in roles else ""
+        )
+        self.decision = {
+            "at_s": rounded(d.at_s),
+            "policy": d.policy,
+            "split": split,
+            "changes": len(d.changes),
+            "reason": d.reason,
+            "demand": d.demand_source,
+        }
 
     # --- reading out -----------------------------------------------------------------------
     def view(self, wall_s: float, scale: float | None) -> dict:
@@ -131,5 +144,14 @@ class Switches:
                 continue
             age = wall_s - c.wall_s
             deadline = self.ack_grace_wall_s + c.drain_deadline_s / scale
-            pending.append({"engine_id": c.engine_id, "role": c.role, "epoch": c.epoch, "age_s": rounded(age, 2), "deadline_s": rounded(deadline, 2), "overdue": age > deadline})
+            pending.append(
+                {
+                    "engine_id": c.engine_id,
+                    "role": c.role,
+                    "epoch": c.epoch,
+                    "age_s": rounded(age, 2),
+                    "deadline_s": rounded(deadline, 2),
+                    "overdue": age > deadline,
+                }
+            )
         return {state: self.by_state[state] for state in ("sent", *_SETTLED)} | {"pending": pending}

@@ -109,7 +109,11 @@ def _engines(s: dict, width: int) -> Panel:
 
 def _split(s: dict, width: int) -> Panel:
     sp = s["split"]
-    n = max([sp["prefill"] + sp["decode"] + sp["colocated"], *(sum(x) for x in zip(*sp["history"].values()))], default=0) if sp["history"] else 0
+    n = (
+        max([sp["prefill"] + sp["decode"] + sp["colocated"], *(sum(x) for x in zip(*sp["history"].values()))], default=0)
+        if sp["history"]
+        else 0
+    )
     lines = Text()
     lines.append(f"P:D {sp['ratio']}", style="bold")
     lines.append(f"   {sp['switching']} switching\n")
@@ -154,9 +158,12 @@ def _demand(s: dict, width: int) -> Panel:
         nxt = v["forecast"][0] if v["forecast"] else None
         table.add_row(target, Text(sparkline(v["measured"], top, spark_w), style="cyan"), _num(v["last_measured"]), "", "")
         table.add_row(
-            Text(f"  forecast {ahead}", style="dim"), Text(sparkline(v["predicted"], top, spark_w), style="magenta"), "",
-            _num(nxt), Text(sparkline(v["forecast"]), style="magenta"),
-        )  # fmt: skip
+            Text(f"  forecast {ahead}", style="dim"),
+            Text(sparkline(v["predicted"], top, spark_w), style="magenta"),
+            "",
+            _num(nxt),
+            Text(sparkline(v["forecast"]), style="magenta"),
+        )
     title = "Forecast (magenta) vs measured demand (cyan)"
     if d["tick"] is not None:
         skipped = f", {d['skipped_ticks']} ticks skipped" if d["skipped_ticks"] else ""
@@ -176,13 +183,25 @@ def _switches(s: dict) -> Panel:
         switch.append(r["from_role"] or "?", style=ROLE_STYLE.get(r["from_role"], ""))
         switch.append(" → ")
         switch.append(r["role"], style=ROLE_STYLE.get(r["role"], ""))
-        table.add_row(f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}", r["why"])
+        table.add_row(
+            f"{r['at_s']:.1f}", r["engine_id"], switch, "–" if r["epoch"] is None else str(r["epoch"]), f"{r['cost_s']:.2f}", r["why"]
+        )
     for c in sw["commands"]["pending"]:
-        table.add_row("pending", c["engine_id"], f"→ {c['role']}", str(c["epoch"]), Text(f"{c['age_s']:.1f} s wall", style="red" if c["overdue"] else "yellow"), "")
+        table.add_row(
+            "pending",
+            c["engine_id"],
+            f"→ {c['role']}",
+            str(c["epoch"]),
+            Text(f"{c['age_s']:.1f} s wall", style="red" if c["overdue"] else "yellow"),
+            "",
+        )
     if not sw["recent"] and not sw["commands"]["pending"]:
         table.add_row("", "(none yet)", "", "", "", "")
     cmd = sw["commands"]
-    foot = Text(f"{sw['total']} switches, cost {sw['cost_s_total']:.1f} model s (drain + reconfig)\nSetRole: {cmd['sent']} seen, {cmd['acked']} acked, {cmd['refused']} refused", style="dim")
+    foot = Text(
+        f"{sw['total']} switches, cost {sw['cost_s_total']:.1f} model s (drain + reconfig)\nSetRole: {cmd['sent']} seen, {cmd['acked']} acked, {cmd['refused']} refused",
+        style="dim",
+    )
     if (d := sw.get("allocator")) is not None:
         foot.append(f"\nallocator @ {d['at_s']:.0f} s ({d['policy']}, {d['split']}): {d['reason']}")
     return Panel(Group(table, foot), title="Role switches", title_align="left")

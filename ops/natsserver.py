@@ -65,9 +65,14 @@ def free_port() -> int:
 
 class EmbeddedNats:
     def __init__(
-        self, root: Path, port: int | None = None, sync_interval: str = "always", authorization: str = "",
-        server_name: str = "", cluster: str = "",
-    ) -> None:  # fmt: skip
+        self,
+        root: Path,
+        port: int | None = None,
+        sync_interval: str = "always",
+        authorization: str = "",
+        server_name: str = "",
+        cluster: str = "",
+    ) -> None:
         self.root = Path(root)
         self.port_given = port is not None  # a given port is kept even if taken; a picked one is picked again
         self.port = port or free_port()
@@ -92,8 +97,7 @@ class EmbeddedNats:
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(
-                (f'server_name: "{self.server_name}"\n' if self.server_name else "")
-                + f'listen: "127.0.0.1:{self.port}"\n'
+                (f'server_name: "{self.server_name}"\n' if self.server_name else "") + f'listen: "127.0.0.1:{self.port}"\n'
                 f"max_payload: {MAX_PAYLOAD_BYTES}\n"
                 "jetstream {\n"
                 f'  store_dir: "{self.root / "jetstream"}"\n'

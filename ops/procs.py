@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import subprocess
 import signal
+import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 

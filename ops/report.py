@@ -29,13 +29,13 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import polars as pl
 
-from bus_schemas.eventlog import EventLogError, load_events  # noqa: E402
-from forecasting.series import bin_events, totals  # noqa: E402
-from ops.critical_path import critical_paths, markdown_lines  # noqa: E402
+from bus_schemas.eventlog import EventLogError, load_events
+from forecasting.series import bin_events, totals
+from ops.critical_path import critical_paths, markdown_lines
 
 BIN_S = 1.0
 SMOOTH_BINS = 5
@@ -89,7 +89,13 @@ def initial_roles(run_dir: Path, events: pl.DataFrame, policy: str = "") -> dict
             pass
     roles: dict[str, str] = {}
     engine_events = events.filter((pl.col("engine_id") != "") & (pl.col("role") != "")).sort("at_s")
-    first_switch = {r["engine_id"]: r["at_s"] for r in engine_events.filter(pl.col("kind") == "role_switched").group_by("engine_id").agg(pl.col("at_s").min()).iter_rows(named=True)}
+    first_switch = {
+        r["engine_id"]: r["at_s"]
+        for r in engine_events.filter(pl.col("kind") == "role_switched")
+        .group_by("engine_id")
+        .agg(pl.col("at_s").min())
+        .iter_rows(named=True)
+    }
     own = engine_events.filter(pl.col("kind").is_in(_ENGINE_KINDS) & (pl.col("actor_id") == pl.col("engine_id")))
     for row in own.group_by("engine_id").agg(pl.col("at_s").first(), pl.col("role").first()).iter_rows(named=True):
         if row["at_s"] < first_switch.get(row["engine_id"], float("inf")):
@@ -137,7 +143,12 @@ def plot_roles(events: pl.DataFrame, initial: dict[str, str], png: Path, title: 
     axes[0].set_ylabel("engines")
     axes[0].yaxis.get_major_locator().set_params(integer=True)
     axes[0].legend(loc="upper right")
-    axes[1].plot(t, _smooth(totals(series, "prefill_miss_tokens")) / BIN_S, label=f"prefill tokens/s (actual, {SMOOTH_BINS} s mean)", color="tab:orange")
+    axes[1].plot(
+        t,
+        _smooth(totals(series, "prefill_miss_tokens")) / BIN_S,
+        label=f"prefill tokens/s (actual, {SMOOTH_BINS} s mean)",
+        color="tab:orange",
+    )
     axes[2].plot(t, totals(series, "decode_active_seqs"), label="decoding sequences (actual)", color="tab:blue")
     if forecasts is not None and forecasts.height:
         f = forecasts.filter(pl.col("horizon_s") == FORECAST_HORIZON_S)
@@ -164,8 +175,10 @@ def plot_roles(events: pl.DataFrame, initial: dict[str, str], png: Path, title: 
 def completion_times(events: pl.DataFrame) -> pl.DataFrame:
     """Per finished trajectory: its family, step, seconds from its (last) start and from its step's start to its finish."""
     started = events.filter(pl.col("kind") == "started").group_by("trajectory_id").agg(pl.col("at_s").max().alias("started_s"))
-    finished = events.filter(pl.col("kind") == "finished").group_by("trajectory_id").agg(
-        pl.col("at_s").min().alias("finished_s"), pl.col("task_family").first(), pl.col("step").first()
+    finished = (
+        events.filter(pl.col("kind") == "finished")
+        .group_by("trajectory_id")
+        .agg(pl.col("at_s").min().alias("finished_s"), pl.col("task_family").first(), pl.col("step").first())
     )
     steps = events.filter(pl.col("kind") == "step_started").group_by("step").agg(pl.col("at_s").min().alias("step_s"))
     out = finished.join(started, on="trajectory_id", how="left").join(steps, on="step", how="left")
@@ -205,7 +218,15 @@ def plot_completion_cdf(times: pl.DataFrame, png: Path, title: str) -> Path:
 def step_times(events: pl.DataFrame, summary: dict) -> list[dict]:
     """Per step: rollout_s and train_s from the summary, else from the log's step events."""
     if summary.get("steps"):
-        return [{"step": s["step"], "rollout_s": float(s["rollout_s"]), "train_s": float(s.get("train_s", 0.0)), "mean_reward": s.get("mean_reward")} for s in summary["steps"]]
+        return [
+            {
+                "step": s["step"],
+                "rollout_s": float(s["rollout_s"]),
+                "train_s": float(s.get("train_s", 0.0)),
+                "mean_reward": s.get("mean_reward"),
+            }
+            for s in summary["steps"]
+        ]
     starts = events.filter(pl.col("kind") == "step_started").group_by("step").agg(pl.col("at_s").min().alias("a"))
     dones = events.filter(pl.col("kind") == "rollout_done").group_by("step").agg(pl.col("at_s").max().alias("b"))
     rows = starts.join(dones, on="step").sort("step")
@@ -336,7 +357,11 @@ def write_html(markdown_path: Path, path: Path, title: str) -> Path:
             body.append(f"<p>{html.escape(line).replace('`', '')}</p>")
     flush_table()
     style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    path.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
     return path
 
 

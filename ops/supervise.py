@@ -61,7 +61,9 @@ async def supervise(
     waits = {asyncio.create_task(p.wait(), name=spec.name): spec for spec, p in procs.items()}
     restarting: dict[asyncio.Task, ActorSpec] = {}  # backoff, then a new process
     stop_wait = asyncio.create_task(interrupted.wait())
-    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("trajectories"), TimeElapsedColumn(), console=console
+    )
     bar = progress.add_task("trajectories", total=expected)
     nc = await bus.connect("launcher-watch")
 
@@ -87,7 +89,9 @@ async def supervise(
     try:
         with progress:
             while True:
-                done, _ = await asyncio.wait({*waits, *restarting, stop_wait, fatal_wait, *filter(None, [server_wait])}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {*waits, *restarting, stop_wait, fatal_wait, *filter(None, [server_wait])}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if stop_wait in done:
                     console.print("[yellow]interrupted: stopping every actor")
                     return "interrupted"
@@ -96,7 +100,10 @@ async def supervise(
                     return "failed"
                 if server_wait in done:  # the bus itself died: bring it back on the same store
                     delay_s, why = supervision.on_death("nats-server", "server", server_wait.result(), time.monotonic() - started)
-                    console.print(f"[red]error: nats-server died with exit code {server_wait.result()} ({why}); see {server.log_path}", highlight=False)
+                    console.print(
+                        f"[red]error: nats-server died with exit code {server_wait.result()} ({why}); see {server.log_path}",
+                        highlight=False,
+                    )
                     if delay_s is None:
                         return "failed"
                     await asyncio.sleep(delay_s)

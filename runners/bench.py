@@ -1,11 +1,11 @@
 """Benchmarks that print figures.
 
-    python -m runners.bench calibration --out DIR    cost model vs published figures (fitting and validation sets)
-    python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--seeds A,B,C] [--out DIR] [--live] [--jobs N]
-                                                     every policy side by side, sync and async RL (runners.rollout)
-    python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
-                                                     simulation wall time vs fleet size (runners.simscale)
-    python -m runners.bench bus [--out DIR]          lifecycle events/s and control latency on the real server (runners.bench_bus)
+python -m runners.bench calibration --out DIR    cost model vs published figures (fitting and validation sets)
+python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--seeds A,B,C] [--out DIR] [--live] [--jobs N]
+                                                 every policy side by side, sync and async RL (runners.rollout)
+python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
+                                                 simulation wall time vs fleet size (runners.simscale)
+python -m runners.bench bus [--out DIR]          lifecycle events/s and control latency on the real server (runners.bench_bus)
 """
 
 from __future__ import annotations
@@ -34,9 +34,13 @@ def calibration(out: Path) -> int:
         for r in result[key]:
             ok = abs(r["time_error"]) <= (TOLERANCE if key == "fitting" else 0.20)
             table.add_row(
-                r["point"], f"{r['predicted']:.4g}", f"{r['published']:.4g}", r["unit"],
-                f"[{'green' if ok else 'red'}]{r['time_error']:+.1%}", r["source"],
-            )  # fmt: skip
+                r["point"],
+                f"{r['predicted']:.4g}",
+                f"{r['published']:.4g}",
+                r["unit"],
+                f"[{'green' if ok else 'red'}]{r['time_error']:+.1%}",
+                r["source"],
+            )
         console.print(table)
     s = result["validation_summary"]
     console.print(
@@ -74,25 +78,31 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument("--live", action="store_true", help="run on a real nats-server in real time (slow) instead of virtual time")
     roll.add_argument("--jobs", type=int, default=2, help="runs at once (virtual time: one core each)")
     roll.add_argument(
-        "--tables", default="main,sweep,ablation,sensitivity",
+        "--tables",
+        default="main,sweep,ablation,sensitivity",
         help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
-    )  # fmt: skip
+    )
     roll.add_argument("--mode", choices=("sync", "async", "both"), default="both", help="RL mode(s) to run every policy in (default both)")
     roll.add_argument("--fleets", default="", help="only these fleets (comma-separated; default every fleet of the suite)")
     roll.add_argument("--workloads", default="", help="only these workloads (comma-separated; default every workload)")
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
     roll.add_argument(
-        "--policies", default="",
+        "--policies",
+        default="",
         help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; any static-P:D that fits a fleet runs on it; oracle without prorsa needs prorsa's runs in --out)",
-    )  # fmt: skip
+    )
     roll.add_argument(
-        "--seeds", default="",
+        "--seeds",
+        default="",
         help="run every case once per workload seed (comma-separated, e.g. 2026,2,3); the tables then add each row's spread across seeds",
-    )  # fmt: skip
+    )
     roll.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=JSON",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=JSON",
         help="override a config value in every run, e.g. allocator.saturated_regime=true (repeatable)",
-    )  # fmt: skip
+    )
     sim = sub.add_parser("simulation", help="how simulation wall time grows with the fleet")
     sim.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     sim.add_argument("--turns-max", type=int, default=5, help="cap SWE episodes at this many turns (0: the full profile)")
@@ -187,7 +197,10 @@ def rollout(
         return 2
     known = {p for case in suite.cases(tables) for p in suite.case_policies(case.fleet, case.table, policies)}
     if set(policies) - known:
-        print(f"error: the tables asked for run no policy {', '.join(sorted(set(policies) - known))} (they run: {', '.join(sorted(known))})", file=sys.stderr)
+        print(
+            f"error: the tables asked for run no policy {', '.join(sorted(set(policies) - known))} (they run: {', '.join(sorted(known))})",
+            file=sys.stderr,
+        )
         return 2
     if overrides:
         import msgspec
@@ -210,8 +223,9 @@ def rollout(
     for r in bad:
         print(
             f"error: {r['fleet']}/{r['workload']}/{r['mode']}/{r['policy']}: {r['status']}, "
-            f"{r['trajectories_lost']} lost, {r['incomplete_trajectories']} incomplete", file=sys.stderr,
-        )  # fmt: skip
+            f"{r['trajectories_lost']} lost, {r['incomplete_trajectories']} incomplete",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 

@@ -82,7 +82,9 @@ def disk_fsyncs_per_s(folder: Path, duration_s: float = 0.5) -> float:
 
 
 def bench_event(i: int) -> LifecycleEvent:
-    return LifecycleEvent(event_id=f"bench-{i}", kind=EventKind.PREFILL_DONE, actor_id="e0", at_s=float(i), trajectory_id=f"t{i % 512}", turn=i % 7)
+    return LifecycleEvent(
+        event_id=f"bench-{i}", kind=EventKind.PREFILL_DONE, actor_id="e0", at_s=float(i), trajectory_id=f"t{i % 512}", turn=i % 7
+    )
 
 
 async def events_per_s(root: Path, sync_interval: str, n_events: int) -> dict:
@@ -109,11 +111,15 @@ async def events_per_s(root: Path, sync_interval: str, n_events: int) -> dict:
             stored = Counter(e.event_id for e in await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent))
             emitted = {f"bench-{i}" for i in range(n_events)}
             return {
-                "events_per_s": n_events / elapsed_s, "seconds": round(elapsed_s, 3),
-                "lost": len(emitted - stored.keys()), "duplicated": sum(n - 1 for n in stored.values()),
-                "client_cpu_us_per_event": round(cpu_s / n_events * 1e6, 1), "server_cpu_us_per_event": round(server_cpu_s / n_events * 1e6, 1),
-                "retries": counters["lifecycle_publish_retries"], "peak_in_flight": publisher.peak_in_flight,
-            }  # fmt: skip
+                "events_per_s": n_events / elapsed_s,
+                "seconds": round(elapsed_s, 3),
+                "lost": len(emitted - stored.keys()),
+                "duplicated": sum(n - 1 for n in stored.values()),
+                "client_cpu_us_per_event": round(cpu_s / n_events * 1e6, 1),
+                "server_cpu_us_per_event": round(server_cpu_s / n_events * 1e6, 1),
+                "retries": counters["lifecycle_publish_retries"],
+                "peak_in_flight": publisher.peak_in_flight,
+            }
         finally:
             await close(nc)
 
@@ -127,34 +133,68 @@ async def events_median(root: Path, sync_interval: str, n_events: int, repeats: 
 def fleet_status(engine_id: str, at_s: float) -> bytes:
     return encode(
         EngineStatus(
-            engine_id=engine_id, at_s=at_s, role=Role.COLOCATED, epoch=0, policy_version=0, backend="emulated",
-            waiting_prefill=3, running_decode=40, kv_used_tokens=100_000, kv_capacity_tokens=400_000,
-            held_kv_handles=0, busy_fraction=0.8,
+            engine_id=engine_id,
+            at_s=at_s,
+            role=Role.COLOCATED,
+            epoch=0,
+            policy_version=0,
+            backend="emulated",
+            waiting_prefill=3,
+            running_decode=40,
+            kv_used_tokens=100_000,
+            kv_capacity_tokens=400_000,
+            held_kv_handles=0,
+            busy_fraction=0.8,
         )
-    )  # fmt: skip
+    )
 
 
 def forecast(tick: int) -> bytes:
     return encode(
         DemandForecast(
-            forecaster_id="bench", model="bench", tick=tick, as_of_s=float(tick), computed_at_s=float(tick), bin_s=1.0,
-            horizons_s=[5.0], targets=[], live_trajectories=0, events_total=0,
+            forecaster_id="bench",
+            model="bench",
+            tick=tick,
+            as_of_s=float(tick),
+            computed_at_s=float(tick),
+            bin_s=1.0,
+            horizons_s=[5.0],
+            targets=[],
+            live_trajectories=0,
+            events_total=0,
         )
-    )  # fmt: skip
+    )
 
 
 async def control_latency_ms(root: Path, n_switches: int, fleet: int, heartbeat_wall_s: float) -> list[float]:
     """Forecast published → SetRole acked by a real engine process, in wall ms, minus its drain and reconfiguration."""
-    config = msgspec.convert({"run": {"name": "bench-bus", "time_scale": 1.0, "heartbeat_wall_s": heartbeat_wall_s}, "engines": {"count": 1}}, Config)
+    config = msgspec.convert(
+        {"run": {"name": "bench-bus", "time_scale": 1.0, "heartbeat_wall_s": heartbeat_wall_s}, "engines": {"count": 1}}, Config
+    )
     config_path = root / "config.json"
     root.mkdir(parents=True, exist_ok=True)
     config_path.write_bytes(msgspec.json.encode(config))
     with EmbeddedNats(root / "nats") as server:
         nc = await connect(server.url, "bench-control", LOG)
         engine = subprocess.Popen(
-            [sys.executable, "-m", "actors.engine", "--config", str(config_path), "--id", "e0", "--role", "colocated", "--nats-url", server.url],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "actors.engine",
+                "--config",
+                str(config_path),
+                "--id",
+                "e0",
+                "--role",
+                "colocated",
+                "--nats-url",
+                server.url,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         beating = None
         try:
             js = nc.jetstream()
@@ -211,7 +251,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def bench(out: Path, n_events: int, n_fsync_events: int, n_switches: int, fleet: int, heartbeat_wall_s: float, repeats: int = 3) -> dict:
+async def bench(
+    out: Path, n_events: int, n_fsync_events: int, n_switches: int, fleet: int, heartbeat_wall_s: float, repeats: int = 3
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-bus-") as tmp:
         root = Path(tmp)
         async_rate, async_runs = await events_median(root, "2m", n_events, repeats)
@@ -227,15 +269,22 @@ async def bench(out: Path, n_events: int, n_fsync_events: int, n_switches: int, 
         "lost": sum(r["lost"] for r in runs),
         "duplicated": sum(r["duplicated"] for r in runs),
         "measured": {
-            "events_async": n_events, "events_fsync": n_fsync_events, "repeats": repeats, "switches": n_switches,
-            "fleet_engines": fleet, "heartbeat_wall_s": heartbeat_wall_s, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+            "events_async": n_events,
+            "events_fsync": n_fsync_events,
+            "repeats": repeats,
+            "switches": n_switches,
+            "fleet_engines": fleet,
+            "heartbeat_wall_s": heartbeat_wall_s,
+            "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
             "disk_fsyncs_per_s": round(disk_fsyncs),
-            "runs_async": async_runs, "runs_fsync": fsync_runs,
+            "runs_async": async_runs,
+            "runs_fsync": fsync_runs,
             "events": "per run: a fresh server, one LifecyclePublisher, emit N then flush; rate = N / time to the last ack (the median of the runs); "
             "lost / duplicated = emitted ids missing from / stored more than once in the LIFECYCLE stream, read back after each run",
             "control": "forecast publish -> SetRole request (allocator stand-in) -> engine process switches and acks, minus drain",
         },
-    }  # fmt: skip
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "bus.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

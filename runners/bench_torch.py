@@ -63,10 +63,19 @@ def bench_config(checkpoint: Path, args) -> Config:
     raw = {
         "run": {"name": "bench-torch", "time_scale": 1.0, "policy": "static", "heartbeat_wall_s": 1.0},
         "engines": {"count": 2, "backend": "torch", "max_decode_seqs": 256, "max_batch_tokens": 8192},
-        "model": {"checkpoint": str(checkpoint), "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
-                  "layers": args.layers, "heads": args.heads, "kv_heads": args.heads // 2, "stop_at_eos": False,
-                  "verify_trainer": False, "threads": args.threads, "decode_chunk_tokens": args.decode_chunk},
-    }  # fmt: skip
+        "model": {
+            "checkpoint": str(checkpoint),
+            "hidden_size": args.hidden,
+            "intermediate_size": 2 * args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.heads // 2,
+            "stop_at_eos": False,
+            "verify_trainer": False,
+            "threads": args.threads,
+            "decode_chunk_tokens": args.decode_chunk,
+        },
+    }
     return msgspec.convert(raw, Config)
 
 
@@ -93,8 +102,17 @@ def plain_decode_s(lm, batch: list[list[int]], out_tokens: int, pad_id: int) -> 
     def gen(n: int) -> float:
         started = time.perf_counter()
         with torch.inference_mode():
-            lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                        temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)  # fmt: skip
+            lm.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad_id,
+            )
         return time.perf_counter() - started
 
     gen(2)  # warm-up
@@ -117,10 +135,27 @@ def spawn_engine(engine_id: str, role: Role, config_path: Path, url: str, logs: 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(logs / f"engine-{engine_id}.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "actors.engine", "--config", str(config_path), "--id", engine_id,
-             "--role", role.value, "--nats-url", url, "--log-level", "WARNING"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "actors.engine",
+                "--config",
+                str(config_path),
+                "--id",
+                engine_id,
+                "--role",
+                role.value,
+                "--nats-url",
+                url,
+                "--log-level",
+                "WARNING",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
 
 
 async def command(nc, engine_id: str, cmd: Command, deadline: float) -> CommandAck:
@@ -234,11 +269,13 @@ async def measure(cfg: Config, url: str, tmp: Path, lm, pad_id: int, batch: list
         await engines.start(batch[0][:16])
         plain_prefill_s(lm, batch[:2])  # warm-up
         for r in range(args.rounds):
-            plain.append({
-                "prefill_s": plain_prefill_s(lm, batch),
-                "decode_s": plain_decode_s(lm, batch, args.out_tokens, pad_id),
-                "raw_s": [raw_serialisation_s(kv) for _ in range(len(batch))],
-            })  # fmt: skip
+            plain.append(
+                {
+                    "prefill_s": plain_prefill_s(lm, batch),
+                    "decode_s": plain_decode_s(lm, batch, args.out_tokens, pad_id),
+                    "raw_s": [raw_serialisation_s(kv) for _ in range(len(batch))],
+                }
+            )
             rounds.append(await engines.round(r, batch, args.out_tokens))
     finally:
         events = await engines.stop()
@@ -249,9 +286,18 @@ async def measure(cfg: Config, url: str, tmp: Path, lm, pad_id: int, batch: list
 
 def _work(traj: str, ids: list[int], out_tokens: int) -> PrefillWork:
     return PrefillWork(
-        work_id=f"{traj}/bench/t0/a0", trajectory_id=traj, turn=0, env_id="env0", task_family="calc", policy_version=0,
-        context_tokens=0, new_tokens=len(ids), max_output_tokens=out_tokens, queued_at_s=0.0, token_ids=ids,
-    )  # fmt: skip
+        work_id=f"{traj}/bench/t0/a0",
+        trajectory_id=traj,
+        turn=0,
+        env_id="env0",
+        task_family="calc",
+        policy_version=0,
+        context_tokens=0,
+        new_tokens=len(ids),
+        max_output_tokens=out_tokens,
+        queued_at_s=0.0,
+        token_ids=ids,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model = ModelSection(hidden_size=args.hidden, intermediate_size=2 * args.hidden, layers=args.layers,
-                             heads=args.heads, kv_heads=args.heads // 2)  # fmt: skip
+        model = ModelSection(
+            hidden_size=args.hidden, intermediate_size=2 * args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.heads // 2
+        )
         checkpoint = build_tiny(model, tmp / "model")
         cfg = bench_config(checkpoint, args)
         lm, tok = load_model(checkpoint, args.threads), load_tokenizer(checkpoint)
@@ -289,26 +336,47 @@ def main(argv: list[str] | None = None) -> int:
     plain_p, plain_d = med(p["prefill_s"] for p in plain), med(p["decode_s"] for p in plain)
     rows = [
         ("prefill tok/s", n_prefill / med(r["prefill_s"] for r in rounds), n_prefill / plain_p, "first publish .. last decode work queued"),
-        ("decode tok/s (window)", n_decode / med(r["decode_window_s"] for r in rounds), n_decode / plain_d, "first decode_started .. last decode_done"),
-        ("decode tok/s (incl. hand-off)", n_decode / med(r["decode_handoff_s"] for r in rounds), n_decode / plain_d, "first KV fetch .. last decode_done"),
+        (
+            "decode tok/s (window)",
+            n_decode / med(r["decode_window_s"] for r in rounds),
+            n_decode / plain_d,
+            "first decode_started .. last decode_done",
+        ),
+        (
+            "decode tok/s (incl. hand-off)",
+            n_decode / med(r["decode_handoff_s"] for r in rounds),
+            n_decode / plain_d,
+            "first KV fetch .. last decode_done",
+        ),
     ]
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads; {args.seqs} seqs x {args.prompt} prompt "
-          f"tokens, {args.out_tokens} output tokens; threads {args.threads} per process; device {next(lm.parameters()).device}; "
-          f"{os.cpu_count()} CPUs; medians of {args.rounds} interleaved rounds")  # fmt: skip
+    print(
+        f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads; {args.seqs} seqs x {args.prompt} prompt "
+        f"tokens, {args.out_tokens} output tokens; threads {args.threads} per process; device {next(lm.parameters()).device}; "
+        f"{os.cpu_count()} CPUs; medians of {args.rounds} interleaved rounds"
+    )
     print(f"{'metric':32} {'engine':>12} {'plain':>12} {'overhead':>9}")
     for name, engine, plain_rate, note in rows:
         print(f"{name:32} {engine:12.1f} {plain_rate:12.1f} {100 * (plain_rate / engine - 1):8.1f}%  ({note})")
     transfers = [t for r in rounds for t in r["transfer_s"]]
     handoff, per_seq_bytes = med(transfers), med(b for r in rounds for b in r["transfer_bytes"])
-    print(f"{'KV hand-off per turn (median)':32} {handoff * 1e3:10.2f}ms {raw * 1e3:10.2f}ms {handoff / raw:8.2f}x  "
-          f"({per_seq_bytes / 1e6:.2f} MB engine to engine over NATS, first request .. KV ready, vs torch.save+load "
-          f"of {raw_bytes / 1e6:.2f} MB in memory, medians; {len(transfers)} transfers, {min(transfers) * 1e3:.2f}..{max(transfers) * 1e3:.2f} ms)")  # fmt: skip
+    print(
+        f"{'KV hand-off per turn (median)':32} {handoff * 1e3:10.2f}ms {raw * 1e3:10.2f}ms {handoff / raw:8.2f}x  "
+        f"({per_seq_bytes / 1e6:.2f} MB engine to engine over NATS, first request .. KV ready, vs torch.save+load "
+        f"of {raw_bytes / 1e6:.2f} MB in memory, medians; {len(transfers)} transfers, {min(transfers) * 1e3:.2f}..{max(transfers) * 1e3:.2f} ms)"
+    )
     span = med(r["handoff_span_s"] for r in rounds)
-    print(f"{'KV hand-off, whole batch':32} {span * 1e3:10.2f}ms {raw * args.seqs * 1e3:10.2f}ms {span / (raw * args.seqs):8.2f}x  "
-          f"(first request .. last KV ready, {args.seqs} turns, at most {KV_FETCHES_IN_FLIGHT} in flight, vs "
-          f"{args.seqs} x the raw round trip; median of rounds)")  # fmt: skip
-    print("per round, engine/plain s: " + "; ".join(
-        f"prefill {r['prefill_s']:.3f}/{p['prefill_s']:.3f} decode {r['decode_window_s']:.3f}/{p['decode_s']:.3f}" for r, p in zip(rounds, plain)))  # fmt: skip
+    print(
+        f"{'KV hand-off, whole batch':32} {span * 1e3:10.2f}ms {raw * args.seqs * 1e3:10.2f}ms {span / (raw * args.seqs):8.2f}x  "
+        f"(first request .. last KV ready, {args.seqs} turns, at most {KV_FETCHES_IN_FLIGHT} in flight, vs "
+        f"{args.seqs} x the raw round trip; median of rounds)"
+    )
+    print(
+        "per round, engine/plain s: "
+        + "; ".join(
+            f"prefill {r['prefill_s']:.3f}/{p['prefill_s']:.3f} decode {r['decode_window_s']:.3f}/{p['decode_s']:.3f}"
+            for r, p in zip(rounds, plain)
+        )
+    )
     if any(r["phases_overlap"] for r in rounds):
         print("warning: a KV fetch began before the prefill phase ended; the phases overlapped")
     return 0

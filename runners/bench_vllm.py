@@ -117,10 +117,19 @@ def build_model(out_dir: Path, hidden: int, layers: int) -> str:
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=259, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=257, eos_token_id=256, pad_token_id=258,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=257,
+        eos_token_id=256,
+        pad_token_id=258,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out_dir))
     return str(out_dir)
 
@@ -131,7 +140,7 @@ def bench_config(model_dir: str, vllm: VllmSection) -> Config:
         "engines": {"count": 2, "backend": "vllm", "prefill_engines": 1, "kv_writeback": "none", "local_prefill_max_tokens": 0},
         "model": {"temperature": 0.001, "stop_at_eos": False},  # below vLLM's floor of 0.01: greedy
         "vllm": {**msgspec.to_builtins(vllm), "model": model_dir},
-    }  # fmt: skip
+    }
     return msgspec.convert(raw, Config)
 
 
@@ -169,8 +178,9 @@ class Results:
             future.set_result(result)
 
 
-async def actor_phase(url: str, cfg: Config, engines: dict[str, VllmEngine], roles: dict[str, Role], name: str, r: int,
-                      w: Workload, on_turn) -> Phase:  # fmt: skip
+async def actor_phase(
+    url: str, cfg: Config, engines: dict[str, VllmEngine], roles: dict[str, Role], name: str, r: int, w: Workload, on_turn
+) -> Phase:
     """The workload through engine actors over JetStream (pd: e0 prefill, e1 decode; colocated: e0).
     The actors get a connection of their own, closed after the phase: a stopped actor's pull
     subscription would otherwise live on and swallow the next phase's work until its ack wait."""
@@ -187,10 +197,19 @@ async def actor_phase(url: str, cfg: Config, engines: dict[str, VllmEngine], rol
 
         async def turn_fn(t: int, k: int, context: list[int], new: list[int]):
             work = PrefillWork(
-                work_id=f"{name}-r{r}-t{t}/bench/t{k}/a0", trajectory_id=f"{name}-r{r}-t{t}", turn=k, env_id=ENV_ID,
-                task_family="calc", policy_version=0, context_tokens=len(context), new_tokens=len(new),
-                max_output_tokens=w.out_tokens, queued_at_s=0.0, token_ids=new, context_token_ids=context,
-            )  # fmt: skip
+                work_id=f"{name}-r{r}-t{t}/bench/t{k}/a0",
+                trajectory_id=f"{name}-r{r}-t{t}",
+                turn=k,
+                env_id=ENV_ID,
+                task_family="calc",
+                policy_version=0,
+                context_tokens=len(context),
+                new_tokens=len(new),
+                max_output_tokens=w.out_tokens,
+                queued_at_s=0.0,
+                token_ids=new,
+                context_token_ids=context,
+            )
             future = asyncio.get_running_loop().create_future()
             results.waiting[work.work_id] = future
             await js.publish(subjects.work_prefill(), encode(work))
@@ -259,8 +278,9 @@ async def files_written(storage: Path, n_files: int, timeout_wall_s: float = 30.
     return (time.perf_counter() - started) * 1e3
 
 
-async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEngine], n: int, prompt_tokens: int,
-                  storage: Path, layers: int) -> dict:  # fmt: skip
+async def handoff(
+    nc, engines: dict[str, VllmEngine], example: dict[str, VllmEngine], n: int, prompt_tokens: int, storage: Path, layers: int
+) -> dict:
     """One turn at a time, `n` fresh prompts: prefill on the first engine of a pair, then the
     prompt + first token on the second with 1 output token, its KV moved by Prorsa's connector
     (e0 -> e1 over NATS, from memory) or by vLLM's ExampleConnector (x0 -> x1 through files in a
@@ -287,14 +307,21 @@ async def handoff(nc, engines: dict[str, VllmEngine], example: dict[str, VllmEng
         loaded_example.append(x_rest.cached_tokens)
     after = await engines["e1"].connector_counters(nc)
     figures = {k: statistics.median(v) for k, v in times.items()}
-    figures.update({
-        "turns": n, "prompt_tokens": prompt_tokens, "same_tokens": same,
-        "prorsa_bytes_per_turn": (after.get("kv_bytes_fetched", 0) - before.get("kv_bytes_fetched", 0)) / n,
-        "prorsa_loaded_tokens_per_turn": (after.get("kv_loaded_tokens", 0) - before.get("kv_loaded_tokens", 0)) / n,
-        "example_loaded_tokens_per_turn": statistics.mean(loaded_example),
-        "example_write_lag_ms_max": max(times["example_write_lag_ms"]),  # files landing after x0's output (excluded above)  # num_cached_tokens of x1's request: all from the files
-        "handoff_ratio_prorsa_over_example": statistics.median(times["prorsa_handoff_ms"]) / statistics.median(times["example_handoff_ms"]),
-    })  # fmt: skip
+    figures.update(
+        {
+            "turns": n,
+            "prompt_tokens": prompt_tokens,
+            "same_tokens": same,
+            "prorsa_bytes_per_turn": (after.get("kv_bytes_fetched", 0) - before.get("kv_bytes_fetched", 0)) / n,
+            "prorsa_loaded_tokens_per_turn": (after.get("kv_loaded_tokens", 0) - before.get("kv_loaded_tokens", 0)) / n,
+            "example_loaded_tokens_per_turn": statistics.mean(loaded_example),
+            "example_write_lag_ms_max": max(
+                times["example_write_lag_ms"]
+            ),  # files landing after x0's output (excluded above)  # num_cached_tokens of x1's request: all from the files
+            "handoff_ratio_prorsa_over_example": statistics.median(times["prorsa_handoff_ms"])
+            / statistics.median(times["example_handoff_ms"]),
+        }
+    )
     return figures
 
 
@@ -313,8 +340,9 @@ def example_engines(cfg: Config, url: str, storage: Path) -> dict[str, VllmEngin
 
 
 # --- the run -----------------------------------------------------------------------------------
-async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Console, example_turns: int = 0,
-                  storage: Path | None = None) -> tuple[dict[str, float], int, list[Phase], dict | None]:  # fmt: skip
+async def measure(
+    url: str, cfg: Config, w: Workload, rounds: int, console: Console, example_turns: int = 0, storage: Path | None = None
+) -> tuple[dict[str, float], int, list[Phase], dict | None]:
     nc = await connect(url, "bench-vllm", log)
     js = nc.jetstream()
     await streams.ensure_streams(js)
@@ -338,12 +366,12 @@ async def measure(url: str, cfg: Config, w: Workload, rounds: int, console: Cons
             per_phase = w.trajectories * w.turns
             turns_task = progress.add_task("turns", total=rounds * len(PHASES) * per_phase)
             for r in range(rounds):
-                for name in PHASES[r % len(PHASES):] + PHASES[: r % len(PHASES)]:  # rotated each round
+                for name in PHASES[r % len(PHASES) :] + PHASES[: r % len(PHASES)]:  # rotated each round
                     for engine in engines.values():  # every phase starts cold
                         if not await engine.llm.reset_prefix_cache():
                             raise RuntimeError(f"engine {engine.engine_id}: prefix cache not reset (requests still running)")
                     progress.update(turns_task, description=f"round {r + 1}/{rounds}: {name}")
-                    advance = lambda: progress.advance(turns_task)  # noqa: E731
+                    advance = lambda: progress.advance(turns_task)
                     if name == "direct":
                         phases.append(await direct_phase(nc, engines["e0"], r, w, advance))
                     else:
@@ -422,9 +450,12 @@ def exactness(phases: list[Phase]) -> dict:
             if turn.token_ids == ref.token_ids:
                 diff[name] = max(diff[name], max((abs(a - b) for a, b in zip(turn.logprobs, ref.logprobs)), default=0.0))
     return {
-        "pd_equals_colocated": same["pd"], "direct_equals_colocated": same["direct"], "turns_compared": compared,
-        "max_logprob_diff_pd": diff["pd"], "max_logprob_diff_direct": diff["direct"],
-    }  # fmt: skip
+        "pd_equals_colocated": same["pd"],
+        "direct_equals_colocated": same["direct"],
+        "turns_compared": compared,
+        "max_logprob_diff_pd": diff["pd"],
+        "max_logprob_diff_direct": diff["direct"],
+    }
 
 
 def print_table(console: Console, report: dict) -> None:
@@ -447,20 +478,26 @@ def print_table(console: Console, report: dict) -> None:
         table.add_row(label, *(fmt.format(s[n][key] * (scale[0] if scale else 1)) for n in PHASES))
     console.print(table)
     e = report["exact"]
-    console.print(f"exact: pd == colocated on {e['turns_compared']} turns: {e['pd_equals_colocated']} "
-                  f"(max logprob diff {e['max_logprob_diff_pd']:.2e}); direct == colocated: {e['direct_equals_colocated']}")  # fmt: skip
+    console.print(
+        f"exact: pd == colocated on {e['turns_compared']} turns: {e['pd_equals_colocated']} "
+        f"(max logprob diff {e['max_logprob_diff_pd']:.2e}); direct == colocated: {e['direct_equals_colocated']}"
+    )
     ratios = report["ratios"]
     h = report["handoff_vs_example_connector"]
     if h:
-        console.print(f"hand-off, {h['prompt_tokens']} prompt tokens, medians of {h['turns']} (KV in + 1 decode token on the "
-                      f"second engine): Prorsa's connector {h['prorsa_handoff_ms']:.0f} ms ({h['prorsa_bytes_per_turn'] / 1e3:.0f} KB "
-                      f"over NATS), ExampleConnector {h['example_handoff_ms']:.0f} ms (files): "
-                      f"{h['handoff_ratio_prorsa_over_example']:.2f}x; prefill {h['prorsa_prefill_ms']:.0f} vs "
-                      f"{h['example_prefill_ms']:.0f} ms; same tokens {h['same_tokens']}; ExampleConnector files landed up to "
-                      f"{h['example_write_lag_ms_max']:.0f} ms after its prefill returned")  # fmt: skip
-    console.print(f"pd / colocated output tok/s {ratios['pd_over_colocated_tok_s']:.2f}x; actor overhead (colocated "
-                  f"against direct) {ratios['actor_overhead_pct']:+.1f}%; engine starts "
-                  + ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_s"].items()))  # fmt: skip
+        console.print(
+            f"hand-off, {h['prompt_tokens']} prompt tokens, medians of {h['turns']} (KV in + 1 decode token on the "
+            f"second engine): Prorsa's connector {h['prorsa_handoff_ms']:.0f} ms ({h['prorsa_bytes_per_turn'] / 1e3:.0f} KB "
+            f"over NATS), ExampleConnector {h['example_handoff_ms']:.0f} ms (files): "
+            f"{h['handoff_ratio_prorsa_over_example']:.2f}x; prefill {h['prorsa_prefill_ms']:.0f} vs "
+            f"{h['example_prefill_ms']:.0f} ms; same tokens {h['same_tokens']}; ExampleConnector files landed up to "
+            f"{h['example_write_lag_ms_max']:.0f} ms after its prefill returned"
+        )
+    console.print(
+        f"pd / colocated output tok/s {ratios['pd_over_colocated_tok_s']:.2f}x; actor overhead (colocated "
+        f"against direct) {ratios['actor_overhead_pct']:+.1f}%; engine starts "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_s"].items())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,15 +512,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--kv-chunk-kib", type=int, default=256)
-    parser.add_argument("--example-connector", type=int, default=0, metavar="N",
-                        help="also N single hand-offs of 2 x --prompt tokens against vLLM's ExampleConnector (2 more engines)")
+    parser.add_argument(
+        "--example-connector",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N single hand-offs of 2 x --prompt tokens against vLLM's ExampleConnector (2 more engines)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.hidden % 32 or args.trajectories < 1 or args.turns < 1 or args.rounds < 1:
         parser.error("--hidden must be a multiple of 32 (vLLM's CPU attention: head size 32); counts >= 1")
     w = Workload(args.trajectories, args.turns, args.prompt, args.obs, args.out_tokens)
-    vllm = VllmSection(dtype="float32", max_model_len_tokens=max(1024, w.max_len_tokens(), handoff_tokens(w) + 8), kv_pool_gib=1,
-                       max_num_seqs=max(8, args.trajectories), kv_chunk_bytes=args.kv_chunk_kib * 1024)  # fmt: skip
+    vllm = VllmSection(
+        dtype="float32",
+        max_model_len_tokens=max(1024, w.max_len_tokens(), handoff_tokens(w) + 8),
+        kv_pool_gib=1,
+        max_num_seqs=max(8, args.trajectories),
+        kv_chunk_bytes=args.kv_chunk_kib * 1024,
+    )
     console = Console()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp_dir:
@@ -497,8 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m runners.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv),
         "workload": asdict(w),
-        "workload_line": (f"{w.trajectories} trajectories x {w.turns} turns, prompt {w.prompt_tokens} + {w.obs_tokens} per "
-                          f"later turn, {w.out_tokens} out, greedy; {args.rounds} rounds"),  # fmt: skip
+        "workload_line": (
+            f"{w.trajectories} trajectories x {w.turns} turns, prompt {w.prompt_tokens} + {w.obs_tokens} per "
+            f"later turn, {w.out_tokens} out, greedy; {args.rounds} rounds"
+        ),
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.hidden // 32, "dtype": "float32"},
         "vllm": msgspec.to_builtins(vllm),
         "block_size_tokens": block_size_tokens,

@@ -94,9 +94,13 @@ def start_launcher(config: Path, out: Path, url: str, groups: list[str]) -> subp
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "ops.launch", str(config), "--out", str(out), "--nats-url", url, *only],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "COLUMNS": "200"}, start_new_session=True,
-        )  # fmt: skip
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "COLUMNS": "200"},
+            start_new_session=True,
+        )
     finally:
         log.close()
 
@@ -145,9 +149,14 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 
 
 def run_check(
-    out: Path, steps: int, time_scale: float, kill: bool, policy: str = "colocated",
-    first_finish_timeout_wall_s: float = FIRST_FINISH_TIMEOUT_WALL_S, run_timeout_wall_s: float = RUN_TIMEOUT_WALL_S,
-) -> dict:  # fmt: skip
+    out: Path,
+    steps: int,
+    time_scale: float,
+    kill: bool,
+    policy: str = "colocated",
+    first_finish_timeout_wall_s: float = FIRST_FINISH_TIMEOUT_WALL_S,
+    run_timeout_wall_s: float = RUN_TIMEOUT_WALL_S,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "cluster-check.toml"
     config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps, policy=policy))
@@ -223,7 +232,12 @@ async def cluster_capacity(url: str) -> dict:
             futures = [await js.publish_async(f"capacity.{name}", payload) for _ in range(count)]
             await asyncio.gather(*futures)
             wall_s = time.perf_counter() - t0
-            figures[name] = {"count": count, "bytes_each": size, "msgs_per_s": round(count / wall_s), "mb_per_s": round(count * size / wall_s / 1e6, 1)}
+            figures[name] = {
+                "count": count,
+                "bytes_each": size,
+                "msgs_per_s": round(count / wall_s),
+                "mb_per_s": round(count * size / wall_s / 1e6, 1),
+            }
         return figures
     finally:
         await js.delete_stream("CAPACITY")
@@ -291,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=50.0)
     parser.add_argument("--no-kill", action="store_true", help="the same run without killing a server")
-    parser.add_argument("--policy", default="colocated", help="run.policy (prorsa: the allocator on the control host switches the other host's engines)")
+    parser.add_argument(
+        "--policy", default="colocated", help="run.policy (prorsa: the allocator on the control host switches the other host's engines)"
+    )
     parser.add_argument("--capacity", action="store_true", help="measure the cluster's capacity and a fleet's traffic instead")
     parser.add_argument("--sim-config", type=Path, default=REPO / "configs" / "sim-swe-64.toml")
     args = parser.parse_args(argv)

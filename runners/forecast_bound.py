@@ -44,7 +44,14 @@ def score(events: pl.DataFrame, horizons_s: list[float], bin_s: float = 1.0, sam
         truth = actual[at[keep] + ahead - 1]
         forecast = bound_forecast(d, ticks_s[keep], ahead * bin_s, bin_s, samples)
         naive = actual[at[keep] - 1]
-        rows.append({"horizon_s": h_s, "ticks": int(keep.sum()), "bound_mae": float(np.abs(truth - forecast).mean()), "naive_mae": float(np.abs(truth - naive).mean())})
+        rows.append(
+            {
+                "horizon_s": h_s,
+                "ticks": int(keep.sum()),
+                "bound_mae": float(np.abs(truth - forecast).mean()),
+                "naive_mae": float(np.abs(truth - naive).mean()),
+            }
+        )
     return pl.DataFrame(rows)
 
 
@@ -67,8 +74,10 @@ def gains(bound: pl.DataFrame, accuracy: pl.DataFrame) -> pl.DataFrame:
                 continue
             points = set(cell["points"].to_list())
             if points != {b["ticks"]}:
-                raise ValueError(f"the accuracy table scored {sorted(points)} points at {b['horizon_s']:g} s, the bound {b['ticks']} ticks: "
-                                 "not the same log, bins or ticks (one log, --tick-s = --bin-s)")  # fmt: skip
+                raise ValueError(
+                    f"the accuracy table scored {sorted(points)} points at {b['horizon_s']:g} s, the bound {b['ticks']} ticks: "
+                    "not the same log, bins or ticks (one log, --tick-s = --bin-s)"
+                )
             best = base["mae"].min()
             row = {"score": sc, "horizon_s": b["horizon_s"], "best_baseline_mae": best, "bound": 1 - b["bound_mae"] / best}
             for model, mae in cell.filter(~pl.col("model").is_in([*BASELINES, "naive"])).select("model", "mae").iter_rows():

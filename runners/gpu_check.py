@@ -52,8 +52,17 @@ def build_model(out_dir: Path) -> str:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out_dir))
     return str(out_dir)
 
@@ -63,8 +72,14 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 
 async def check_connector(name: str, model: str, url: str, args) -> dict:
-    cfg = VllmSection(dtype=args.dtype, max_model_len_tokens=args.prompt + args.out_tokens + 64, kv_pool_gib=args.kv_pool_gib,
-                      max_num_seqs=max(8, args.seqs), kv_connector=name, enforce_eager=not args.compiled)  # fmt: skip
+    cfg = VllmSection(
+        dtype=args.dtype,
+        max_model_len_tokens=args.prompt + args.out_tokens + 64,
+        kv_pool_gib=args.kv_pool_gib,
+        max_num_seqs=max(8, args.seqs),
+        kv_connector=name,
+        enforce_eager=not args.compiled,
+    )
     engines = []
     try:
         for i in range(2):
@@ -87,19 +102,26 @@ async def check_connector(name: str, model: str, url: str, args) -> dict:
         alone_s = time.perf_counter() - started
         firsts = await asyncio.gather(*(e0.prefill(f"p-{i}", ids, hold=f"h-{i}") for i, ids in enumerate(batch)))
         started = time.perf_counter()
-        rests = await asyncio.gather(*(
-            e1.decode(f"d-{i}", ids + f.token_ids, args.out_tokens - 1, KvSource("g0", f.kv_handle, len(ids)))
-            for i, (ids, f) in enumerate(zip(batch, firsts))
-        ))  # fmt: skip
+        rests = await asyncio.gather(
+            *(
+                e1.decode(f"d-{i}", ids + f.token_ids, args.out_tokens - 1, KvSource("g0", f.kv_handle, len(ids)))
+                for i, (ids, f) in enumerate(zip(batch, firsts))
+            )
+        )
         decode_s = time.perf_counter() - started
         exact = [f.token_ids + r.token_ids == a.token_ids for f, r, a in zip(firsts, rests, alone)]
         loaded = sum(r.cached_tokens for r in rests)  # prompt positions e1 did not compute
         figures = {
-            "connector": name, "seqs": args.seqs, "prompt_tokens": args.prompt, "out_tokens": args.out_tokens,
-            "exact_turns": sum(exact), "turns": len(exact), "decoder_loaded_share": loaded / (args.seqs * args.prompt),
+            "connector": name,
+            "seqs": args.seqs,
+            "prompt_tokens": args.prompt,
+            "out_tokens": args.out_tokens,
+            "exact_turns": sum(exact),
+            "turns": len(exact),
+            "decoder_loaded_share": loaded / (args.seqs * args.prompt),
             "colocated_out_tok_s": args.seqs * args.out_tokens / alone_s,
             "pd_decode_out_tok_s": args.seqs * (args.out_tokens - 1) / decode_s,
-        }  # fmt: skip
+        }
         if name == "prorsa":
             nc = await _connect(url)
             counters = await e1.connector_counters(nc)
@@ -156,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"connector": name, "passed": False, "error": str(err)})
     for r in results:
         verdict = "PASS" if r["passed"] else "FAIL"
-        detail = r.get("error") or ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in ("connector", "passed"))
+        detail = r.get("error") or ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in ("connector", "passed")
+        )
         print(f"{verdict} {r['connector']}: {detail}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

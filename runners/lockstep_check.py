@@ -49,10 +49,18 @@ class LockstepResult:
 
 def _work(rank: int, i: int, prompt: int, output_tokens: int) -> PrefillWork:
     return PrefillWork(
-        work_id=f"r{rank}-{i}", trajectory_id=f"r{rank}-{i}", turn=0, env_id="env", task_family="check",
-        policy_version=0, context_tokens=0, new_tokens=prompt, max_output_tokens=output_tokens,
-        target_output_tokens=output_tokens, queued_at_s=0.0,
-    )  # fmt: skip
+        work_id=f"r{rank}-{i}",
+        trajectory_id=f"r{rank}-{i}",
+        turn=0,
+        env_id="env",
+        task_family="check",
+        policy_version=0,
+        context_tokens=0,
+        new_tokens=prompt,
+        max_output_tokens=output_tokens,
+        target_output_tokens=output_tokens,
+        queued_at_s=0.0,
+    )
 
 
 def _run(preset: CostPreset, prompts_by_rank: list[list[int]], concurrency: int, output_tokens: int) -> float:
@@ -92,9 +100,13 @@ def grid(preset_name: str = "h200-deepseek-v3-fp8") -> list[dict]:
 
 
 def check(
-    preset_name: str = "h200-deepseek-v3-fp8", dp_sync: str = "sglang", seed: int = 0, end: str = "value",
-    concurrency: int = CONCURRENCY, output_tokens: int = OUTPUT_TOKENS,
-) -> LockstepResult:  # fmt: skip
+    preset_name: str = "h200-deepseek-v3-fp8",
+    dp_sync: str = "sglang",
+    seed: int = 0,
+    end: str = "value",
+    concurrency: int = CONCURRENCY,
+    output_tokens: int = OUTPUT_TOKENS,
+) -> LockstepResult:
     preset = with_lockstep(PRESETS[preset_name], dp_sync, end=end)
     rng = random.Random(seed)
     prompts = [rng.randint(*PROMPT_TOKENS) for _ in range(REQUESTS_PER_RANK)]

@@ -72,7 +72,9 @@ def tick_bounds(events: pl.DataFrame, cfg: CoreConfig, tick_s: float, end_s: flo
     return [tick_s * (k + 1) for k in range(n)]
 
 
-def replay(events: pl.DataFrame, cfg: CoreConfig, tick_s: float | None = None, progress: bool = False) -> tuple[list[TickResult], ForecastCore]:
+def replay(
+    events: pl.DataFrame, cfg: CoreConfig, tick_s: float | None = None, progress: bool = False
+) -> tuple[list[TickResult], ForecastCore]:
     """Every tick's forecasts for a log sorted by (at_s, event_id) (ops.export.load_events)."""
     tick_s = tick_s or cfg.bin_s
     ticks = tick_bounds(events, cfg, tick_s)
@@ -80,7 +82,15 @@ def replay(events: pl.DataFrame, cfg: CoreConfig, tick_s: float | None = None, p
     at_s = events["at_s"].to_numpy()
     cuts = np.searchsorted(at_s, ticks, side="left")
     results: list[TickResult] = []
-    bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("ticks"), TimeElapsedColumn(), console=console, disable=not progress)
+    bar = Progress(
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("ticks"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not progress,
+    )
     with bar:
         task = bar.add_task("ticks", total=len(ticks))
         start = 0
@@ -124,15 +134,23 @@ def align(results: list[TickResult], cfg: CoreConfig, actual: dict[str, np.ndarr
                     out.append(_window(model, target, h_s, hi, rows, actual[target]))
                     continue
                 raw = [r.outcomes[model].raw_quantiles for r, _ in rows]
-                out.append(Scored(
-                    model, target, h_s,
-                    actual=np.array([actual[target][b] for _, b in rows]),
-                    forecast=np.array([_point(r.outcomes[model].prediction, target, hi, score) for r, _ in rows]),
-                    quantiles=np.array([[r.outcomes[model].prediction.quantiles[target][q, hi] for r, _ in rows] for q in range(len(QUANTILES))]),
-                    naive=np.array([r.outcomes["naive"].prediction.mean[target][hi] for r, _ in rows]),
-                    raw_quantiles=None if any(q is None for q in raw) else np.array([[q[target][l, hi] for q in raw] for l in range(len(QUANTILES))]),
-                    score=score,
-                ))  # fmt: skip
+                out.append(
+                    Scored(
+                        model,
+                        target,
+                        h_s,
+                        actual=np.array([actual[target][b] for _, b in rows]),
+                        forecast=np.array([_point(r.outcomes[model].prediction, target, hi, score) for r, _ in rows]),
+                        quantiles=np.array(
+                            [[r.outcomes[model].prediction.quantiles[target][q, hi] for r, _ in rows] for q in range(len(QUANTILES))]
+                        ),
+                        naive=np.array([r.outcomes["naive"].prediction.mean[target][hi] for r, _ in rows]),
+                        raw_quantiles=None
+                        if any(q is None for q in raw)
+                        else np.array([[q[target][qi, hi] for q in raw] for qi in range(len(QUANTILES))]),
+                        score=score,
+                    )
+                )
     return out
 
 
@@ -149,13 +167,15 @@ def _window(model: str, target: str, h_s: float, hi: int, rows: list, actual: np
     forecast (a prefill's compute as asked for, where the model tells it: `Prediction.window_mean`),
     against the mean of the same bins."""
     return Scored(
-        model, target, h_s,
+        model,
+        target,
+        h_s,
         actual=np.array([actual[b - hi : b + 1].mean() for _, b in rows]),
         forecast=np.array([r.outcomes[model].prediction.window_mean(target, hi) for r, _ in rows]),
         quantiles=None,
         naive=np.array([r.outcomes["naive"].prediction.window_mean(target, hi) for r, _ in rows]),
         score="window",
-    )  # fmt: skip
+    )
 
 
 def pooled(scored: list[Scored], log: str) -> list[Scored]:
@@ -168,27 +188,43 @@ def pooled(scored: list[Scored], log: str) -> list[Scored]:
         return None if any(p is None for p in parts) else np.concatenate(parts, axis=axis)
 
     return [
-        Scored(model, target, h_s, *(np.concatenate([getattr(p, f) for p in parts]) for f in ("actual", "forecast")),
-               quantiles=join([p.quantiles for p in parts], 1), naive=np.concatenate([p.naive for p in parts]),
-               raw_quantiles=join([p.raw_quantiles for p in parts], 1), log=log, score=score)
+        Scored(
+            model,
+            target,
+            h_s,
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("actual", "forecast")),
+            quantiles=join([p.quantiles for p in parts], 1),
+            naive=np.concatenate([p.naive for p in parts]),
+            raw_quantiles=join([p.raw_quantiles for p in parts], 1),
+            log=log,
+            score=score,
+        )
         for (model, target, h_s, score), parts in groups.items()
-    ]  # fmt: skip
+    ]
 
 
 def accuracy_table(scored: list[Scored], fallbacks: dict[str, int]) -> pl.DataFrame:
     lo, hi = QUANTILES.index(0.1), QUANTILES.index(0.9)
     rows = [
         {
-            "log": s.log, "score": s.score, "model": s.model, "target": s.target, "horizon_s": s.horizon_s, "points": len(s.actual),
-            "mae": metrics.mae(s.actual, s.forecast), "smape": metrics.smape(s.actual, s.forecast),
+            "log": s.log,
+            "score": s.score,
+            "model": s.model,
+            "target": s.target,
+            "horizon_s": s.horizon_s,
+            "points": len(s.actual),
+            "mae": metrics.mae(s.actual, s.forecast),
+            "smape": metrics.smape(s.actual, s.forecast),
             "mase": metrics.mase(s.actual, s.forecast, s.naive),
             "pinball": metrics.pinball(s.actual, s.quantiles, QUANTILES) if s.quantiles is not None else float("nan"),
             "coverage": metrics.coverage(s.actual, s.quantiles[lo], s.quantiles[hi]) if s.quantiles is not None else float("nan"),
-            "coverage_raw": metrics.coverage(s.actual, s.raw_quantiles[lo], s.raw_quantiles[hi]) if s.raw_quantiles is not None else float("nan"),
+            "coverage_raw": metrics.coverage(s.actual, s.raw_quantiles[lo], s.raw_quantiles[hi])
+            if s.raw_quantiles is not None
+            else float("nan"),
             "fallbacks": fallbacks.get(s.model, 0),
         }
         for s in scored
-    ]  # fmt: skip
+    ]
     return pl.DataFrame(rows)
 
 
@@ -228,7 +264,9 @@ def plot(path: Path, scored: list[Scored], horizon_s: float, targets: tuple[str,
     plt.close(fig)
 
 
-def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> tuple[list[Scored], dict[str, int]]:
+def score_log(
+    log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)
+) -> tuple[list[Scored], dict[str, int]]:
     """One log's scores (and each model's fallbacks)."""
     events = load_events(log)
     span_s = float(events["at_s"].max() - events["at_s"].min()) if events.height else 0.0
@@ -236,7 +274,9 @@ def score_log(log: Path, cfg: CoreConfig, name: str = "", tick_s: float | None =
     if events.height == 0:
         raise ReplayError(f"{log}: the log is empty: no events to replay")
     if span_s < needed_s:
-        raise ReplayError(f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)")
+        raise ReplayError(
+            f"{log}: too short to score: {events.height} events over {span_s:.1f} s; need >= {needed_s:g} s (longest horizon + {MIN_SCORED_BINS} bins)"
+        )
     results, core = replay(events, cfg, tick_s, progress=True)
     actual = actuals(events, cfg, results[-1].as_of_s)
     scored = [s for score in scores for s in align(results, cfg, actual, float(events["at_s"].min()), score)]
@@ -315,7 +355,9 @@ def preset_cost(name: str) -> Costs:
     return TokenCost.prefill_of(PRESETS[name]), TokenCost.decode_of(PRESETS[name])
 
 
-def run(logs: list[tuple[str, list[Path], Costs]], cfg: CoreConfig, out: Path, tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)) -> pl.DataFrame:
+def run(
+    logs: list[tuple[str, list[Path], Costs]], cfg: CoreConfig, out: Path, tick_s: float | None = None, scores: tuple[str, ...] = ("bin",)
+) -> pl.DataFrame:
     """Score each group of logs (a name, its logs pooled, their prefill and decode costs) and write the
     tables and the plot."""
     scored: list[Scored] = []
@@ -335,7 +377,12 @@ def run(logs: list[tuple[str, list[Path], Costs]], cfg: CoreConfig, out: Path, t
     if gains.height:
         gains.write_csv(out / "gain.csv", float_precision=4)
     first = [s for s in scored if s.log == scored[0].log and s.score == scored[0].score]
-    plot(out / "forecast_vs_actual.png", first, horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2], targets=("prefill_engine_s", "decode_active_seqs"))
+    plot(
+        out / "forecast_vs_actual.png",
+        first,
+        horizon_s=sorted(cfg.horizons_s)[len(cfg.horizons_s) // 2],
+        targets=("prefill_engine_s", "decode_active_seqs"),
+    )
     return table
 
 
@@ -349,16 +396,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("log", type=Path, nargs="?", help="a recorded events.parquet (or --config with --holdout-seeds)")
     parser.add_argument("--config", type=Path, nargs="+", default=[], help="configs to record held-out logs from")
     parser.add_argument("--holdout-seeds", type=int, nargs="+", default=[], help="record and score only fresh logs with these seeds")
-    parser.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", help="override config keys for the held-out logs (TOML values)")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", help="override config keys for the held-out logs (TOML values)"
+    )
     parser.add_argument("--models", nargs="+", default=["moving_average", "ets", "arima", "lifecycle", "hybrid"])
     parser.add_argument("--horizons", nargs="+", type=float, default=[1.0, 5.0, 10.0, 20.0, 30.0], help="seconds")
     parser.add_argument("--bin-s", type=float, default=1.0)
-    parser.add_argument("--preset", help="a LOG's cost-model preset, for prefill_engine_s and decode_engine_s (default: 1 s per token); --config gives its own")
+    parser.add_argument(
+        "--preset",
+        help="a LOG's cost-model preset, for prefill_engine_s and decode_engine_s (default: 1 s per token); --config gives its own",
+    )
     parser.add_argument("--tick-s", type=float, default=None, help="default: one tick per bin")
     parser.add_argument("--no-calibrate", action="store_true", help="publish the models' own quantiles")
-    parser.add_argument("--score", nargs="+", choices=SCORES, default=["bin"],
-                        help="bin: the bin h s ahead, by each model's point forecast; median: the same bin by each model's published "
-                             "(calibrated) median; window: the mean over the next h s (what an allocator with that horizon sizes on)")
+    parser.add_argument(
+        "--score",
+        nargs="+",
+        choices=SCORES,
+        default=["bin"],
+        help="bin: the bin h s ahead, by each model's point forecast; median: the same bin by each model's published "
+        "(calibrated) median; window: the mean over the next h s (what an allocator with that horizon sizes on)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import logging
@@ -368,7 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give a LOG, or --config CONFIG... with --holdout-seeds SEED...", file=sys.stderr)
         return 2
     try:
-        cfg = CoreConfig(models=tuple(dict.fromkeys(["naive", *args.models])), bin_s=args.bin_s, horizons_s=tuple(args.horizons), calibrate=not args.no_calibrate)
+        cfg = CoreConfig(
+            models=tuple(dict.fromkeys(["naive", *args.models])),
+            bin_s=args.bin_s,
+            horizons_s=tuple(args.horizons),
+            calibrate=not args.no_calibrate,
+        )
         if args.log is not None:
             cost = preset_cost(args.preset) if args.preset else (UNIT_COST, UNIT_COST)
             logs = [(args.log.stem if args.log.stem != "events" else args.log.parent.name, [args.log], cost)]

@@ -133,7 +133,10 @@ class Suite:
         return [p for p in own if p in asked] + [p for p in asked if p in fits and p not in own]
 
     def cases(
-        self, tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"), modes: tuple[str, ...] = ("sync",), seeds: tuple[int, ...] = ()
+        self,
+        tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
+        modes: tuple[str, ...] = ("sync",),
+        seeds: tuple[int, ...] = (),
     ) -> list[Case]:
         """Every row of `tables`, once per mode (a row's sync and async cases side by side) and
         per workload seed in `seeds` (none: the suite's)."""
@@ -149,8 +152,11 @@ class Suite:
             for fleet_names, workload_names, per_gpu in self.sweep:
                 out += [
                     Case("sweep", fleets[f], workloads[w], n)
-                    for f in fleet_names for w in workload_names for n in per_gpu if n != self.trajectories_per_gpu
-                ]  # fmt: skip
+                    for f in fleet_names
+                    for w in workload_names
+                    for n in per_gpu
+                    if n != self.trajectories_per_gpu
+                ]
         for table, rows in (("ablation", self.ablations), ("sensitivity", self.sensitivity)):
             if table in tables:
                 out += [Case(table, fleets[f], workloads[w], n, dict(engines), variant) for f, w, n, variant, engines in rows]
@@ -226,7 +232,12 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         policy, which = policy.split("@")
         engines["layout"] = fleet.colocated_layouts[int(which) - 1]
     raw = {
-        "run": {"name": f"{suite.name}-{case.key}", "seed": suite.seed if case.seed is None else case.seed, "time_scale": 20.0, "mode": case.mode},
+        "run": {
+            "name": f"{suite.name}-{case.key}",
+            "seed": suite.seed if case.seed is None else case.seed,
+            "time_scale": 20.0,
+            "mode": case.mode,
+        },
         "engines": engines,
         "environments": {"count": suite.environments, "max_live_trajectories": 1 << 16},
         "trainer": {
@@ -408,17 +419,22 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads = only
     cases = [
-        c for c in suite.cases(tables, modes, seeds)
-        if (not per_gpu or c.trajectories_per_gpu in per_gpu) and (not fleets or c.fleet.name in fleets)
+        c
+        for c in suite.cases(tables, modes, seeds)
+        if (not per_gpu or c.trajectories_per_gpu in per_gpu)
+        and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
-    ]  # fmt: skip
+    ]
     plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies)]
     missing = [
-        c.key for c, p in plan
+        c.key
+        for c, p in plan
         if p == "oracle" and (c, "prorsa") not in plan and not (_run_dir(out, c, "prorsa") / "events.parquet").exists()
-    ]  # fmt: skip
+    ]
     if missing:
-        raise ValueError(f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies")
+        raise ValueError(
+            f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies"
+        )
     first = [x for x in plan if x[1] != "oracle"]
     second = [x for x in plan if x[1] == "oracle"]
     results: list[dict] = []

@@ -92,14 +92,19 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
                 continue
             out.append(
                 {
-                    **dict(zip((*ROW, "seed"), key)), "policy": name, "sync_policy": s["policy"], "async_policy": a["policy"],
-                    "sync_run_s": s["run_s"], "async_run_s": a["run_s"],
-                    "sync_throughput": s["throughput_per_s"], "async_throughput": a["throughput_per_s"],
+                    **dict(zip((*ROW, "seed"), key)),
+                    "policy": name,
+                    "sync_policy": s["policy"],
+                    "async_policy": a["policy"],
+                    "sync_run_s": s["run_s"],
+                    "async_run_s": a["run_s"],
+                    "sync_throughput": s["throughput_per_s"],
+                    "async_throughput": a["throughput_per_s"],
                     "async_vs_sync": round(a["throughput_per_s"] / s["throughput_per_s"], 3),
                     # False: the two modes rolled out different task families (not like for like)
                     "same_tasks": s.get("families") == a.get("families"),
                 }
-            )  # fmt: skip
+            )
     return out
 
 
@@ -110,6 +115,7 @@ def seed_spread(compared: list[dict]) -> list[dict]:
     """Per row and mode run at more than one workload seed: each of prorsa's ratios
     (`comparisons`) as its geometric mean over the seeds, with the lowest and the highest;
     and on how many seeds prorsa is at least as fast as that seed's best static split."""
+
     def key(c: dict) -> tuple:  # the row and mode, whatever the seed
         return (*(c[k] for k in ROW), c["mode"])
 
@@ -160,8 +166,11 @@ def critical_path_lines(results: list[dict], mode: Callable[[dict], str]) -> lis
     rows = [r for r in results if r.get("critical_path_s")]
     if not rows:
         return []
-    lines = _section("what ends each row: the last trajectory of each step (async: of the run), its model s from the step's start by what it was doing, summed over the steps, together the rollout s (no arrangement changes the tool calls):",
-                     "mode | policy | rollout s | " + BUCKETS_HEADER, "--- | --- | ---: | " + BUCKETS_ALIGN)  # fmt: skip
+    lines = _section(
+        "what ends each row: the last trajectory of each step (async: of the run), its model s from the step's start by what it was doing, summed over the steps, together the rollout s (no arrangement changes the tool calls):",
+        "mode | policy | rollout s | " + BUCKETS_HEADER,
+        "--- | --- | ---: | " + BUCKETS_ALIGN,
+    )
     for r in rows:
         cells = " | ".join(f"{r['critical_path_s'][b]:.1f}" for b in BUCKETS)
         lines.append(_row(r) + f"{mode(r)} | {r['policy']} | {r['rollout_s']:.1f} | {cells} |")
@@ -175,7 +184,8 @@ def results_markdown(results: list[dict]) -> str:
         return f"{r.get('mode', 'sync')}, seed {r.get('seed')}" if seeded else r.get("mode", "sync")
 
     lines = [
-        ROW_HEADER + "mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
+        ROW_HEADER
+        + "mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
         ROW_ALIGN + "--- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
@@ -186,9 +196,11 @@ def results_markdown(results: list[dict]) -> str:
             f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
             f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
-    lines += _section("prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):",
-                      "mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
-                      "--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+    lines += _section(
+        "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):",
+        "mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
+        "--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    )
     compared = comparisons(results)
     for c in compared:
         lines.append(
@@ -199,9 +211,11 @@ def results_markdown(results: list[dict]) -> str:
         )
     spread = seed_spread(compared)
     if spread:
-        lines += _section("prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:",
-                          "mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
-                          "--- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+        lines += _section(
+            "prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:",
+            "mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
+            "--- | --- | ---: | ---: | ---: | ---: | ---: |",
+        )
         for c in spread:
             at_least = f"{c['static_at_least']} of {len(c['seeds'])}" if c["static_at_least"] is not None else "-"
             lines.append(
@@ -212,9 +226,11 @@ def results_markdown(results: list[dict]) -> str:
     lines += critical_path_lines(results, mode)
     modes = mode_comparisons(results)
     if modes:
-        lines += _section("async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):",
-                          "policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
-                          "--- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+        lines += _section(
+            "async against sync: trained trajectories per model second of the whole loop (first assignment to the last policy published; ratio > 1: async faster; each family the best of its runs in that mode; (other tasks): the modes rolled out different task families):",
+            "policy | sync run s | async run s | sync traj/s | async traj/s | async vs sync |",
+            "--- | ---: | ---: | ---: | ---: | ---: |",
+        )
         for m in modes:
             name = m["policy"] if m["sync_policy"] == m["async_policy"] else f"{m['policy']} ({m['sync_policy']} / {m['async_policy']})"
             name = f"{name}, seed {m['seed']}" if seeded else name

@@ -23,14 +23,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from actors.allocator.actor import AllocatorActor
 from actors.base import Actor
 from actors.base.inproc import InProcServer
 from actors.base.virtual import LoopClock, VirtualTimeLoop
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
-from actors.allocator.actor import AllocatorActor
 from actors.engine.actor import EngineActor
-from actors.forecaster.actor import ForecasterActor
 from actors.environment.actor import EnvironmentActor
+from actors.forecaster.actor import ForecasterActor
 from actors.trainer.actor import TrainerActor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
@@ -123,7 +123,12 @@ def run(config: Config, out: Path, show_progress: bool = True) -> dict:
     try:
         if not show_progress:
             return loop.run_until_complete(simulate(config, out))
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} trajectories"), TimeElapsedColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} trajectories"),
+            TimeElapsedColumn(),
+        )
         with Progress(*columns, console=console) as progress:
             return loop.run_until_complete(simulate(config, out, progress))
     finally:
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         initial_roles(config)
         out = args.out or Path("runs") / f"sim-{config.run.name}-{config.run.policy}"
         summary = run(config, out)
-        console.print(f"run folder: {out}  (report: python -m ops.report {shlex.quote(str(out))})", highlight=False, markup=False, soft_wrap=True)
+        console.print(
+            f"run folder: {out}  (report: python -m ops.report {shlex.quote(str(out))})", highlight=False, markup=False, soft_wrap=True
+        )
     except ConfigError as err:
         console.print(f"error: {err}", highlight=False, markup=False)
         return 2

@@ -1,8 +1,8 @@
 """The one way tests build actors: the clock and the config run at the same scale.
 
-    config = at_scale(tiny_config, 100.0)       # or keep the config's own scale
-    clock = clock_for(config)                   # share it between the actors of one run
-    engine = build(EngineActor, "e0", config, bus, Role.COLOCATED, clock=clock)
+config = at_scale(tiny_config, 100.0)       # or keep the config's own scale
+clock = clock_for(config)                   # share it between the actors of one run
+engine = build(EngineActor, "e0", config, bus, Role.COLOCATED, clock=clock)
 """
 
 from __future__ import annotations

@@ -18,7 +18,14 @@ from ops import access
 from ops.natsserver import EmbeddedNats
 
 pytestmark = pytest.mark.bus
-ACTORS = [("engine", "e0"), ("engine", "e1"), ("environment", "env0"), ("trainer", "trainer"), ("allocator", "allocator"), ("forecaster", "forecaster")]
+ACTORS = [
+    ("engine", "e0"),
+    ("engine", "e1"),
+    ("environment", "env0"),
+    ("trainer", "trainer"),
+    ("allocator", "allocator"),
+    ("forecaster", "forecaster"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +100,11 @@ COMMANDS = [  # (subject, the one role that sends there, roles that must not)
 @pytest.mark.parametrize("subject, sender, intruder_role", [(s, sender, i) for s, sender, intruders in COMMANDS for i in intruders])
 async def test_only_one_role_sends_each_family_of_engine_commands(secured, subject: str, sender: str, intruder_role: str):
     server, users = secured
-    watcher, intruder, legit = await client(server, users, "launcher"), await client(server, users, intruder_role), await client(server, users, sender)
+    watcher, intruder, legit = (
+        await client(server, users, "launcher"),
+        await client(server, users, intruder_role),
+        await client(server, users, sender),
+    )
     try:
 
         async def command(c: Client, data: bytes) -> None:
@@ -111,6 +122,7 @@ async def test_only_the_trainer_publishes_policy_versions_and_an_engine_only_its
     server, users = secured
     watcher, engine, trainer, e1 = [await client(server, users, n) for n in ("launcher", "engine-e0", "trainer", "engine-e1")]
     try:
+
         async def policy(c: Client, data: bytes) -> None:
             await c.nc.publish(subjects.train_policy(), data)
 
@@ -160,7 +172,9 @@ async def test_other_roles_cannot_read_trajectories(secured, reader: str | None)
             await intruder.nc.close()
         trainer = await client(server, users, "trainer")  # the trainer, by contrast, reads them
         try:
-            sub = await trainer.nc.jetstream().pull_subscribe(subjects.train_finished(), durable="trainer-finished", stream=streams.TRAIN.name)
+            sub = await trainer.nc.jetstream().pull_subscribe(
+                subjects.train_finished(), durable="trainer-finished", stream=streams.TRAIN.name
+            )
             assert (await sub.fetch(1, timeout=5))[0].data == b"a finished trajectory"
         finally:
             await trainer.nc.close()

@@ -83,7 +83,9 @@ def test_the_ratio_decays_per_decode_step_to_its_floor_and_resets_when_idle():
     assert c.new_token_ratio.current == pytest.approx(admission.INIT_NEW_TOKEN_RATIO - step * batch.iterations)
     while c.running:
         c.complete(c.plan(100.0))
-    assert c.new_token_ratio.current == pytest.approx(admission.INIT_NEW_TOKEN_RATIO * admission.MIN_NEW_TOKEN_RATIO_FACTOR)  # 799 steps > 600
+    assert c.new_token_ratio.current == pytest.approx(
+        admission.INIT_NEW_TOKEN_RATIO * admission.MIN_NEW_TOKEN_RATIO_FACTOR
+    )  # 799 steps > 600
     assert c.plan(1.0) is None and c.new_token_ratio.current == admission.INIT_NEW_TOKEN_RATIO
 
 
@@ -99,11 +101,19 @@ def test_a_decode_engine_keeps_a_reservation_per_request():
     capacity = 10_000
     c, greedy = engine(capacity, "sglang", Role.DECODE), engine(capacity, "vllm", Role.DECODE)
     for i in range(8):  # 8 x 1,001 resident: 2,000 free, less than 8 x 512 reserved
-        item = DecodeWork(prefill=work(f"t{i}", out=900), kv=KvHandle(engine_id="p0", handle_id=f"h{i}", tokens=1000, kv_bytes=1, expires_at_s=9.0), cached_prefix_tokens=0, generated_tokens=1, prefilled_at_s=0.0)
+        item = DecodeWork(
+            prefill=work(f"t{i}", out=900),
+            kv=KvHandle(engine_id="p0", handle_id=f"h{i}", tokens=1000, kv_bytes=1, expires_at_s=9.0),
+            cached_prefix_tokens=0,
+            generated_tokens=1,
+            prefilled_at_s=0.0,
+        )
         c.admit_decode(item)
         greedy.admit_decode(item)
     assert c.room() == 0 and greedy.room() > 0
-    assert engine(capacity, "sglang", Role.DECODE).room(pending=capacity // admission.RESERVED_DECODE_TOKENS + 1) == 0  # transfers on their way count
+    assert (
+        engine(capacity, "sglang", Role.DECODE).room(pending=capacity // admission.RESERVED_DECODE_TOKENS + 1) == 0
+    )  # transfers on their way count
 
 
 def test_reserving_growth_preempts_less_than_greedy_admission_on_a_tight_pool():
@@ -132,7 +142,9 @@ async def prefill_engine_beside_an_untaken_turn(bus, config, untaken: str):
     """A prefill engine p0, started with a prefilled turn `untaken` already in the decode
     queue that no decode engine has taken; stopped on the way out. (Each test uses its own
     work ids: JetStream drops a repeated message id for a while.)"""
-    stale = DecodeWork(prefill=work(untaken), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0)
+    stale = DecodeWork(
+        prefill=work(untaken), kv=KvHandle(engine_id="p9", handle_id="h", tokens=1000, kv_bytes=1, expires_at_s=1e9), prefilled_at_s=0.0
+    )
     await bus.jetstream().publish(subjects.work_decode(), encode(stale))
     p0 = build(EngineActor, "p0", at_scale(config, 100.0), bus, Role.PREFILL)
     running = asyncio.create_task(p0.run())

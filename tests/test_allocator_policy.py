@@ -31,7 +31,11 @@ def fleet(roles: list[Role], now_s: float = 100.0, **per_engine) -> Fleet:
 
 
 def split(name="prorsa", weigh_cost=True, **allocator) -> Split:
-    thresholds = {"colocation": "thresholds", "disaggregate_above_engines": 0.5, "colocate_below_engines": 0.25}  # the mechanism, not the defaults
+    thresholds = {
+        "colocation": "thresholds",
+        "disaggregate_above_engines": 0.5,
+        "colocate_below_engines": 0.25,
+    }  # the mechanism, not the defaults
     return Split(name, ENGINES, AllocatorSection(**{**thresholds, **allocator}), weigh_cost=weigh_cost)
 
 
@@ -145,28 +149,47 @@ def test_demand_from_queues_and_from_a_forecast():
     q = from_queues(state, horizon_s=10.0)
     assert (q.prefill_tokens_per_s, q.decode_seqs, q.decode_context_tokens) == (500.0, 40.0, 3000.0)
     forecast = DemandForecast(
-        forecaster_id="f", model="lifecycle", tick=1, as_of_s=90.0, computed_at_s=92.0, bin_s=1.0,
-        horizons_s=[1.0, 5.0, 10.0, 20.0], live_trajectories=10, events_total=100,
+        forecaster_id="f",
+        model="lifecycle",
+        tick=1,
+        as_of_s=90.0,
+        computed_at_s=92.0,
+        bin_s=1.0,
+        horizons_s=[1.0, 5.0, 10.0, 20.0],
+        live_trajectories=10,
+        events_total=100,
         targets=[
             TargetForecast(target="prefill_miss_tokens", mean=[100.0, 200.0, 300.0, 9999.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
             TargetForecast(target="prefill_new_tokens", mean=[10.0, 10.0, 10.0, 10.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
             TargetForecast(target="decode_active_seqs", mean=[30.0, 40.0, -5.0, 9999.0], quantile_levels=[0.5], quantiles=[[0.0] * 4]),
         ],
-    )  # fmt: skip
+    )
     f = from_forecast(forecast, state, horizon_s=10.0)
     assert f.prefill_tokens_per_s == 200.0 + 500.0  # no window published: mean over h <= 10 s, plus the backlog of now
     assert abs(f.decode_seqs - 70.0 / 3) < 1e-9  # a negative forecast counts as zero
     # a forecast that publishes its window means (every bin up to each horizon) is read at
     # the furthest horizon within the allocator's, not averaged over the sampled horizons
-    windowed = msgspec.structs.replace(forecast, targets=[msgspec.structs.replace(t, window_mean=[m + 1.0 for m in t.mean]) for t in forecast.targets])
+    windowed = msgspec.structs.replace(
+        forecast, targets=[msgspec.structs.replace(t, window_mean=[m + 1.0 for m in t.mean]) for t in forecast.targets]
+    )
     w = from_forecast(windowed, state, horizon_s=10.0)
     assert (w.prefill_tokens_per_s, w.decode_seqs) == (301.0 + 500.0, 0.0)  # the 10 s window; a negative one counts as zero
     assert from_forecast(windowed, state, horizon_s=7.0).prefill_tokens_per_s == 201.0 + 5000 / 7.0  # the 5 s window
     assert from_forecast(windowed, state, horizon_s=10.0, quantile=0.5).prefill_tokens_per_s == 0.0 + 500.0  # quantiles: per horizon
     order = [2, 0, 3, 1]  # the same forecast with its horizons listed out of order
-    shuffled = msgspec.structs.replace(windowed, horizons_s=[windowed.horizons_s[i] for i in order], targets=[
-        msgspec.structs.replace(t, mean=[t.mean[i] for i in order], quantiles=[[q[i] for i in order] for q in t.quantiles], window_mean=[t.window_mean[i] for i in order])
-        for t in windowed.targets])  # fmt: skip
+    shuffled = msgspec.structs.replace(
+        windowed,
+        horizons_s=[windowed.horizons_s[i] for i in order],
+        targets=[
+            msgspec.structs.replace(
+                t,
+                mean=[t.mean[i] for i in order],
+                quantiles=[[q[i] for i in order] for q in t.quantiles],
+                window_mean=[t.window_mean[i] for i in order],
+            )
+            for t in windowed.targets
+        ],
+    )
     assert from_forecast(shuffled, state, horizon_s=10.0).prefill_tokens_per_s == 301.0 + 500.0
     assert f.decode_context_tokens == 3000.0  # the decoding sequences' context
     # nothing decodes now (a step's start): the next decodes start at the live trajectories' KV,
@@ -181,10 +204,21 @@ def test_demand_from_queues_and_from_a_forecast():
 
 def _status(engine_id: str, role: Role, waiting_tokens: int, switching: bool = False, running_decode: int = 0) -> EngineStatus:
     return EngineStatus(
-        engine_id=engine_id, at_s=0.0, role=role, epoch=0, policy_version=0, backend="emulated",
-        waiting_prefill=0, running_decode=running_decode, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0,
-        busy_fraction=0.0, waiting_prefill_tokens=waiting_tokens, switching=switching,
-    )  # fmt: skip
+        engine_id=engine_id,
+        at_s=0.0,
+        role=role,
+        epoch=0,
+        policy_version=0,
+        backend="emulated",
+        waiting_prefill=0,
+        running_decode=running_decode,
+        kv_used_tokens=0,
+        kv_capacity_tokens=1,
+        held_kv_handles=0,
+        busy_fraction=0.0,
+        waiting_prefill_tokens=waiting_tokens,
+        switching=switching,
+    )
 
 
 def test_router_spreads_new_trajectories_before_any_heartbeat():
@@ -276,7 +310,9 @@ def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():
     from actors.allocator.loads import colocated_load
 
     def cap_for(dp_sync: str):
-        return CapacityModel(EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync=dp_sync), 2.0).at(4096)
+        return CapacityModel(
+            EngineSection(count=8, preset="h200-qwen3-30b-a3b", layout=LayoutSection(dp=4, ep=4), dp_sync=dp_sync), 2.0
+        ).at(4096)
 
     sglang, vllm, ideal = cap_for("sglang"), cap_for("vllm"), cap_for("ideal")
     assert (sglang.colocated_lockstep_ranks, vllm.colocated_lockstep_ranks, ideal.colocated_lockstep_ranks) == (4, 1, 1)
@@ -314,7 +350,10 @@ def test_colocated_load_counts_the_live_histories_not_the_finished_trajectories_
     live = replace(tail, live_context_tokens=200_000.0)
     assert colocated_load(live, cap, 0.8, 8) < 0.2 * unknown  # the cached prefixes of finished trajectories are no load
     busy = replace(tail, live_context_tokens=0.7 * 8 * cap.colocated_kv_tokens)
-    assert abs(colocated_load(busy, cap, 0.8, 8) - colocated_load(replace(tail, kv_working_set_tokens=busy.live_context_tokens), cap, 0.8, 8)) < 1e-9
+    assert (
+        abs(colocated_load(busy, cap, 0.8, 8) - colocated_load(replace(tail, kv_working_set_tokens=busy.live_context_tokens), cap, 0.8, 8))
+        < 1e-9
+    )
     # between sync steps a forecast says none is live: that 0 is known, not missing, and the
     # warm pools hold only finished trajectories' prefixes (no load, nothing a split relocates)
     between_steps = replace(tail, decode_seqs=0.0, live_known=True)
@@ -383,7 +422,9 @@ def test_with_write_back_a_split_decode_side_holds_only_what_it_decodes():
     no_writeback = msgspec.structs.replace(ENGINES, kv_writeback="none")
     cap_none = CapacityModel(no_writeback, 2.0).at(4096)
     kept = stage_loads(warm, cap_none, 0.8)[1]  # without write-back the decode engines keep them
-    assert abs(kept - warm.kv_working_set_tokens / (0.9 * cap_none.decode_kv_tokens)) < 1e-9 and kept > stage_loads(demand, cap_none, 0.8)[1]
+    assert (
+        abs(kept - warm.kv_working_set_tokens / (0.9 * cap_none.decode_kv_tokens)) < 1e-9 and kept > stage_loads(demand, cap_none, 0.8)[1]
+    )
 
 
 def test_a_split_pays_for_recomputing_the_kv_its_decode_engines_hold():
@@ -432,13 +473,20 @@ def test_an_arrangements_prefill_work_per_new_token_leaves_out_the_backlog():
     recomputes 20 tokens per new one, and keep the fleet off every split after)."""
     fleet_now = fleet([P] * 3 + [D] * 5, now_s=100.0, role_since_s=[0.0] * 8, waiting_prefill_tokens=[400_000] + [0] * 7)
     forecast = DemandForecast(
-        forecaster_id="f", model="lifecycle", tick=1, as_of_s=100.0, computed_at_s=100.0, bin_s=1.0,
-        horizons_s=[10.0], live_trajectories=10, events_total=100,
+        forecaster_id="f",
+        model="lifecycle",
+        tick=1,
+        as_of_s=100.0,
+        computed_at_s=100.0,
+        bin_s=1.0,
+        horizons_s=[10.0],
+        live_trajectories=10,
+        events_total=100,
         targets=[
             TargetForecast(target=target, mean=[mean], quantile_levels=[0.5], quantiles=[[mean]])
             for target, mean in (("prefill_miss_tokens", 3000.0), ("prefill_new_tokens", 1000.0), ("decode_active_seqs", 100.0))
         ],
-    )  # fmt: skip
+    )
     demand = from_forecast(forecast, fleet_now, 10.0)
     assert demand.prefill_backlog_tokens_per_s == 40_000.0 and demand.prefill_tokens_per_s == 43_000.0
     assert demand.prefill_flow_tokens_per_s == 3000.0

@@ -64,12 +64,25 @@ def _target(name: str, mean: list[float]) -> TargetForecast:
 def test_a_forecast_states_its_costs_and_the_demand_reads_the_attention_context_from_them():
     fleet = _fleet(100.0)
     miss, engine_s = 2_000.0, COST.engine_s(500.0, 10_000.0) + COST.engine_s(1_500.0, 2_000.0)
-    targets = [_target("prefill_miss_tokens", [miss, miss]), _target("prefill_new_tokens", [100.0, 100.0]), _target("decode_active_seqs", [10.0, 10.0])]
+    targets = [
+        _target("prefill_miss_tokens", [miss, miss]),
+        _target("prefill_new_tokens", [100.0, 100.0]),
+        _target("decode_active_seqs", [10.0, 10.0]),
+    ]
     forecast = DemandForecast(
-        forecaster_id="f", model="lifecycle", tick=1, as_of_s=99.0, computed_at_s=99.5, bin_s=1.0, horizons_s=[1.0, 5.0],
-        live_trajectories=3, events_total=10, targets=[*targets, _target("prefill_engine_s", [engine_s, engine_s])],
-        prefill_cost_per_token_s=COST.per_token_s, prefill_cost_per_token_pair_s=COST.per_token_pair_s,
-    )  # fmt: skip
+        forecaster_id="f",
+        model="lifecycle",
+        tick=1,
+        as_of_s=99.0,
+        computed_at_s=99.5,
+        bin_s=1.0,
+        horizons_s=[1.0, 5.0],
+        live_trajectories=3,
+        events_total=10,
+        targets=[*targets, _target("prefill_engine_s", [engine_s, engine_s])],
+        prefill_cost_per_token_s=COST.per_token_s,
+        prefill_cost_per_token_pair_s=COST.per_token_pair_s,
+    )
     assert abs(from_forecast(forecast, fleet, 10.0).prefill_attention_tokens - (500 * 10_250 + 1_500 * 2_750) / 2_000) < 1e-6
     unstated = msgspec.structs.replace(forecast, prefill_cost_per_token_s=0.0, prefill_cost_per_token_pair_s=0.0)
     assert from_forecast(unstated, fleet, 10.0).prefill_attention_tokens == 0.0  # no costs stated: the reference
@@ -86,12 +99,19 @@ def test_the_oracle_reads_the_attention_context_from_the_log():
     events = events_frame(
         [
             LifecycleEvent(
-                event_id=f"x{i}", kind=K.PREFILL_DONE, at_s=at_s, actor_id="e0", trajectory_id=traj, engine_id="e0",
-                context_tokens=context, cached_prefix_tokens=cached, new_tokens=new,
+                event_id=f"x{i}",
+                kind=K.PREFILL_DONE,
+                at_s=at_s,
+                actor_id="e0",
+                trajectory_id=traj,
+                engine_id="e0",
+                context_tokens=context,
+                cached_prefix_tokens=cached,
+                new_tokens=new,
             )
             for i, (_, at_s, traj, context, cached, new) in enumerate(rows)
         ]
-    )  # fmt: skip
+    )
     recorded = RecordedDemand(events, COST)
     assert abs(recorded.at(_fleet(0.0), 1.0).prefill_attention_tokens - (500 * 10_250 + 1_500 * 2_750) / 2_000) < 1e-6
     # the window from 2 s holds the third prefill: 10,000 tokens recomputed from a 30,000 prefix, and 1,000 new

@@ -76,7 +76,9 @@ def test_saturated_needs_a_working_set_past_the_fleets_kv_and_queueing_admission
     assert not saturated(1.2 * fleet_kv, greedy, 4)  # admitted and preempted: the KV-fit rules hold
 
 
-def _ticks(meter: RatioMeter, start: tuple[int, int, int], per_tick: tuple[int, int, int], ticks: int, at: int | None) -> tuple[int, int, int]:
+def _ticks(
+    meter: RatioMeter, start: tuple[int, int, int], per_tick: tuple[int, int, int], ticks: int, at: int | None
+) -> tuple[int, int, int]:
     """`ticks` observations of the same per-tick counts, from the cumulative `start`."""
     totals = start
     for _ in range(ticks):
@@ -110,7 +112,9 @@ def test_the_ratio_meter_reads_the_arrangement_of_now_over_a_window_and_keeps_th
 def _fleet(roles: list[Role], now_s: float, prefilled: int, decoded: int, held_tokens: int) -> Fleet:
     n = len(roles)
     engines = tuple(
-        EngineState(f"e{i}", role, kv_held_tokens=held_tokens // n, prefilled_tokens_total=prefilled // n, decoded_tokens_total=decoded // n)
+        EngineState(
+            f"e{i}", role, kv_held_tokens=held_tokens // n, prefilled_tokens_total=prefilled // n, decoded_tokens_total=decoded // n
+        )
         for i, role in enumerate(roles)
     )
     return Fleet(now_s, engines, new_tokens_total=decoded // 2)  # half a new token per decode token
@@ -248,7 +252,9 @@ def test_an_arrangement_that_keeps_fewer_live_histories_is_rated_at_the_recomput
     q, per_decode = 2.0, 24.0  # 24 history tokens per decode token: 20k-token histories, 830 decode tokens a turn
     assert arrangement_ratio(q, 0.5, cap, 8, 0, 0, live, 0.0, per_decode) == q  # what was measured
     assert abs(arrangement_ratio(q, 0.5, cap, 8, 2, 0, live, 0.0, per_decode) - (q + 0.75 * per_decode)) < 1e-9
-    assert q < arrangement_ratio(q, 0.5, cap, 8, 4, 0, live, 0.0, per_decode) < arrangement_ratio(q, 0.5, cap, 8, 2, 0, live, 0.0, per_decode)
+    assert (
+        q < arrangement_ratio(q, 0.5, cap, 8, 4, 0, live, 0.0, per_decode) < arrangement_ratio(q, 0.5, cap, 8, 2, 0, live, 0.0, per_decode)
+    )
     # read in 2:6 (its misses in the reading, with whatever it relocated), colocation is rated
     # at that reading, not credited for the histories it would keep
     assert arrangement_ratio(20.0, 0.5, cap, 8, 0, 2, live, 0.0, per_decode) == 20.0
@@ -268,7 +274,9 @@ def test_an_arrangement_that_keeps_fewer_live_histories_is_rated_at_the_recomput
     kept_3_5 = (1 - miss_coloc) * thrashing * 3 / 8
     expected = 20.5 + (1 - kept_3_5 / thrashing - miss_coloc) * per_decode
     assert abs(arrangement_ratio(20.5, 0.5, cap, 8, 3, 0, thrashing, 0.0, per_decode) - expected) < 1e-9
-    unscaled = (history_miss_share(thrashing, history_pools_tokens(cap, 8, 3)) - history_miss_share(thrashing, history_pools_tokens(cap, 8, 0))) * per_decode
+    unscaled = (
+        history_miss_share(thrashing, history_pools_tokens(cap, 8, 3)) - history_miss_share(thrashing, history_pools_tokens(cap, 8, 0))
+    ) * per_decode
     assert 0 < expected - 20.5 < 3.0 < unscaled  # 2.5 where the pools as sized would add 7.5
 
 
@@ -282,9 +290,16 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
     decode) and falls below colocation; without them, one q for all, as before."""
     engines = moe_dp4()
     demand = Demand(
-        50_979.0, 1_474.0, 20_185.0, "test", remote_share=0.65, kv_working_set_tokens=35.7e6,
-        prefill_new_tokens_per_s=20_657.0, live_trajectories=1_645.0, live_context_tokens=31.9e6,
-    )  # fmt: skip
+        50_979.0,
+        1_474.0,
+        20_185.0,
+        "test",
+        remote_share=0.65,
+        kv_working_set_tokens=35.7e6,
+        prefill_new_tokens_per_s=20_657.0,
+        live_trajectories=1_645.0,
+        live_context_tokens=31.9e6,
+    )
     cap = CapacityModel(engines, 2.0).at(demand.decode_context_tokens)
 
     def ratings(turns_counted: bool) -> list[float]:

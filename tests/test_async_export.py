@@ -23,17 +23,38 @@ from tests.conftest import write_tiny_config
 
 def finished(trajectory_id: str) -> FinishedTrajectory:
     return FinishedTrajectory(
-        trajectory_id=trajectory_id, task_id=trajectory_id.split("-")[0], task_family="math", env_id="env0", step=0,
-        policy_versions=[0], turns=1, reward=1.0, prompt_tokens=1, generated_tokens=1, observation_tokens=0,
-        started_at_s=0.0, finished_at_s=1.0,
-    )  # fmt: skip
+        trajectory_id=trajectory_id,
+        task_id=trajectory_id.split("-")[0],
+        task_family="math",
+        env_id="env0",
+        step=0,
+        policy_versions=[0],
+        turns=1,
+        reward=1.0,
+        prompt_tokens=1,
+        generated_tokens=1,
+        observation_tokens=0,
+        started_at_s=0.0,
+        finished_at_s=1.0,
+    )
 
 
 def report(step: int, ids: list[str], staleness: list[int], dropped: int = 0, masked: int = 0) -> StepReport:
     return StepReport(
-        step=step, policy_version=step, started_at_s=10.0 * step, rollout_done_at_s=10.0 * step + 9, rollout_s=9.0, train_s=1.0,
-        trajectories=len(ids), mean_reward=1.0, mode="async", staleness=staleness, dropped=dropped, masked_turns=masked, trajectory_ids=ids,
-    )  # fmt: skip
+        step=step,
+        policy_version=step,
+        started_at_s=10.0 * step,
+        rollout_done_at_s=10.0 * step + 9,
+        rollout_s=9.0,
+        train_s=1.0,
+        trajectories=len(ids),
+        mean_reward=1.0,
+        mode="async",
+        staleness=staleness,
+        dropped=dropped,
+        masked_turns=masked,
+        trajectory_ids=ids,
+    )
 
 
 def test_summary_expects_the_replacements_of_dropped_groups_and_copies_the_batch_fields():
@@ -69,10 +90,19 @@ def test_the_completeness_check_accepts_interrupted_turns_and_dropped_trajectori
         return LifecycleEvent(event_id=f"{kind}-{turn}", kind=kind, at_s=0.0, actor_id="x", trajectory_id="t", turn=turn, **kw)
 
     turn = ["prefill_queued", "prefill_started", "prefill_done", "decode_started", "decode_done"]
-    events = [ev("started", 0), *(ev(k, 0) for k in turn), ev("turn_interrupted", 0, detail="policy 0 -> 1"), ev("tool_started", 0), ev("tool_done", 0)]
+    events = [
+        ev("started", 0),
+        *(ev(k, 0) for k in turn),
+        ev("turn_interrupted", 0, detail="policy 0 -> 1"),
+        ev("tool_started", 0),
+        ev("tool_done", 0),
+    ]
     events += [*(ev(k, 1) for k in turn), ev("finished", 1), ev("trajectory_dropped", -1, detail="too stale")]
     assert incomplete_trajectories(events_frame(events), {"t"}, disaggregated=False) == {}
-    assert incomplete_trajectories(events_frame(events[:-3]), {"t"}, disaggregated=False)["t"] == ["finished", "turn 1: decode_done"]  # it still finds gaps
+    assert incomplete_trajectories(events_frame(events[:-3]), {"t"}, disaggregated=False)["t"] == [
+        "finished",
+        "turn 1: decode_done",
+    ]  # it still finds gaps
 
 
 def test_the_completeness_check_judges_a_turn_on_its_last_attempt():
@@ -87,12 +117,23 @@ def test_the_completeness_check_judges_a_turn_on_its_last_attempt():
     abandoned = [ev("started"), ev("prefill_queued"), ev("prefill_started"), ev("prefill_done"), ev("decode_queued"), ev("reprefill", 1)]
     colocated = [ev("prefill_started", 1), ev("prefill_done", 1), ev("decode_started", 1), ev("decode_done", 1), ev("finished")]
     assert incomplete_trajectories(events_frame(abandoned + colocated), {"t"}, disaggregated=None) == {}
-    crossed = [ev("prefill_started", 1), ev("prefill_done", 1), ev("decode_queued", 1), ev("decode_started", 1), ev("decode_done", 1), ev("finished")]
+    crossed = [
+        ev("prefill_started", 1),
+        ev("prefill_done", 1),
+        ev("decode_queued", 1),
+        ev("decode_started", 1),
+        ev("decode_done", 1),
+        ev("finished"),
+    ]
     assert incomplete_trajectories(events_frame(abandoned + crossed), {"t"}, disaggregated=None)["t"] == ["turn 0: kv_transfer_done"]
-    assert incomplete_trajectories(events_frame(abandoned + colocated[:-2] + colocated[-1:]), {"t"}, disaggregated=None)["t"] == ["turn 0: decode_done"]
+    assert incomplete_trajectories(events_frame(abandoned + colocated[:-2] + colocated[-1:]), {"t"}, disaggregated=None)["t"] == [
+        "turn 0: decode_done"
+    ]
 
 
-def async_run(tmp_path: Path, name: str, policy: str, eta: int, inflight: str = "interrupt", seed: int = 0, fleet: str = "colocated") -> Path:
+def async_run(
+    tmp_path: Path, name: str, policy: str, eta: int, inflight: str = "interrupt", seed: int = 0, fleet: str = "colocated"
+) -> Path:
     """The tiny config in async mode, 4 batches, in virtual time (runners.simulate): its folder."""
     path = write_tiny_config(tmp_path / f"{name}.toml", policy=fleet, steps=4)
     text = path.read_text().replace("seed = 3", f"seed = {seed}").replace("[run]\n", '[run]\nmode = "async"\n')

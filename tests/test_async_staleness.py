@@ -29,10 +29,20 @@ POLICIES = ("hold", "drop", "partial")
 
 def finished(trajectory_id: str, task_id: str, versions: list[int]) -> FinishedTrajectory:
     return FinishedTrajectory(
-        trajectory_id=trajectory_id, task_id=task_id, task_family="math", env_id="env0", step=0, policy_versions=versions,
-        turns=len(versions), reward=0.0, prompt_tokens=1, generated_tokens=1, observation_tokens=0, started_at_s=0.0,
+        trajectory_id=trajectory_id,
+        task_id=task_id,
+        task_family="math",
+        env_id="env0",
+        step=0,
+        policy_versions=versions,
+        turns=len(versions),
+        reward=0.0,
+        prompt_tokens=1,
+        generated_tokens=1,
+        observation_tokens=0,
+        started_at_s=0.0,
         finished_at_s=0.0,
-    )  # fmt: skip
+    )
 
 
 def check_batch(batch, eta: int, policy: str) -> None:
@@ -104,8 +114,8 @@ def test_hold_starts_a_group_only_if_a_batch_within_the_bound_has_room():
 def run_async(tmp_path: Path, name: str, policy: str, eta: int, seed: int, train_s: float, inflight: str):
     """One async run of the tiny config in virtual time; returns the trainer."""
     path = write_tiny_config(tmp_path / f"{name}.toml", steps=4)
-    text = path.read_text().replace("seed = 3", f"seed = {seed}").replace('[run]\n', '[run]\nmode = "async"\n')
-    text = text.replace("train_s = 2.0", f"train_s = {train_s}\nmax_staleness = {eta}\nstale_policy = \"{policy}\"")
+    text = path.read_text().replace("seed = 3", f"seed = {seed}").replace("[run]\n", '[run]\nmode = "async"\n')
+    text = text.replace("train_s = 2.0", f'train_s = {train_s}\nmax_staleness = {eta}\nstale_policy = "{policy}"')
     text = text.replace("[engines]\n", f'[engines]\ninflight_on_update = "{inflight}"\n')
     path.write_text(text)
     config = load_config(path)

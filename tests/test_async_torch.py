@@ -12,15 +12,15 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from actors.config import ModelSection  # noqa: E402
-from actors.engine.torch.actor import TorchEngineActor  # noqa: E402
-from actors.engine.torch.model import ByteTokenizer, build_tiny, checksum, load_model, split_chunks, weights_to_bytes  # noqa: E402
-from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
-from bus_schemas import subjects  # noqa: E402
-from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.control import CommandAck, LoadPolicy, Role  # noqa: E402
-from tests.actor_helpers import TurnWatch  # noqa: E402
-from tests.torch_helpers import clock, prompt_ids, real_work, torch_config  # noqa: E402
+from actors.config import ModelSection
+from actors.engine.torch.actor import TorchEngineActor
+from actors.engine.torch.model import ByteTokenizer, build_tiny, checksum, load_model, split_chunks, weights_to_bytes
+from actors.trainer.torch_trainer import TorchTrainerActor
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import CommandAck, LoadPolicy, Role
+from tests.actor_helpers import TurnWatch
+from tests.torch_helpers import clock, prompt_ids, real_work, torch_config
 
 pytestmark = pytest.mark.bus
 
@@ -74,14 +74,14 @@ def engine_pair(config, bus, checkpoint) -> tuple[TorchEngineActor, TorchEngineA
     return tuple(
         TorchEngineActor(e, config, bus, clock(), role, lm=load_model(checkpoint), tokenizer=ByteTokenizer())
         for e, role in (("e0", Role.PREFILL), ("e1", Role.DECODE))
-    )  # fmt: skip
+    )
 
 
 async def load_version_one(bus) -> list:
     """Ask both engines to take version 1; their replies."""
-    return list(await asyncio.gather(*(
-        bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
-    )))  # fmt: skip
+    return list(
+        await asyncio.gather(*(bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")))
+    )
 
 
 async def stop(engines, runs) -> None:
@@ -100,7 +100,9 @@ async def test_every_turn_reports_the_version_whose_weights_produced_it(bus, tmp
     got, all_in, decoding = watch.got, watch.all_in, watch.decoding
     prefill, decode_ = engine_pair(config, bus, checkpoint)
     runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
-    prompts = {f"old{i}": prompt_ids(i, 20 + 7 * i) for i in range(TURNS)} | {f"new{i}": prompt_ids(100 + i, 15 + 5 * i) for i in range(TURNS)}
+    prompts = {f"old{i}": prompt_ids(i, 20 + 7 * i) for i in range(TURNS)} | {
+        f"new{i}": prompt_ids(100 + i, 15 + 5 * i) for i in range(TURNS)
+    }
     js = bus.jetstream()
     try:
         await asyncio.wait_for(asyncio.gather(prefill.ready.wait(), decode_.ready.wait()), timeout=30)

@@ -43,7 +43,10 @@ def test_partial_moves_remaining_turns_to_new_weights_with_the_history_intact(tm
     events = pl.read_parquet(out / "events.parquet")
     prefills = events.filter(pl.col("kind") == "prefill_started").sort("at_s").unique(["trajectory_id", "turn"], keep="last")
     decodes = events.filter(pl.col("kind") == "decode_done").unique(["trajectory_id", "turn"], keep="last")
-    turns = prefills.join(decodes.select("trajectory_id", "turn", pl.col("policy_version").alias("version"), pl.col("generated_tokens").alias("generated")), on=["trajectory_id", "turn"])
+    turns = prefills.join(
+        decodes.select("trajectory_id", "turn", pl.col("policy_version").alias("version"), pl.col("generated_tokens").alias("generated")),
+        on=["trajectory_id", "turn"],
+    )
     spanning = 0
     for (trajectory,), rows in turns.sort("turn").group_by(["trajectory_id"]):
         versions = rows["version"].to_list()

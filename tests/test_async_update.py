@@ -47,9 +47,7 @@ async def test_an_update_mid_decode_loses_no_turn_and_never_serves_old_kv(bus, t
     runs = [asyncio.create_task(prefill.run()), asyncio.create_task(decode_.run())]
     try:
         await asyncio.wait_for(decoding.wait(), timeout=30)
-        acks = await asyncio.gather(*(
-            bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")
-        ))  # fmt: skip
+        acks = await asyncio.gather(*(bus.request(subjects.ctl_policy(e), encode(LoadPolicy(version=1)), timeout=30) for e in ("e0", "e1")))
         assert all(decode(CommandAck, a.data).ok and decode(CommandAck, a.data).policy_version == 1 for a in acks)
         for i in range(TURNS):  # asked for version 0 after the update: run on 1
             await js.publish(subjects.work_prefill(), encode(work(f"new{i}-{inflight}", context=0, new=600, out=OUT)))
@@ -60,7 +58,10 @@ async def test_an_update_mid_decode_loses_no_turn_and_never_serves_old_kv(bus, t
             engine.request_stop("test over")
         await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
     # no turn lost: every turn answered once, with all its tokens
-    old, new = [f"old{i}-{inflight}" for i in range(TURNS)], [f"new{i}-{inflight}" for i in range(TURNS)]  # ids unique per test: streams deduplicate them
+    old, new = (
+        [f"old{i}-{inflight}" for i in range(TURNS)],
+        [f"new{i}-{inflight}" for i in range(TURNS)],
+    )  # ids unique per test: streams deduplicate them
     assert sorted(got) == sorted(old + new)
     assert all(r.output_tokens == OUT for r in got.values())
     assert all(got[t].policy_version == 1 for t in new)
@@ -69,9 +70,17 @@ async def test_an_update_mid_decode_loses_no_turn_and_never_serves_old_kv(bus, t
     # never old KV on an engine that holds the new version: every prefill, KV transfer and decode
     # there after the load ran on version 1
     for e in log:
-        if e.engine_id in loaded_at and e.at_s > loaded_at[e.engine_id] and e.kind in (
-            EventKind.PREFILL_STARTED, EventKind.KV_TRANSFER_DONE, EventKind.DECODE_STARTED, EventKind.DECODE_DONE,
-        ):  # fmt: skip
+        if (
+            e.engine_id in loaded_at
+            and e.at_s > loaded_at[e.engine_id]
+            and e.kind
+            in (
+                EventKind.PREFILL_STARTED,
+                EventKind.KV_TRANSFER_DONE,
+                EventKind.DECODE_STARTED,
+                EventKind.DECODE_DONE,
+            )
+        ):
             assert e.policy_version == 1, e
     for engine in (prefill, decode_):
         assert not engine.core.prefixes.entries_below(1)  # no prefix of version 0 stays cached

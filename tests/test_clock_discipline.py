@@ -68,7 +68,9 @@ def violations(source: str, rel: str) -> list[str]:
             dotted = _dotted(node)
             if isinstance(node.value, ast.Name) and node.value.id in time_aliases and node.attr in WALL_FUNCS:
                 found.append(f"{rel}:{node.lineno}: {dotted}")
-            elif node.attr == "time_scale" and isinstance(node.value, ast.Attribute) and node.value.attr == "run" and rel not in SCALE_OWNERS:
+            elif (
+                node.attr == "time_scale" and isinstance(node.value, ast.Attribute) and node.value.attr == "run" and rel not in SCALE_OWNERS
+            ):
                 found.append(f"{rel}:{node.lineno}: {dotted} (the scale comes from clock.time_scale)")
         if not isinstance(node, ast.Call):
             continue
@@ -79,13 +81,16 @@ def violations(source: str, rel: str) -> list[str]:
         if is_sleep:
             arg = node.args[0] if node.args else None
             if not (isinstance(arg, ast.Constant) and arg.value == 0):
-                found.append(f"{rel}:{node.lineno}: asyncio.sleep({ast.unparse(arg) if arg else ''})")  # barrier-ok: names the call in a message
+                found.append(
+                    f"{rel}:{node.lineno}: asyncio.sleep({ast.unparse(arg) if arg else ''})"
+                )  # barrier-ok: names the call in a message
         elif isinstance(func, ast.Name) and func.id in wall_names:
             found.append(f"{rel}:{node.lineno}: {func.id}()")
         elif isinstance(func, ast.Attribute) and func.attr == "time" and not node.args:
             owner = func.value
             if (isinstance(owner, ast.Name) and owner.id == "loop") or (
-                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Attribute | ast.Name)
+                isinstance(owner, ast.Call)
+                and isinstance(owner.func, ast.Attribute | ast.Name)
                 and getattr(owner.func, "attr", getattr(owner.func, "id", "")) in LOOP_GETTERS
             ):
                 found.append(f"{rel}:{node.lineno}: {_dotted(func)}() (the loop's time)")

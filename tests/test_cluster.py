@@ -132,8 +132,11 @@ async def test_work_is_consumed_exactly_once_through_the_loss_of_the_stream_lead
 def test_the_cluster_command_prints_its_urls_and_stops_on_sigterm(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ops.cluster", "--servers", "3", "--out", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         try:  # three servers' pids, then the seed url
             lines = read_until(proc, lambda seen: len(seen) == 4, 2 * DEADLINE_WALL_S)

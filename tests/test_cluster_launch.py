@@ -57,10 +57,26 @@ def test_a_host_waiting_for_its_run_stops_on_sigterm_without_starting_actors(tmp
     config = write_tiny_config(tmp_path / "tiny.toml")
     config.write_text(config.read_text().replace('name = "tiny"', 'name = "never-started"'))  # the session server may hold a "tiny"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ops.launch", str(config), "--out", str(tmp_path / "run"), "--nats-url", nats_server.url,
-         "--only", "engines", "--only", "environments"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ops.launch",
+            str(config),
+            "--out",
+            str(tmp_path / "run"),
+            "--nats-url",
+            nats_server.url,
+            "--only",
+            "engines",
+            "--only",
+            "environments",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     try:
         (line,) = read_until(proc, lambda seen: True, 60.0)
         assert line.startswith("waiting for run 'never-started'"), line

@@ -35,7 +35,7 @@ def test_unknown_section_is_an_error(tmp_path: Path):
 @pytest.mark.parametrize(
     "old, new, says",
     [
-        ('mix = { swe = 0.5, math = 0.5 }', 'mix = { swe = 0.5, maths = 0.5 }', "maths"),
+        ("mix = { swe = 0.5, math = 0.5 }", "mix = { swe = 0.5, maths = 0.5 }", "maths"),
         ("count = 2\nprefill", "count = 0\nprefill", "engines.count"),
         ("time_scale = 50.0", "time_scale = -1.0", "time_scale"),
         ("time_scale = 50.0", 'time_scale = "fast"', "time_scale"),
@@ -105,11 +105,14 @@ def test_launcher_rejects_a_typo_before_starting_anything(tmp_path: Path):
 
 def test_workload_phases_shift_the_mix(tmp_path: Path):
     path = write_tiny_config(tmp_path / "c.toml")
-    path.write_text(path.read_text() + """
+    path.write_text(
+        path.read_text()
+        + """
 [[workload.phases]]
 from_step = 2
 mix = { search = 1.0 }
-""")
+"""
+    )
     workload = load_config(path).workload
     assert workload.mix_at(0) == workload.mix_at(1) == {"swe": 0.5, "math": 0.5}
     assert workload.mix_at(2) == workload.mix_at(9) == {"search": 1.0}
@@ -120,7 +123,7 @@ mix = { search = 1.0 }
 
 def test_heartbeats_default_to_one_per_model_second(tmp_path: Path):
     path = tmp_path / "c.toml"
-    path.write_text('[run]\ntime_scale = 20.0\n')
+    path.write_text("[run]\ntime_scale = 20.0\n")
     assert load_config(path).run.heartbeat_wall_s == pytest.approx(0.05)
-    path.write_text('[run]\ntime_scale = 20.0\nheartbeat_wall_s = 0.5\n')
+    path.write_text("[run]\ntime_scale = 20.0\nheartbeat_wall_s = 0.5\n")
     assert load_config(path).run.heartbeat_wall_s == 0.5

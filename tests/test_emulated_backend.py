@@ -9,8 +9,8 @@ import pytest
 
 from actors.base.flag import Flag
 from actors.base.virtual import LoopClock, VirtualTimeLoop
-from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.core import Batch
+from actors.engine.emulated.backend import EmulatedBackend
 
 
 def run_step(batch: Batch, interrupt_at_s: float | None) -> tuple[float, float]:

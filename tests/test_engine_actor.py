@@ -72,7 +72,9 @@ async def test_commands_epochs_and_a_malformed_command(bus, tiny_config):
         # each command family on its own subject: the other's is refused, counted, and changes nothing
         crossed = decode(CommandAck, (await bus.request(subjects.ctl_engine("e0"), encode(LoadPolicy(version=3)), timeout=5)).data)
         assert not crossed.ok and "ctl.policy" in crossed.error and crossed.policy_version == 2
-        crossed = decode(CommandAck, (await bus.request(subjects.ctl_policy("e0"), encode(SetRole(role=Role.PREFILL, epoch=2)), timeout=5)).data)
+        crossed = decode(
+            CommandAck, (await bus.request(subjects.ctl_policy("e0"), encode(SetRole(role=Role.PREFILL, epoch=2)), timeout=5)).data
+        )
         assert not crossed.ok and "ctl.engine" in crossed.error and crossed.role is Role.DECODE
         assert e0.counters["commands_on_wrong_subject"] == 2
     finally:

@@ -14,10 +14,18 @@ PRESET = PRESETS["h100-qwen3-8b"]
 
 def work(traj="t0", turn=0, context=0, new=1000, out=50, version=0, cap=4096) -> PrefillWork:
     return PrefillWork(
-        work_id=f"{traj}/n/t{turn}/a0", trajectory_id=traj, turn=turn, env_id="env0", task_family="swe",
-        policy_version=version, context_tokens=context, new_tokens=new, max_output_tokens=cap,
-        target_output_tokens=out, queued_at_s=0.0,
-    )  # fmt: skip
+        work_id=f"{traj}/n/t{turn}/a0",
+        trajectory_id=traj,
+        turn=turn,
+        env_id="env0",
+        task_family="swe",
+        policy_version=version,
+        context_tokens=context,
+        new_tokens=new,
+        max_output_tokens=cap,
+        target_output_tokens=out,
+        queued_at_s=0.0,
+    )
 
 
 def core(role=Role.COLOCATED, budget=2048, max_waiting=8, max_decode=16) -> EngineCore:
@@ -138,13 +146,16 @@ def test_a_full_kv_pool_preempts_the_newest_sequence_and_recomputes_it():
     assert small.kv_resident_tokens <= small.kv_capacity_tokens
     done, _ = run_to_idle(small)
     assert sorted((k, s.work.trajectory_id, s.generated) for k, s in done) == [
-        ("decode_done", "new", 200), ("decode_done", "old", 200)
+        ("decode_done", "new", 200),
+        ("decode_done", "old", 200),
     ]  # the preempted sequence was recomputed (no second prefill_done) and finished its turn
 
 
 def decode_work(traj: str, context: int, out: int) -> DecodeWork:
     w = work(traj, context=context, new=0, out=out)
-    return DecodeWork(prefill=w, kv=KvHandle(engine_id="e9", handle_id=w.work_id, tokens=context, kv_bytes=1, expires_at_s=1.0), prefilled_at_s=0.0)
+    return DecodeWork(
+        prefill=w, kv=KvHandle(engine_id="e9", handle_id=w.work_id, tokens=context, kv_bytes=1, expires_at_s=1.0), prefilled_at_s=0.0
+    )
 
 
 @pytest.mark.parametrize("capacity", [2_600, 3_300, 5_000])
@@ -208,8 +219,8 @@ def test_parked_decodes_leave_with_a_switch_and_are_recomputed_after_a_weight_up
     assert all(s.preempted and s.work.policy_version == 1 for s in c.waiting)
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @settings(max_examples=60, deadline=None)

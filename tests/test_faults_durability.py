@@ -14,7 +14,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from actors.base.clock import ScaledClock
-from actors.base.publish import ACK_TIMEOUT_WALL_S, _RETRY_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
+from actors.base.publish import _RETRY_WALL_S, ACK_TIMEOUT_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from ops.bus_guard import REASON_HEADER, DeadLetters, LifecycleFill, read_dead_letters
@@ -61,7 +61,9 @@ async def test_publish_retries_give_up_inside_the_duplicate_window_with_a_counte
     counters: Counter = Counter()
     started = time.monotonic()
     with pytest.raises(PublishFailed):  # no stream takes this subject: every try fails
-        await publish_durable(bus.jetstream(), "test.no-stream", b"x", "id-1", counters, LOG, asyncio.Event(), ScaledClock(1.0), give_up_wall_s=6.0)
+        await publish_durable(
+            bus.jetstream(), "test.no-stream", b"x", "id-1", counters, LOG, asyncio.Event(), ScaledClock(1.0), give_up_wall_s=6.0
+        )
     assert counters["publish_failures"] == 1 and counters["publish_retries"] >= 2
     assert time.monotonic() - started < 6.0  # no try started that could end past the budget
 
@@ -108,7 +110,7 @@ async def test_a_dead_lettered_turn_reruns_its_trajectory_from_the_start(bus, ti
     dead = DeadLetters(bus, LOG)
     task = TaskAssignment(
         trajectory_id="s0-k0-g0", task_id="s0-k0", task_family="math", sample_index=0, step=0, policy_version=0, seed=1, assigned_at_s=0.0
-    )  # fmt: skip
+    )
     await js.publish(subjects.train_tasks(), encode(task))
     env = build(EnvironmentActor, "env0", tiny_config, bus)
     running = asyncio.create_task(env.run())
@@ -147,7 +149,7 @@ async def test_a_rerun_of_a_trajectory_already_reported_is_not_reported_twice(bu
     await js.publish(subjects.train_finished(), b"reported before", headers={"Nats-Msg-Id": f"{env.run_tag}/s0-k0-g0"})
     task = TaskAssignment(
         trajectory_id="s0-k0-g0", task_id="s0-k0", task_family="math", sample_index=0, step=0, policy_version=0, seed=1, assigned_at_s=0.0
-    )  # fmt: skip
+    )
     await js.publish(subjects.train_tasks(), encode(task))
     running = [asyncio.create_task(a.run()) for a in (engine, env)]
     try:

@@ -43,9 +43,12 @@ def test_sigstop_an_engine_past_its_lease_then_sigcont_double_counts_nothing(tmp
         await wait_for_allocator_deciding(bus, timeout_wall_s=120)
 
     pids, output, returncode = launch_with_fault(
-        config, out, moment, freeze,
+        config,
+        out,
+        moment,
+        freeze,
         undo=lambda pids: victim and os.kill(pids[f"engine {victim[0]}"], signal.SIGCONT),
-    )  # fmt: skip
+    )
     assert returncode == 0, output
     assert_all_gone(pids)
 

@@ -89,7 +89,7 @@ def bad_payloads(schema, rng: random.Random) -> dict[str, bytes]:
         "wrong types": msgspec.msgpack.encode({k: (v if k == tag else [[1.5]]) for k, v in valid.items()}),
         "older layout": msgspec.msgpack.encode({k: v for k, v in valid.items() if k != dropped}),
     }
-    for what, data in payloads.items():
+    for _what, data in payloads.items():
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             decode(schema, data)  # the test's own check: each really is bad input
     return payloads
@@ -147,9 +147,11 @@ def test_bad_input_on_every_subject_is_rejected_counted_and_nothing_stops(tmp_pa
     config.write_text(config.read_text() + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
     pids, output, returncode = launch_with_fault(
-        config, out, every_actor_serving,
+        config,
+        out,
+        every_actor_serving,
         lambda pids: asyncio.run(vandalize(out, random.Random(16))),
-    )  # fmt: skip
+    )
     assert returncode == 0, output
     assert_all_gone(pids)
     summary = json.loads((out / "summary.json").read_text())

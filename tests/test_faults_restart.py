@@ -90,7 +90,9 @@ def wait_for_file(path: Path, timeout_wall_s: float) -> None:
 FAST_PD_ALLOCATOR = '\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n'
 
 
-def launch_with_fault(config: Path, out: Path, moment, fault, *extra: str, timeout_wall_s: float = 240, undo=None) -> tuple[dict[str, int], str, int]:
+def launch_with_fault(
+    config: Path, out: Path, moment, fault, *extra: str, timeout_wall_s: float = 240, undo=None
+) -> tuple[dict[str, int], str, int]:
     """Launch a run, wait for `moment(bus_file)` (a coroutine), inject `fault(pids)`, and let
     the run finish: (pids, the launcher's output, its exit code). The launcher is killed if
     it is still running when this returns; `undo(pids)` runs first then (a SIGSTOP's SIGCONT)."""
@@ -126,9 +128,13 @@ def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, ki
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
     pids, output, returncode = launch_with_fault(
-        config, out, lambda bus: wait_for_event(bus, moment, victim, step, timeout_wall_s=60),
-        lambda pids: os.kill(pids[f"{kind} {victim}"], signal.SIGKILL), "--policy", "static-1:1",
-    )  # fmt: skip
+        config,
+        out,
+        lambda bus: wait_for_event(bus, moment, victim, step, timeout_wall_s=60),
+        lambda pids: os.kill(pids[f"{kind} {victim}"], signal.SIGKILL),
+        "--policy",
+        "static-1:1",
+    )
     assert returncode == 0, output
     assert f"{kind} {victim} died with exit code -9" in output and f"restarted {kind} {victim} pid" in output
     assert_all_gone(pids)
@@ -163,9 +169,13 @@ def test_kill_9_the_nats_server_mid_run_restarts_it_on_its_store_and_loses_nothi
     config = write_tiny_config(tmp_path / "tiny.toml", steps=STEPS, time_scale=10.0, ack_wait=2.0)
     out = tmp_path / "run"
     _, output, returncode = launch_with_fault(
-        config, out, lambda bus: wait_for_event(bus, "decode_queued", "e0", 0, timeout_wall_s=60),  # under load
-        lambda pids: os.kill(pids["nats-server"], signal.SIGKILL), "--policy", "static-1:1",
-    )  # fmt: skip
+        config,
+        out,
+        lambda bus: wait_for_event(bus, "decode_queued", "e0", 0, timeout_wall_s=60),  # under load
+        lambda pids: os.kill(pids["nats-server"], signal.SIGKILL),
+        "--policy",
+        "static-1:1",
+    )
     assert returncode == 0, output
     assert "nats-server died with exit code -9" in output and "restarted nats-server pid" in output
     summary = json.loads((out / "summary.json").read_text())
@@ -187,15 +197,19 @@ def test_kill_9_the_allocator_mid_run_its_successor_continues_above_the_fleet_ep
     config.write_text(config.read_text() + FAST_PD_ALLOCATOR)
     out = tmp_path / "run"
     _, output, returncode = launch_with_fault(
-        config, out, lambda bus: wait_for_event(bus, "role_switched", "*", 0, timeout_wall_s=60),  # a switch carried out
+        config,
+        out,
+        lambda bus: wait_for_event(bus, "role_switched", "*", 0, timeout_wall_s=60),  # a switch carried out
         lambda pids: os.kill(pids["allocator allocator"], signal.SIGKILL),
-    )  # fmt: skip
+    )
     assert returncode == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["restarts"] == {"allocator allocator": 1}
     assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
     assert summary["trajectories_finished"] == summary["trajectories_expected"]
-    ups = [int(m) for m in re.findall(r"allocator up: policy=\S+, fleet epoch (\d+)", (out / "logs" / "allocator-allocator.log").read_text())]
+    ups = [
+        int(m) for m in re.findall(r"allocator up: policy=\S+, fleet epoch (\d+)", (out / "logs" / "allocator-allocator.log").read_text())
+    ]
     assert len(ups) == 2 and ups[0] == 0 and ups[1] >= 1  # the successor started from the fleet's epoch, not 0
     events = pl.read_parquet(out / "events.parquet")
     last_roles = events.filter(pl.col("kind") == "role_switched").group_by("engine_id").agg(pl.col("role").sort_by("at_s").last())

@@ -36,7 +36,15 @@ STEPS = 2
 ASSIGNED = {f"s{s}-k{k}-g{g}" for s in range(STEPS) for k in range(2) for g in range(2)}
 FAULTS = ["kill engine e0", "kill engine e1", "kill environment env0", "kill allocator allocator", "kill nats-server", "stop engine e1"]
 LEASE_WALL_S, ACK_WAIT_WALL_S = 1.0, 2.0
-TOTALS = {"runs": 0, "faults_injected": 0, "trajectories_checked": 0, "lost": 0, "duplicated": 0, "redeliveries_discarded": 0, "by_fault": {}}
+TOTALS = {
+    "runs": 0,
+    "faults_injected": 0,
+    "trajectories_checked": 0,
+    "lost": 0,
+    "duplicated": 0,
+    "redeliveries_discarded": 0,
+    "by_fault": {},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)

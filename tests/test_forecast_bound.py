@@ -21,7 +21,9 @@ def log() -> pl.DataFrame:
 def test_with_one_length_per_family_the_bound_is_exact(log):
     """Lengths the same for every decode: the only unknown is gone, so knowing each running
     decode's pace the bound calls every bin (its paces differ, so ends are not trivial)."""
-    fixed = log.with_columns(pl.when(pl.col("kind") == "decode_done").then(400).otherwise(pl.col("generated_tokens")).alias("generated_tokens"))
+    fixed = log.with_columns(
+        pl.when(pl.col("kind") == "decode_done").then(400).otherwise(pl.col("generated_tokens")).alias("generated_tokens")
+    )
     d = decodes(fixed)
     assert np.ptp(d.pace_s_per_token) > 0
     table = forecast_bound.score(fixed, [5.0, 10.0])
@@ -54,8 +56,12 @@ def test_a_running_decode_draws_its_length_from_the_others_longer_than_its_token
     """A decode of 1,000 tokens at 10 ms a token, 2 s in (200 tokens so far); its family's other
     lengths are 100 and 1,000. It cannot be 100 any more, and its own length is left out of the
     pool, so every draw is the other 1,000: it ends at 10 s, in the bin [10, 11)."""
-    d = Decodes(started_s=np.array([0.0, 100.0, 200.0]), done_s=np.array([10.0, 101.0, 210.0]),
-                tokens=np.array([1000.0, 100.0, 1000.0]), family=np.array(["f", "f", "f"]))  # fmt: skip
+    d = Decodes(
+        started_s=np.array([0.0, 100.0, 200.0]),
+        done_s=np.array([10.0, 101.0, 210.0]),
+        tokens=np.array([1000.0, 100.0, 1000.0]),
+        family=np.array(["f", "f", "f"]),
+    )
     assert bound_forecast(d, np.array([2.0]), 9.0)[0] == 1000.0  # bin [10, 11)
     assert bound_forecast(d, np.array([2.0]), 5.0)[0] == 0.0  # bin [6, 7): it is still running
     alone = Decodes(d.started_s[:2], d.done_s[:2], np.array([1000.0, 100.0]), d.family[:2])
@@ -83,7 +89,10 @@ def test_the_runner_prints_the_gains_beside_a_replays_models(log, tmp_path, caps
     path = tmp_path / "events.parquet"
     log.write_parquet(path)
     out = tmp_path / "replay"
-    assert replay.main([str(path), "--models", "ets", "arima", "lifecycle", "--horizons", "5", "--score", "bin", "median", "--out", str(out)]) == 0
+    assert (
+        replay.main([str(path), "--models", "ets", "arima", "lifecycle", "--horizons", "5", "--score", "bin", "median", "--out", str(out)])
+        == 0
+    )
     capsys.readouterr()
     assert forecast_bound.main([str(path), "--horizons", "5", "--accuracy", str(out / "accuracy.csv")]) == 0
     printed = capsys.readouterr().out
@@ -102,7 +111,15 @@ def test_bad_input_is_one_line_and_exit_2(log, tmp_path, capsys):
     path = tmp_path / "events.parquet"
     log.write_parquet(path)
     two = tmp_path / "two.csv"
-    rows = {"log": ["a", "b"], "score": ["bin", "bin"], "model": ["ets", "ets"], "target": ["decode_tokens"] * 2, "horizon_s": [5.0, 5.0], "points": [9, 9], "mae": [1.0, 2.0]}
+    rows = {
+        "log": ["a", "b"],
+        "score": ["bin", "bin"],
+        "model": ["ets", "ets"],
+        "target": ["decode_tokens"] * 2,
+        "horizon_s": [5.0, 5.0],
+        "points": [9, 9],
+        "mae": [1.0, 2.0],
+    }
     pl.DataFrame(rows).write_csv(two)
     assert forecast_bound.main([str(path), "--horizons", "5", "--accuracy", str(two)]) == 2
     assert "scores several logs" in capsys.readouterr().err

@@ -24,7 +24,9 @@ H = 3
 def _prediction(center: float, spread: float) -> Prediction:
     """The same forecast for every target: quantiles center ± spread (too narrow on purpose)."""
     q = np.array([[center - spread] * H, [center] * H, [center + spread] * H])
-    return Prediction({t: np.full(H, center) for t in TARGETS}, {t: q.copy() for t in TARGETS}, {t: np.full(H, center - 1) for t in TARGETS})
+    return Prediction(
+        {t: np.full(H, center) for t in TARGETS}, {t: q.copy() for t in TARGETS}, {t: np.full(H, center - 1) for t in TARGETS}
+    )
 
 
 def _ar1(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -107,15 +109,27 @@ def test_the_core_publishes_calibrated_quantiles_and_keeps_the_raw_ones():
 
 def _forecast() -> DemandForecast:
     def target(name: str, mean: float) -> TargetForecast:
-        return TargetForecast(target=name, mean=[mean, mean], quantile_levels=list(QUANTILES),
-                              quantiles=[[mean / 2] * 2, [mean] * 2, [mean * 2] * 2])  # fmt: skip
+        return TargetForecast(
+            target=name, mean=[mean, mean], quantile_levels=list(QUANTILES), quantiles=[[mean / 2] * 2, [mean] * 2, [mean * 2] * 2]
+        )
 
     return DemandForecast(
-        forecaster_id="fc", model="lifecycle", tick=1, as_of_s=10.0, computed_at_s=12.0, bin_s=1.0, horizons_s=[5.0, 10.0],
-        targets=[target("prefill_new_tokens", 1000.0), target("prefill_miss_tokens", 2000.0), target("decode_active_seqs", 40.0),
-                 target("decode_tokens", 500.0)],
-        live_trajectories=10, events_total=100,
-    )  # fmt: skip
+        forecaster_id="fc",
+        model="lifecycle",
+        tick=1,
+        as_of_s=10.0,
+        computed_at_s=12.0,
+        bin_s=1.0,
+        horizons_s=[5.0, 10.0],
+        targets=[
+            target("prefill_new_tokens", 1000.0),
+            target("prefill_miss_tokens", 2000.0),
+            target("decode_active_seqs", 40.0),
+            target("decode_tokens", 500.0),
+        ],
+        live_trajectories=10,
+        events_total=100,
+    )
 
 
 def test_the_allocator_provisions_on_the_mean_or_a_quantile():

@@ -66,7 +66,9 @@ def test_the_series_weighs_a_decode_by_its_tokens_and_the_context_it_reads():
     assert context.max() > 0
     expected = (DECODE_COST.per_token_s * generated + DECODE_COST.per_token_pair_s * generated * (context + generated / 2)).sum()
     assert sum(series.totals(binned, "decode_engine_s")) == pytest.approx(expected)
-    totals, _ = series.chunk_totals(events, 0.0, float(len(series.totals(binned, "decode_engine_s"))), 1.0, cost=COST, decode_cost=DECODE_COST)
+    totals, _ = series.chunk_totals(
+        events, 0.0, float(len(series.totals(binned, "decode_engine_s"))), 1.0, cost=COST, decode_cost=DECODE_COST
+    )
     assert np.allclose(totals["decode_engine_s"], series.totals(binned, "decode_engine_s"))  # the forecaster's per-tick path agrees
     unit = series.bin_events(events, 1.0)  # no cost model: engine-seconds count the tokens
     assert series.totals(unit, "decode_engine_s") == series.totals(unit, "decode_tokens")

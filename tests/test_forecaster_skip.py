@@ -72,7 +72,10 @@ async def test_a_forecaster_far_behind_stays_within_one_tick_of_the_clock_and_st
     # its prefill engine-seconds state what they are priced at: the prefill engines' costs
     cost = prefill_cost(config)
     assert cost.per_token_pair_s > 0
-    assert (published[-1].prefill_cost_per_token_s, published[-1].prefill_cost_per_token_pair_s) == (cost.per_token_s, cost.per_token_pair_s)
+    assert (published[-1].prefill_cost_per_token_s, published[-1].prefill_cost_per_token_pair_s) == (
+        cost.per_token_s,
+        cost.per_token_pair_s,
+    )
     # and its decode engine-seconds the decode engines'
     cost = decode_cost(config)
     assert cost.per_token_pair_s > 0

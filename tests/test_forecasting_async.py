@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from bus_schemas.lifecycle import EventKind as K
+from bus_schemas.lifecycle import LifecycleEvent
 from forecasting.live import LiveState, batch_trajectories
 from forecasting.models import History
 from forecasting.models.lifecycle import Lifecycle
 from forecasting.synthetic import synthetic_async_log, synthetic_log
-from bus_schemas.lifecycle import EventKind as K
-from bus_schemas.lifecycle import LifecycleEvent
 from ops.export import events_frame
 
 WAVE, TRAIN_S, GAP_S = 16, 10.0, 40.0

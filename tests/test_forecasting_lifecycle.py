@@ -118,7 +118,16 @@ def test_a_first_step_s_long_decodes_are_forecast_to_keep_running():
         add(EventKind.PREFILL_QUEUED, start_s, i, family, turn, new_tokens=300, context_tokens=0)
         add(EventKind.PREFILL_DONE, start_s + 0.5, i, family, turn, new_tokens=300, context_tokens=0, cached_prefix_tokens=0)
         add(EventKind.DECODE_STARTED, start_s + 0.5, i, family, turn, new_tokens=300, context_tokens=0, cached_prefix_tokens=0)
-        add(EventKind.DECODE_DONE, start_s + 0.5 + duration_s, i, family, turn, new_tokens=300, context_tokens=0, generated_tokens=int(20 * duration_s) + 1)
+        add(
+            EventKind.DECODE_DONE,
+            start_s + 0.5 + duration_s,
+            i,
+            family,
+            turn,
+            new_tokens=300,
+            context_tokens=0,
+            generated_tokens=int(20 * duration_s) + 1,
+        )
         return start_s + 0.5 + duration_s
 
     for i, duration_s in enumerate(rng.exponential(100.0, 400).tolist()):
@@ -207,10 +216,32 @@ def _burst(prefilled_at_s: list[float], decode_started_at_s: list[float | None],
     for i, (done_s, dec_s) in enumerate(zip(prefilled_at_s, decode_started_at_s)):
         base = dict(trajectory_id=f"t{i}", task_family="swe", actor_id="synthetic", step=0, policy_version=0, turn=0)
         events.append(LifecycleEvent(event_id=f"t{i}-0", kind=EventKind.STARTED, at_s=0.0, new_tokens=new_tokens, **base))
-        events.append(LifecycleEvent(event_id=f"t{i}-1", kind=EventKind.PREFILL_QUEUED, at_s=0.0, new_tokens=new_tokens, context_tokens=0, **base))
-        events.append(LifecycleEvent(event_id=f"t{i}-2", kind=EventKind.PREFILL_DONE, at_s=done_s, new_tokens=new_tokens, context_tokens=0, cached_prefix_tokens=0, **base))
+        events.append(
+            LifecycleEvent(event_id=f"t{i}-1", kind=EventKind.PREFILL_QUEUED, at_s=0.0, new_tokens=new_tokens, context_tokens=0, **base)
+        )
+        events.append(
+            LifecycleEvent(
+                event_id=f"t{i}-2",
+                kind=EventKind.PREFILL_DONE,
+                at_s=done_s,
+                new_tokens=new_tokens,
+                context_tokens=0,
+                cached_prefix_tokens=0,
+                **base,
+            )
+        )
         if dec_s is not None:
-            events.append(LifecycleEvent(event_id=f"t{i}-3", kind=EventKind.DECODE_STARTED, at_s=dec_s, new_tokens=new_tokens, context_tokens=0, cached_prefix_tokens=0, **base))
+            events.append(
+                LifecycleEvent(
+                    event_id=f"t{i}-3",
+                    kind=EventKind.DECODE_STARTED,
+                    at_s=dec_s,
+                    new_tokens=new_tokens,
+                    context_tokens=0,
+                    cached_prefix_tokens=0,
+                    **base,
+                )
+            )
     return events_frame(sorted(events, key=lambda e: (e.at_s, e.event_id)))
 
 

@@ -62,12 +62,16 @@ async def test_forecasts_published_live_equal_the_replay_of_the_exported_log(bus
     await asyncio.wait_for(running[0], timeout=30)
     await bus.flush()
 
-    core_config = CoreConfig(models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0), prefill_cost=prefill_cost(config), decode_cost=decode_cost(config))
+    core_config = CoreConfig(
+        models=("hybrid",), bin_s=1.0, horizons_s=(2.0, 6.0, 10.0), prefill_cost=prefill_cost(config), decode_cost=decode_cost(config)
+    )
     results, _ = replay(events, core_config, tick_s=2.0)
     live = {f.as_of_s: f for f in published}
     if published[-1].skipped_ticks:  # the forecaster fell a whole tick behind the clock and skipped ahead
         lost_s = clock.late_s + clock.loop_stall_s + sum(e.counters["lag_ms"] for e in engines) / 1e3  # as tests/realtime.py counts it
-        pytest.xfail(f"machine too loaded: the forecaster skipped {published[-1].skipped_ticks} ticks ({lost_s:.2f} model s lost to lateness)")
+        pytest.xfail(
+            f"machine too loaded: the forecaster skipped {published[-1].skipped_ticks} ticks ({lost_s:.2f} model s lost to lateness)"
+        )
     assert [r.as_of_s for r in results] == sorted(live)[: len(results)], "a tick was not published"
     late = published[-1].late_events
     if late:  # an event came in after its tick's watermark (10 model s = 0.5 s wall): did the machine keep up?

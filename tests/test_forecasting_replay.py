@@ -9,10 +9,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from forecasting.synthetic import synthetic_log
-from ops.export import EventLogError, load_events
 from forecasting.models import TARGETS
 from forecasting.models.base import QUANTILES
+from forecasting.synthetic import synthetic_log
+from ops.export import EventLogError, load_events
 from runners import replay
 
 
@@ -99,7 +99,9 @@ def test_a_window_is_the_mean_of_the_bins_scored_one_by_one(log_path):
         assert w.quantiles is None and w.score == "window"
         assert np.allclose(windows[("naive", target, 5.0)].forecast, bins[("naive", target, 1.0)].forecast[:n])  # last value
         assert np.allclose(windows[("moving_average", target, 1.0)].actual, bins[("moving_average", target, 1.0)].actual)
-    assert not np.allclose(windows[("moving_average", "prefill_new_tokens", 5.0)].actual, bins[("moving_average", "prefill_new_tokens", 5.0)].actual)
+    assert not np.allclose(
+        windows[("moving_average", "prefill_new_tokens", 5.0)].actual, bins[("moving_average", "prefill_new_tokens", 5.0)].actual
+    )
     with pytest.raises(ValueError, match="unknown score 'sum'"):
         replay.align(results, cfg, actual, start, "sum")
 
@@ -114,7 +116,9 @@ def test_both_scores_in_one_run(log_path, tmp_path):
     assert window.height == table.height // 2
     assert window["coverage"].is_null().all() or window["coverage"].is_nan().all()  # per-bin quantiles give no window interval
     assert table.filter(pl.col("score") == "bin")["coverage"].drop_nans().len() > 0
-    assert window.filter(pl.col("model") == "naive")["mase"].drop_nans().to_list() == pytest.approx([1.0] * window.filter(pl.col("model") == "naive")["mase"].drop_nans().len())
+    assert window.filter(pl.col("model") == "naive")["mase"].drop_nans().to_list() == pytest.approx(
+        [1.0] * window.filter(pl.col("model") == "naive")["mase"].drop_nans().len()
+    )
     gain = pl.read_csv(out / "gain.csv")
     assert set(gain["score"]) == {"bin", "window"} and set(gain["model"]) == {"lifecycle"}
 

@@ -18,27 +18,29 @@ def ev(i: int, kind: K, at_s: float, traj: str = "", family: str = "", **fields)
 def hand_built_log() -> pl.DataFrame:
     """a (swe): two turns, a tool call between; b (math): one long turn. Bins of 1 s."""
     a, b = dict(traj="a", family="swe"), dict(traj="b", family="math")
-    return events_frame([
-        ev(0, K.STEP_STARTED, 0.0, step=0),  # fleet event: not in any series
-        ev(1, K.STARTED, 0.2, **a, new_tokens=100),
-        ev(2, K.PREFILL_QUEUED, 0.2, **a, new_tokens=100),
-        ev(3, K.PREFILL_DONE, 0.5, **a, new_tokens=100),
-        ev(4, K.DECODE_STARTED, 0.5, **a, new_tokens=100),
-        ev(5, K.STARTED, 1.0, **b, new_tokens=200),
-        ev(6, K.PREFILL_QUEUED, 1.0, **b, new_tokens=200),
-        ev(7, K.PREFILL_DONE, 1.5, **b, new_tokens=200),
-        ev(8, K.DECODE_STARTED, 1.5, **b, new_tokens=200),
-        ev(9, K.DECODE_DONE, 2.5, **a, new_tokens=100, generated_tokens=40),
-        ev(10, K.TOOL_STARTED, 2.5, **a),
-        ev(11, K.TOOL_DONE, 3.25, **a, new_tokens=30, duration_s=0.75),
-        ev(12, K.PREFILL_QUEUED, 3.25, **a, turn=1, new_tokens=30, context_tokens=140),
-        ev(13, K.PREFILL_DONE, 3.5, **a, turn=1, new_tokens=30, context_tokens=140, cached_prefix_tokens=140),
-        ev(14, K.DECODE_STARTED, 3.5, **a, turn=1, new_tokens=30, context_tokens=140, cached_prefix_tokens=140),
-        ev(15, K.DECODE_DONE, 3.75, **a, turn=1, new_tokens=30, context_tokens=140, generated_tokens=10),
-        ev(16, K.FINISHED, 3.75, **a, turn=1, generated_tokens=50),
-        ev(17, K.DECODE_DONE, 4.0, **b, new_tokens=200, generated_tokens=25),
-        ev(18, K.FINISHED, 4.0, **b, generated_tokens=25),
-    ])  # fmt: skip
+    return events_frame(
+        [
+            ev(0, K.STEP_STARTED, 0.0, step=0),  # fleet event: not in any series
+            ev(1, K.STARTED, 0.2, **a, new_tokens=100),
+            ev(2, K.PREFILL_QUEUED, 0.2, **a, new_tokens=100),
+            ev(3, K.PREFILL_DONE, 0.5, **a, new_tokens=100),
+            ev(4, K.DECODE_STARTED, 0.5, **a, new_tokens=100),
+            ev(5, K.STARTED, 1.0, **b, new_tokens=200),
+            ev(6, K.PREFILL_QUEUED, 1.0, **b, new_tokens=200),
+            ev(7, K.PREFILL_DONE, 1.5, **b, new_tokens=200),
+            ev(8, K.DECODE_STARTED, 1.5, **b, new_tokens=200),
+            ev(9, K.DECODE_DONE, 2.5, **a, new_tokens=100, generated_tokens=40),
+            ev(10, K.TOOL_STARTED, 2.5, **a),
+            ev(11, K.TOOL_DONE, 3.25, **a, new_tokens=30, duration_s=0.75),
+            ev(12, K.PREFILL_QUEUED, 3.25, **a, turn=1, new_tokens=30, context_tokens=140),
+            ev(13, K.PREFILL_DONE, 3.5, **a, turn=1, new_tokens=30, context_tokens=140, cached_prefix_tokens=140),
+            ev(14, K.DECODE_STARTED, 3.5, **a, turn=1, new_tokens=30, context_tokens=140, cached_prefix_tokens=140),
+            ev(15, K.DECODE_DONE, 3.75, **a, turn=1, new_tokens=30, context_tokens=140, generated_tokens=10),
+            ev(16, K.FINISHED, 3.75, **a, turn=1, generated_tokens=50),
+            ev(17, K.DECODE_DONE, 4.0, **b, new_tokens=200, generated_tokens=25),
+            ev(18, K.FINISHED, 4.0, **b, generated_tokens=25),
+        ]
+    )
 
 
 EXPECTED_TOTALS = {

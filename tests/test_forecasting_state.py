@@ -8,8 +8,8 @@ import msgspec
 import numpy as np
 import polars as pl
 
-from bus_schemas.lifecycle import EventKind as K
 from bus_schemas.lifecycle import FINAL_STEP, LifecycleEvent
+from bus_schemas.lifecycle import EventKind as K
 from forecasting.live import POOLED, LiveState
 from forecasting.series import live_context_by_bin
 from forecasting.synthetic import synthetic_events, synthetic_log
@@ -28,7 +28,9 @@ def _ingest(events: pl.DataFrame, tick_s: float) -> LiveState:
 
 
 def _view(state: LiveState) -> tuple:
-    slots = sorted((t, int(state.phase[i]), float(state.entered_s[i]), int(state.turn[i]), bool(state.prefilled[i])) for t, i in state._slot.items())
+    slots = sorted(
+        (t, int(state.phase[i]), float(state.entered_s[i]), int(state.turn[i]), bool(state.prefilled[i])) for t, i in state._slot.items()
+    )
     stats = {
         (key, name): tuple(getattr(st, name).values())
         for key, st in state.stats.items()
@@ -56,7 +58,11 @@ def _histories_by_hand(events: pl.DataFrame, until_s: float) -> int:
     nothing once finished."""
     last: dict[str, int] = {}
     queued: dict[str, tuple[int, int]] = {}
-    for kind, tid, context, new, generated in events.filter(pl.col("at_s") < until_s).select("kind", "trajectory_id", "context_tokens", "new_tokens", "generated_tokens").iter_rows():
+    for kind, tid, context, new, generated in (
+        events.filter(pl.col("at_s") < until_s)
+        .select("kind", "trajectory_id", "context_tokens", "new_tokens", "generated_tokens")
+        .iter_rows()
+    ):
         if kind == "prefill_queued":
             queued[tid] = (context, new)
             last[tid] = context
@@ -79,12 +85,14 @@ def test_the_live_histories_are_counted_alike_by_the_forecaster_and_the_oracle()
     # events carry no token counts
     resent = [
         msgspec.structs.replace(e, kind=K.REPREFILL, event_id=e.event_id + "-again", new_tokens=0, context_tokens=0)
-        for i, e in enumerate(log) if e.kind is K.PREFILL_QUEUED and i % 3 == 0
+        for i, e in enumerate(log)
+        if e.kind is K.PREFILL_QUEUED and i % 3 == 0
     ]
     # ... and one whose KV is lost after its prefill (preempted): it holds its context alone
     resent += [
         msgspec.structs.replace(e, kind=K.REPREFILL, event_id=e.event_id + "-lost", new_tokens=0, context_tokens=0)
-        for i, e in enumerate(log) if e.kind is K.PREFILL_DONE and i % 4 == 0
+        for i, e in enumerate(log)
+        if e.kind is K.PREFILL_DONE and i % 4 == 0
     ]
     assert resent
     events = events_frame(log + resent).sort("at_s", maintain_order=True)
@@ -132,14 +140,18 @@ def test_no_step_is_foreseen_after_the_run_s_last_rollout():
 
 
 def test_events_after_a_finish_are_ignored_in_the_same_chunk_and_later():
-    turn = [ev(0, K.STARTED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
-            ev(1, K.PREFILL_QUEUED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
-            ev(2, K.DECODE_STARTED, 1.0, trajectory_id="a", task_family="swe"),
-            ev(3, K.DECODE_DONE, 2.0, trajectory_id="a", task_family="swe", generated_tokens=5),
-            ev(4, K.FINISHED, 2.0, trajectory_id="a", task_family="swe"),
-            ev(5, K.STARTED, 2.5, trajectory_id="b", task_family="math", new_tokens=7)]  # fmt: skip
-    strays = [ev(6, K.DECODE_STARTED, 2.6, trajectory_id="a", task_family="swe"),
-              ev(7, K.DECODE_DONE, 3.5, trajectory_id="a", task_family="swe", generated_tokens=99)]  # fmt: skip
+    turn = [
+        ev(0, K.STARTED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
+        ev(1, K.PREFILL_QUEUED, 0.0, trajectory_id="a", task_family="swe", new_tokens=10),
+        ev(2, K.DECODE_STARTED, 1.0, trajectory_id="a", task_family="swe"),
+        ev(3, K.DECODE_DONE, 2.0, trajectory_id="a", task_family="swe", generated_tokens=5),
+        ev(4, K.FINISHED, 2.0, trajectory_id="a", task_family="swe"),
+        ev(5, K.STARTED, 2.5, trajectory_id="b", task_family="math", new_tokens=7),
+    ]
+    strays = [
+        ev(6, K.DECODE_STARTED, 2.6, trajectory_id="a", task_family="swe"),
+        ev(7, K.DECODE_DONE, 3.5, trajectory_id="a", task_family="swe", generated_tokens=99),
+    ]
     clean, same_chunk, later = LiveState(), LiveState(), LiveState()
     clean.ingest(events_frame(turn))
     same_chunk.ingest(events_frame(turn + strays))

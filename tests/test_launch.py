@@ -25,9 +25,13 @@ def start_launcher(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     """In its own process group, like a command typed at a terminal."""
     return subprocess.Popen(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out), *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "COLUMNS": "200"}, start_new_session=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        start_new_session=True,
+    )
 
 
 STARTED = re.compile(r"started (.+?) pid (\d+)")
@@ -176,7 +180,7 @@ def test_prorsa_switches_roles_on_a_real_bus_and_loses_nothing(tmp_path: Path):
     finishes with every transition in the log."""
     config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=2)
     with config.open("a") as f:
-        f.write("\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = \"never\"\n")
+        f.write('\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300

@@ -32,9 +32,19 @@ LEASE_WALL_S = 3.0  # past any stall of a loaded 2-core machine, so only the fro
 
 def status(engine_id: str, role: Role = Role.PREFILL) -> EngineStatus:
     return EngineStatus(
-        engine_id=engine_id, at_s=0.0, role=role, epoch=0, policy_version=0, backend="emulated", waiting_prefill=0,
-        running_decode=0, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0, busy_fraction=0.0,
-    )  # fmt: skip
+        engine_id=engine_id,
+        at_s=0.0,
+        role=role,
+        epoch=0,
+        policy_version=0,
+        backend="emulated",
+        waiting_prefill=0,
+        running_decode=0,
+        kv_used_tokens=0,
+        kv_capacity_tokens=1,
+        held_kv_handles=0,
+        busy_fraction=0.0,
+    )
 
 
 def test_the_router_skips_an_engine_past_its_lease_until_it_reports_again():
@@ -60,8 +70,11 @@ def lease_config(config: Config) -> Config:
 def start_engine_process(config_path: Path, engine_id: str, role: Role, url: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "actors.engine", "--config", str(config_path), "--id", engine_id, "--role", role.value, "--nats-url", url],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.bus

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -25,7 +24,6 @@ import msgspec
 import polars as pl
 import pytest
 
-from actors.base.connection import close, connect
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import CommandAck, Role, SetRole
@@ -47,10 +45,20 @@ PANELS = ("Engines", "P:D split", "Trajectories", "Forecast (magenta) vs measure
 # --- building real schema messages ----------------------------------------------------------
 def status(engine_id: str, role: str, *, at_s: float = 10.0, epoch: int = 0, **kw) -> EngineStatus:
     fields = dict(
-        engine_id=engine_id, at_s=at_s, role=Role(role), epoch=epoch, policy_version=0, backend="emulated",
-        waiting_prefill=2, running_decode=3, kv_used_tokens=2500, kv_capacity_tokens=10_000, held_kv_handles=0,
-        busy_fraction=0.5, waiting_prefill_tokens=900,
-    )  # fmt: skip
+        engine_id=engine_id,
+        at_s=at_s,
+        role=Role(role),
+        epoch=epoch,
+        policy_version=0,
+        backend="emulated",
+        waiting_prefill=2,
+        running_decode=3,
+        kv_used_tokens=2500,
+        kv_capacity_tokens=10_000,
+        held_kv_handles=0,
+        busy_fraction=0.5,
+        waiting_prefill_tokens=900,
+    )
     fields.update(kw)
     return EngineStatus(**fields)
 
@@ -66,21 +74,49 @@ def event(kind: EventKind, at_s: float, traj: str = "t0", **kw) -> LifecycleEven
 def forecast(as_of_s: float, tick: int = 1, bin_s: float = 1.0) -> DemandForecast:
     targets = [
         TargetForecast(target=t, mean=[m, m * 2], quantile_levels=[0.1, 0.5, 0.9], quantiles=[[0.0, 0.0], [m, m * 2], [m * 3, m * 4]])
-        for t, m in (("prefill_new_tokens", 100.0), ("prefill_miss_tokens", 80.0), ("prefill_engine_s", 0.5), ("decode_active_seqs", 4.0), ("decode_tokens", 300.0), ("kv_tokens", 9.0))
+        for t, m in (
+            ("prefill_new_tokens", 100.0),
+            ("prefill_miss_tokens", 80.0),
+            ("prefill_engine_s", 0.5),
+            ("decode_active_seqs", 4.0),
+            ("decode_tokens", 300.0),
+            ("kv_tokens", 9.0),
+        )
     ]
     return DemandForecast(
-        forecaster_id="forecaster", model="lifecycle", tick=tick, as_of_s=as_of_s, computed_at_s=as_of_s + 2.0, bin_s=bin_s,
-        horizons_s=[1.0, 5.0], targets=targets, live_trajectories=3, events_total=10,
-    )  # fmt: skip
+        forecaster_id="forecaster",
+        model="lifecycle",
+        tick=tick,
+        as_of_s=as_of_s,
+        computed_at_s=as_of_s + 2.0,
+        bin_s=bin_s,
+        horizons_s=[1.0, 5.0],
+        targets=targets,
+        live_trajectories=3,
+        events_total=10,
+    )
 
 
 def one_turn(state: MonitorState, traj: str, start_s: float, engine: str = "e0", wall_s: float = 0.0) -> None:
     """A colocated turn on `engine`, from the start of the trajectory to its tool call."""
-    kinds = [EventKind.STARTED, EventKind.PREFILL_QUEUED, EventKind.PREFILL_STARTED, EventKind.PREFILL_DONE, EventKind.DECODE_STARTED, EventKind.DECODE_DONE, EventKind.TOOL_STARTED]
+    kinds = [
+        EventKind.STARTED,
+        EventKind.PREFILL_QUEUED,
+        EventKind.PREFILL_STARTED,
+        EventKind.PREFILL_DONE,
+        EventKind.DECODE_STARTED,
+        EventKind.DECODE_DONE,
+        EventKind.TOOL_STARTED,
+    ]
     for i, kind in enumerate(kinds):
         on_engine = kind in (EventKind.PREFILL_STARTED, EventKind.PREFILL_DONE, EventKind.DECODE_STARTED, EventKind.DECODE_DONE)
         extra = {"engine_id": engine, "role": "colocated"} if on_engine else {}
-        state.on_lifecycle(event(kind, start_s + 0.1 * i, traj, turn=0, new_tokens=100, generated_tokens=50 if kind is EventKind.DECODE_DONE else 0, **extra), wall_s)
+        state.on_lifecycle(
+            event(
+                kind, start_s + 0.1 * i, traj, turn=0, new_tokens=100, generated_tokens=50 if kind is EventKind.DECODE_DONE else 0, **extra
+            ),
+            wall_s,
+        )
 
 
 # --- the state, fed directly -----------------------------------------------------------------
@@ -104,11 +140,17 @@ def test_engines_show_role_backend_epoch_queue_kv_tokens_per_s_and_heartbeat_age
 def test_trajectories_by_phase_follow_the_lifecycle_and_ignore_late_events():
     state = MonitorState()
     expect = [
-        (EventKind.STARTED, "queued"), (EventKind.PREFILL_QUEUED, "queued"), (EventKind.PREFILL_STARTED, "prefill"),
-        (EventKind.PREFILL_DONE, "queued"), (EventKind.DECODE_QUEUED, "queued"), (EventKind.KV_TRANSFER_DONE, "queued"),
-        (EventKind.DECODE_STARTED, "decode"), (EventKind.DECODE_DONE, "tool"), (EventKind.TOOL_STARTED, "tool"),
+        (EventKind.STARTED, "queued"),
+        (EventKind.PREFILL_QUEUED, "queued"),
+        (EventKind.PREFILL_STARTED, "prefill"),
+        (EventKind.PREFILL_DONE, "queued"),
+        (EventKind.DECODE_QUEUED, "queued"),
+        (EventKind.KV_TRANSFER_DONE, "queued"),
+        (EventKind.DECODE_STARTED, "decode"),
+        (EventKind.DECODE_DONE, "tool"),
+        (EventKind.TOOL_STARTED, "tool"),
         (EventKind.TOOL_DONE, "queued"),
-    ]  # fmt: skip
+    ]
     for i, (kind, phase) in enumerate(expect):
         state.on_lifecycle(event(kind, 1.0 + i, "a", turn=0), wall_s=0.0)
         t = state.snapshot(0.0)["trajectories"]
@@ -127,13 +169,30 @@ def test_a_role_switch_shows_with_its_cost_epoch_and_ack():
     state.on_engine_status(status("e0", "colocated", at_s=5.0), wall_s=10.0)
     state.ingest(subjects.ctl_engine("e0"), encode(SetRole(role=Role.PREFILL, epoch=1, drain_deadline_s=3.0)), wall_s=10.5)
     assert state.snapshot(10.6)["switches"]["commands"]["pending"][0]["role"] == "prefill"
-    state.on_lifecycle(event(EventKind.ROLE_SWITCHED, 6.0, "", engine_id="e0", role="prefill", duration_s=1.25, detail="0:1 -> 1:0 (forecast)"), wall_s=11.0)
-    state.ingest_ack("_INBOX.x.1", encode(CommandAck(engine_id="e0", command="set_role", ok=True, role=Role.PREFILL, epoch=1, policy_version=0, drain_s=1.0)), 11.0)
+    state.on_lifecycle(
+        event(EventKind.ROLE_SWITCHED, 6.0, "", engine_id="e0", role="prefill", duration_s=1.25, detail="0:1 -> 1:0 (forecast)"),
+        wall_s=11.0,
+    )
+    state.ingest_ack(
+        "_INBOX.x.1",
+        encode(CommandAck(engine_id="e0", command="set_role", ok=True, role=Role.PREFILL, epoch=1, policy_version=0, drain_s=1.0)),
+        11.0,
+    )
     state.on_engine_status(status("e0", "prefill", at_s=6.5, epoch=1), wall_s=11.2)
     snap = state.snapshot(11.5)
     sw = snap["switches"]
     assert sw["total"] == 1 and sw["cost_s_total"] == 1.25
-    assert sw["recent"] == [{"at_s": 6.0, "engine_id": "e0", "from_role": "colocated", "role": "prefill", "cost_s": 1.25, "epoch": 1, "why": "0:1 -> 1:0 (forecast)"}]
+    assert sw["recent"] == [
+        {
+            "at_s": 6.0,
+            "engine_id": "e0",
+            "from_role": "colocated",
+            "role": "prefill",
+            "cost_s": 1.25,
+            "epoch": 1,
+            "why": "0:1 -> 1:0 (forecast)",
+        }
+    ]
     assert sw["commands"]["acked"] == 1 and sw["commands"]["pending"] == []
     assert not [a for a in snap["alerts"] if a["kind"] == "switch_not_acked"]
 
@@ -143,8 +202,18 @@ def test_the_allocators_latest_decision_shows_why_the_fleet_holds():
 
     state = MonitorState()
     assert state.snapshot(0.0)["switches"]["allocator"] is None
+
     def tick(at_s: float, reason: str) -> bytes:
-        return encode(AllocationDecision(at_s=at_s, policy="prorsa", epoch=2, roles={"e0": "prefill", "e1": "decode", "e2": "decode"}, reason=reason, demand_source="forecast@9s"))
+        return encode(
+            AllocationDecision(
+                at_s=at_s,
+                policy="prorsa",
+                epoch=2,
+                roles={"e0": "prefill", "e1": "decode", "e2": "decode"},
+                reason=reason,
+                demand_source="forecast@9s",
+            )
+        )
 
     state.ingest(subjects.allocation(), tick(10.0, "hold 1:2"), wall_s=1.0)
     state.ingest(subjects.allocation(), tick(8.0, "an older tick, late"), wall_s=1.1)
@@ -186,7 +255,10 @@ def test_malformed_messages_are_counted_per_subject_never_raised():
     good = encode(status("e0", "decode"))
     garbage = {
         subjects.status("engine", "e0"): [b"\x93\xff garbage", good[: len(good) // 2], encode(status("e0", "decode"))[:-3]],
-        subjects.lifecycle("decode_done"): [b"\x00", msgspec.msgpack.encode({"event_id": "x", "kind": "no-such-kind", "at_s": 1.0, "actor_id": "a"})],
+        subjects.lifecycle("decode_done"): [
+            b"\x00",
+            msgspec.msgpack.encode({"event_id": "x", "kind": "no-such-kind", "at_s": 1.0, "actor_id": "a"}),
+        ],
         subjects.forecast(): [msgspec.msgpack.encode({"forecaster_id": 3})],
         subjects.ctl_engine("e0"): [b"not a command"],
         subjects.status("environment", "env0"): [msgspec.msgpack.encode({"actor_id": "env0", "kind": "environment", "at_s": "soon"})],
@@ -197,8 +269,12 @@ def test_malformed_messages_are_counted_per_subject_never_raised():
     state.ingest(subjects.status("engine", "e0"), good, wall_s=1.0)
     snap = state.snapshot(1.0)
     assert snap["invalid"]["by_subject"] == {
-        "prorsa.status.engine": 3, "prorsa.lc": 2, "prorsa.forecast": 1, "prorsa.ctl.engine": 1, "prorsa.status.environment": 1,
-    }  # fmt: skip
+        "prorsa.status.engine": 3,
+        "prorsa.lc": 2,
+        "prorsa.forecast": 1,
+        "prorsa.ctl.engine": 1,
+        "prorsa.status.environment": 1,
+    }
     assert snap["invalid"]["total"] == 8 and [e["engine_id"] for e in snap["engines"]] == ["e0"]
     assert any(a["kind"] == "invalid_messages" for a in snap["alerts"])
 
@@ -232,7 +308,9 @@ def test_measured_demand_and_the_forecast_line_up_by_bin():
     t = d["targets"]
     assert t["prefill_new_tokens"]["measured"][3] == 100.0 and t["prefill_new_tokens"]["predicted"][3] == 100.0
     assert t["prefill_miss_tokens"]["measured"][3] == 170.0  # context - cached + new
-    assert t["prefill_engine_s"]["measured"][3] == pytest.approx(0.17 + 170 * (400 + 85) * 1e-6, abs=0.01)  # as forecasting.series weighs it
+    assert t["prefill_engine_s"]["measured"][3] == pytest.approx(
+        0.17 + 170 * (400 + 85) * 1e-6, abs=0.01
+    )  # as forecasting.series weighs it
     assert t["kv_tokens"]["measured"] == [None] * 10 and t["kv_tokens"]["forecast"] == [9.0, 18.0]  # forecast only: not measured here
     state.prefill_cost = None
     assert state.snapshot(0.0)["demand"]["targets"]["prefill_engine_s"]["measured"] == [None] * 10  # without the run's cost
@@ -276,7 +354,9 @@ def _busy_state() -> MonitorState:
     state.on_lifecycle(event(EventKind.ROLE_SWITCHED, 15.0, "", engine_id="e0", role="prefill", duration_s=0.75), wall_s=9.5)
     state.on_forecast(forecast(as_of_s=18.0), wall_s=10.0)
     state.ingest(subjects.status("engine", "e9"), b"junk", wall_s=10.0)
-    state.on_actor_status(ActorStatus(actor_id="env0", kind="environment", at_s=20.0, live_trajectories=1, counters={"invalid_messages": 1}), wall_s=10.0)
+    state.on_actor_status(
+        ActorStatus(actor_id="env0", kind="environment", at_s=20.0, live_trajectories=1, counters={"invalid_messages": 1}), wall_s=10.0
+    )
     state.on_stream_info("LIFECYCLE", messages=8, bytes_=800, max_msgs=1000)
     return state
 
@@ -285,9 +365,24 @@ def test_the_dashboard_renders_every_panel_as_text():
     text = render_text(_busy_state().snapshot(11.0), width=150)
     for title in PANELS:
         assert title in text, title
-    for needle in ("e0", "e1", "e2", "prefill", "decode", "colocated", "P:D 1:1 +1 colocated", "prefill_miss_tokens", "malformed messages seen: 1", "0.75"):
+    for needle in (
+        "e0",
+        "e1",
+        "e2",
+        "prefill",
+        "decode",
+        "colocated",
+        "P:D 1:1 +1 colocated",
+        "prefill_miss_tokens",
+        "malformed messages seen: 1",
+        "0.75",
+    ):
         assert needle in text, needle
-    assert sparkline([0, 1, 2, 4], top=4) == "▁▃▅█" and sparkline([None, 0.0], top=1) == " ▁" and len(sparkline(list(range(100)), width=10)) == 10
+    assert (
+        sparkline([0, 1, 2, 4], top=4) == "▁▃▅█"
+        and sparkline([None, 0.0], top=1) == " ▁"
+        and len(sparkline(list(range(100)), width=10)) == 10
+    )
 
 
 def _exposition(snapshot: dict) -> str:
@@ -400,13 +495,24 @@ async def test_the_monitor_on_a_real_bus_reflects_every_kind_of_message(bus, nat
 
         async def fake_engine(msg):  # answers SetRole as an engine would
             command = msgspec.msgpack.decode(msg.data)
-            ack = CommandAck(engine_id="e1", command="set_role", ok=True, role=Role(command["role"]), epoch=command["epoch"], policy_version=0, drain_s=0.4)
+            ack = CommandAck(
+                engine_id="e1",
+                command="set_role",
+                ok=True,
+                role=Role(command["role"]),
+                epoch=command["epoch"],
+                policy_version=0,
+                drain_s=0.4,
+            )
             await bus.publish(msg.reply, encode(ack))
 
         await bus.subscribe(subjects.ctl_engine("e1"), cb=fake_engine)
         await bus.publish(subjects.status("engine", "e0"), encode(status("e0", "prefill", at_s=2.0)))
         await bus.publish(subjects.status("engine", "e1"), encode(status("e1", "colocated", at_s=2.0)))
-        await bus.publish(subjects.status("environment", "env0"), encode(ActorStatus(actor_id="env0", kind="environment", at_s=2.0, live_trajectories=1, counters={"invalid_messages": 2})))
+        await bus.publish(
+            subjects.status("environment", "env0"),
+            encode(ActorStatus(actor_id="env0", kind="environment", at_s=2.0, live_trajectories=1, counters={"invalid_messages": 2})),
+        )
         await bus.publish(subjects.forecast(), encode(forecast(as_of_s=1.0)))
         await bus.publish(subjects.status("engine", "e0"), b"\xc1 not msgpack")
         await js.publish(subjects.lifecycle("decode_done"), b"\x00\x01 not an event")
@@ -417,18 +523,37 @@ async def test_the_monitor_on_a_real_bus_reflects_every_kind_of_message(bus, nat
         await item.term()
         reply = await bus.request(subjects.ctl_engine("e1"), encode(SetRole(role=Role.DECODE, epoch=3)), timeout=5)
         assert msgspec.msgpack.decode(reply.data)["ok"]
-        await _publish_events(js, [event(EventKind.ROLE_SWITCHED, 2.5, "", engine_id="e1", role="decode", duration_s=0.4, detail="2:0 -> 1:1 (forecast)"), event(EventKind.PREFILL_STARTED, 2.6, "old", engine_id="e0", role="prefill")])
+        await _publish_events(
+            js,
+            [
+                event(EventKind.ROLE_SWITCHED, 2.5, "", engine_id="e1", role="decode", duration_s=0.4, detail="2:0 -> 1:1 (forecast)"),
+                event(EventKind.PREFILL_STARTED, 2.6, "old", engine_id="e0", role="prefill"),
+            ],
+        )
         await bus.flush()
         await monitor.poll_streams_once()
         snap = await _until(
-            lambda: (s := state.snapshot(time.time()))["switches"]["total"] == 1 and s["invalid"]["total"] == 2 and s["dead_letters"]["terminated"] == 1 and s,
+            lambda: (
+                (s := state.snapshot(time.time()))["switches"]["total"] == 1
+                and s["invalid"]["total"] == 2
+                and s["dead_letters"]["terminated"] == 1
+                and s
+            ),
             what="the switch, the malformed messages and the terminated work",
-        )  # fmt: skip
+        )
     finally:
         await monitor.close()
     assert {e["engine_id"]: e["role"] for e in snap["engines"]} == {"e0": "prefill", "e1": "colocated"}
     assert snap["trajectories"]["prefill"] == 1 and snap["trajectories"]["started"] == 1
-    assert snap["switches"]["recent"][0] | {"at_s": 0} == {"at_s": 0, "engine_id": "e1", "from_role": "colocated", "role": "decode", "cost_s": 0.4, "epoch": 3, "why": "2:0 -> 1:1 (forecast)"}
+    assert snap["switches"]["recent"][0] | {"at_s": 0} == {
+        "at_s": 0,
+        "engine_id": "e1",
+        "from_role": "colocated",
+        "role": "decode",
+        "cost_s": 0.4,
+        "epoch": 3,
+        "why": "2:0 -> 1:1 (forecast)",
+    }
     assert snap["switches"]["commands"]["acked"] == 1  # from the ack on the allocator's inbox, or the role_switched event
     assert snap["invalid"]["by_subject"] == {"prorsa.lc": 1, "prorsa.status.engine": 1}
     assert snap["invalid"]["reported_by_actors"] == {"env0": 2}
@@ -442,9 +567,15 @@ async def test_the_monitor_on_a_real_bus_reflects_every_kind_of_message(bus, nat
 
 async def _monitor_cmd(*args: str, env: dict | None = None, timeout_s: float = 60.0) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.monitor", *args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "ops.monitor",
+        *args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     return proc.returncode, out.decode(), err.decode()
 
@@ -454,7 +585,13 @@ async def test_once_json_prints_one_snapshot_of_a_live_bus(bus, nats_server):
     stop = asyncio.Event()
     beats = asyncio.create_task(_heartbeats(bus, {"e0": "prefill", "e1": "decode"}, stop))
     try:
-        await _publish_events(bus.jetstream(), [event(EventKind.STARTED, 100.0, "x"), event(EventKind.ROLE_SWITCHED, 100.2, "", engine_id="e0", role="prefill", duration_s=0.3)])
+        await _publish_events(
+            bus.jetstream(),
+            [
+                event(EventKind.STARTED, 100.0, "x"),
+                event(EventKind.ROLE_SWITCHED, 100.2, "", engine_id="e0", role="prefill", duration_s=0.3),
+            ],
+        )
         rc, out, err = await _monitor_cmd("--nats-url", nats_server.url, "--once", "--json", "--wait", "1")
     finally:
         stop.set()
@@ -473,9 +610,19 @@ async def test_prometheus_metrics_are_served_over_http(bus, nats_server):
     stop = asyncio.Event()
     beats = asyncio.create_task(_heartbeats(bus, {"e0": "prefill", "e1": "decode"}, stop))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.monitor", "--nats-url", nats_server.url, "--prometheus", str(port), "--prometheus-addr", "127.0.0.1",
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ops.monitor",
+        "--nats-url",
+        nats_server.url,
+        "--prometheus",
+        str(port),
+        "--prometheus-addr",
+        "127.0.0.1",
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
 
         def scrape() -> str:
@@ -504,11 +651,14 @@ async def test_the_dashboard_shows_every_panel_in_a_real_terminal(bus, nats_serv
     stop = asyncio.Event()
     beats = asyncio.create_task(_heartbeats(bus, {"e0": "prefill", "e1": "decode", "e2": "colocated"}, stop))
     js = bus.jetstream()
-    await _publish_events(js, [
-        event(EventKind.STARTED, 97.0, "t"),
-        event(EventKind.PREFILL_STARTED, 98.0, "t", engine_id="e1", role="colocated"),
-        event(EventKind.ROLE_SWITCHED, 99.0, "", engine_id="e1", role="decode", duration_s=0.5),
-    ])  # fmt: skip
+    await _publish_events(
+        js,
+        [
+            event(EventKind.STARTED, 97.0, "t"),
+            event(EventKind.PREFILL_STARTED, 98.0, "t", engine_id="e1", role="colocated"),
+            event(EventKind.ROLE_SWITCHED, 99.0, "", engine_id="e1", role="decode", duration_s=0.5),
+        ],
+    )
     await bus.publish(subjects.forecast(), encode(forecast(as_of_s=100.0)))
     # COLUMNS/LINES dropped: rich takes them over the terminal's size, and a detached tmux started here may pass 80x24 on
     command = f"cd {REPO} && env -u COLUMNS -u LINES {sys.executable} -m ops.monitor --nats-url {nats_server.url} --interval 0.3"
@@ -556,9 +706,16 @@ async def test_bad_input_says_one_line_and_exits_with_once(tmp_path: Path):
 @pytest.mark.bus
 async def test_without_once_bad_input_is_said_once_while_it_waits(tmp_path: Path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.monitor", "--run", str(tmp_path / "later"), "--json",
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ops.monitor",
+        "--run",
+        str(tmp_path / "later"),
+        "--json",
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         first = await asyncio.wait_for(proc.stderr.readline(), 20)
         assert b"no such run folder" in first and b"waiting" in first
@@ -589,7 +746,9 @@ async def test_a_run_folder_with_credentials_connects_and_wrong_ones_say_so(tmp_
             (run / BUS_FILE).write_text(json.dumps({"url": url, "user": "monitor", "password": "wrong"}))
             rc, out, err = await _monitor_cmd("--run", str(run), "--once")
             assert rc == 1 and "refused these credentials" in _one_line(err)
-            rc, out, err = await _monitor_cmd("--nats-url", url, "--once", "--json", "--wait", "1", env={"NATS_USER": "monitor", "NATS_PASSWORD": "s3cret"})
+            rc, out, err = await _monitor_cmd(
+                "--nats-url", url, "--once", "--json", "--wait", "1", env={"NATS_USER": "monitor", "NATS_PASSWORD": "s3cret"}
+            )
             assert rc == 0 and json.loads(out)["engines"][0]["role"] == "decode", err
         finally:
             stop.set()
@@ -618,24 +777,39 @@ def test_once_json_on_a_real_run_reports_every_engine_with_its_role_and_the_swit
     """prorsa on two engines (ops.launch, every actor its own process): the allocator splits
     the colocated fleet into a prefill and a decode engine; a `--once --json` snapshot taken
     during the run shows both engines in the roles the log says they had, and the switches."""
-    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa", steps=5, time_scale=20.0)  # steps: a window after the split for --once to see
+    config = write_tiny_config(
+        tmp_path / "tiny.toml", policy="prorsa", steps=5, time_scale=20.0
+    )  # steps: a window after the split for --once to see
     with config.open("a") as f:
         f.write('\n[allocator]\ntick_s = 1.0\nmin_dwell_s = 0.0\ncolocation = "never"\n')
     out = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     follow_out, follow_err = (tmp_path / "follow.jsonl").open("w"), (tmp_path / "follow.err").open("w")
     follower = subprocess.Popen(  # to files: a pipe nobody reads would block it
-        [sys.executable, "-m", "ops.monitor", "--run", str(out), "--json", "--interval", "0.5"], cwd=REPO,
-        stdout=follow_out, stderr=follow_err, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "ops.monitor", "--run", str(out), "--json", "--interval", "0.5"],
+        cwd=REPO,
+        stdout=follow_out,
+        stderr=follow_err,
+        text=True,
+    )
     snaps = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and launcher.poll() is None:
-            once = subprocess.run([sys.executable, "-m", "ops.monitor", "--run", str(out), "--once", "--json", "--wait", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+            once = subprocess.run(
+                [sys.executable, "-m", "ops.monitor", "--run", str(out), "--once", "--json", "--wait", "1"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if once.returncode == 0:
                 snap = json.loads(once.stdout)
                 if snap["switches"]["total"] >= 2 and len(snap["engines"]) == 2 and launcher.poll() is None:

@@ -16,7 +16,9 @@ from tests.conftest import write_tiny_config
 def test_holdout_seeds_record_fresh_logs_and_score_only_those(tmp_path, capsys):
     config = write_tiny_config(tmp_path / "tiny.toml", steps=2)
     out = tmp_path / "out"
-    code = replay.main(["--config", str(config), "--holdout-seeds", "7", "--models", "lifecycle", "--horizons", "1", "5", "--out", str(out)])
+    code = replay.main(
+        ["--config", str(config), "--holdout-seeds", "7", "--models", "lifecycle", "--horizons", "1", "5", "--out", str(out)]
+    )
     assert code == 0, capsys.readouterr().err
     log = out / "holdout" / "tiny-seed7" / "events.parquet"
     events = load_events(log)

@@ -37,7 +37,13 @@ def recorded_run(tmp_path_factory) -> Path:
 
 
 def test_the_report_writes_its_pngs_and_a_markdown_and_html_page(recorded_run: Path, tmp_path: Path):
-    proc = subprocess.run([sys.executable, "-m", "ops.report", str(recorded_run), "--out", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.report", str(recorded_run), "--out", str(tmp_path / "r")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "r"
     for name in FIGURES:
@@ -53,7 +59,9 @@ def test_the_report_writes_its_pngs_and_a_markdown_and_html_page(recorded_run: P
     events = pl.read_parquet(recorded_run / "events.parquet")
     assert facts["trajectories_finished"] == summary["trajectories_finished"] == 8
     assert facts["role_switches"] == events.filter(pl.col("kind") == "role_switched").height >= 2
-    assert [s["step"] for s in facts["steps"]] == [0, 1] and facts["rollout_s_total"] == pytest.approx(sum(s["rollout_s"] for s in summary["steps"]), abs=0.01)
+    assert [s["step"] for s in facts["steps"]] == [0, 1] and facts["rollout_s_total"] == pytest.approx(
+        sum(s["rollout_s"] for s in summary["steps"]), abs=0.01
+    )
     assert 0 < facts["completion_p50_s"] <= facts["completion_p90_s"] <= facts["completion_p99_s"]
     assert "forecasts.parquet" in md and "No forecast line" not in md  # the simulation recorded its forecasts
     # what ended each step: its last trajectory, whose time from the step's start is the step's rollout
@@ -111,5 +119,7 @@ def test_bad_run_folders_are_one_line(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="no such event log"):
         report(tmp_path / "empty")
-    proc = subprocess.run([sys.executable, "-m", "ops.report", str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.report", str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

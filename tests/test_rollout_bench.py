@@ -13,10 +13,27 @@ from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
 from runners.rollout_tables import comparisons, mode_comparisons, results_markdown, seed_spread
 
 FIELDS = {
-    "table", "fleet", "workload", "mode", "policy", "trajectories_per_gpu", "dp_sync", "kv_writeback", "rollout_s", "run_s",
-    "trajectories", "trajectories_trained", "throughput_per_s", "staleness", "families", "speedup_vs_colocated", "role_switches",
-    "p50_traj_s", "p99_traj_s", "lower_bound_s",
-}  # fmt: skip
+    "table",
+    "fleet",
+    "workload",
+    "mode",
+    "policy",
+    "trajectories_per_gpu",
+    "dp_sync",
+    "kv_writeback",
+    "rollout_s",
+    "run_s",
+    "trajectories",
+    "trajectories_trained",
+    "throughput_per_s",
+    "staleness",
+    "families",
+    "speedup_vs_colocated",
+    "role_switches",
+    "p50_traj_s",
+    "p99_traj_s",
+    "lower_bound_s",
+}
 POLICIES = ["colocated", "colocated-sticky", "static-1:3", "reactive", "prorsa"]
 
 
@@ -24,11 +41,18 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
     suite = SUITES["smoke"]
     results = run_suite(suite, tmp_path, jobs=1)
     assert [(r["mode"], r["policy"]) for r in results] == [
-        *(("sync", p) for p in POLICIES), *(("async", p) for p in POLICIES), ("sync", "oracle"), ("async", "oracle"),
-    ]  # fmt: skip
+        *(("sync", p) for p in POLICIES),
+        *(("async", p) for p in POLICIES),
+        ("sync", "oracle"),
+        ("async", "oracle"),
+    ]
     assert json.loads((tmp_path / "results.json").read_text()) == results
     config = run_config(suite, suite.cases(("main",))[0], "colocated")
-    batches, per_batch, train_s = config.trainer.steps, config.trainer.tasks_per_step * config.trainer.samples_per_task, config.trainer.train_s
+    batches, per_batch, train_s = (
+        config.trainer.steps,
+        config.trainer.tasks_per_step * config.trainer.samples_per_task,
+        config.trainer.train_s,
+    )
     assert batches >= 2  # an async run has a batch to overlap with training
     for r in results:
         assert FIELDS <= set(r)
@@ -60,34 +84,78 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
     assert len({r["rollout_s"] for r in sync_runs}) > 1  # the policies differ: the ratios are not all trivially 1
     assert len({json.dumps(r["families"]) for r in results}) == 1  # both modes rolled out the same tasks
     table = (tmp_path / "results.md").read_text()
-    assert "| main | moe | search | 4 | default | sync | prorsa |" in table and "| main | moe | search | 4 | default | async | prorsa |" in table
-    assert "what ends each row" in table and "| main | moe | search | 4 | default | async | prorsa | " in table.split("what ends each row")[1]
-    assert "vs best static" in table and "async against sync" in table and "other tasks" not in table.split("async against sync")[1].split("\n", 1)[1]
+    assert (
+        "| main | moe | search | 4 | default | sync | prorsa |" in table
+        and "| main | moe | search | 4 | default | async | prorsa |" in table
+    )
+    assert (
+        "what ends each row" in table and "| main | moe | search | 4 | default | async | prorsa | " in table.split("what ends each row")[1]
+    )
+    assert (
+        "vs best static" in table
+        and "async against sync" in table
+        and "other tasks" not in table.split("async against sync")[1].split("\n", 1)[1]
+    )
     assert (tmp_path / "timeline-moe-search.png").stat().st_size > 10_000
 
 
 def test_mode_comparison_pairs_each_family_across_modes():
     def rec(mode: str, policy: str, run_s: float, families: dict | None = None) -> dict:
         return {
-            "table": "main", "fleet": "f", "workload": "w", "trajectories_per_gpu": 1, "variant": "default", "mode": mode, "policy": policy,
-            "run_s": run_s, "throughput_per_s": 100 / run_s, "families": families or {"swe": 100},
-        }  # fmt: skip
+            "table": "main",
+            "fleet": "f",
+            "workload": "w",
+            "trajectories_per_gpu": 1,
+            "variant": "default",
+            "mode": mode,
+            "policy": policy,
+            "run_s": run_s,
+            "throughput_per_s": 100 / run_s,
+            "families": families or {"swe": 100},
+        }
 
     rows = [rec("sync", "colocated", 200), rec("sync", "static-1:3", 150), rec("sync", "static-2:2", 120), rec("sync", "prorsa", 100)]
-    rows += [rec("async", "colocated", 100), rec("async", "static-1:3", 90), rec("async", "static-2:2", 95), rec("async", "prorsa", 50, {"math": 100})]
+    rows += [
+        rec("async", "colocated", 100),
+        rec("async", "static-1:3", 90),
+        rec("async", "static-2:2", 95),
+        rec("async", "prorsa", 50, {"math": 100}),
+    ]
     by = {m["policy"]: m for m in mode_comparisons(rows)}
     assert set(by) == {"colocated", "static", "prorsa"}  # no colocated-sticky run: no row
     assert by["colocated"]["async_vs_sync"] == 2.0 and by["colocated"]["same_tasks"]
     assert (by["static"]["sync_policy"], by["static"]["async_policy"]) == ("static-2:2", "static-1:3")  # each mode's best split
     assert by["static"]["async_vs_sync"] == round(120 / 90, 3)
     assert not by["prorsa"]["same_tasks"]  # flagged, not hidden
-    assert "(other tasks)" in results_markdown([{**r, "rollout_s": r["run_s"], "lower_bound_s": 1.0, "speedup_vs_colocated": None, "role_switches": 0, "p50_traj_s": 1.0, "p99_traj_s": 1.0} for r in rows])
+    assert "(other tasks)" in results_markdown(
+        [
+            {
+                **r,
+                "rollout_s": r["run_s"],
+                "lower_bound_s": 1.0,
+                "speedup_vs_colocated": None,
+                "role_switches": 0,
+                "p50_traj_s": 1.0,
+                "p99_traj_s": 1.0,
+            }
+            for r in rows
+        ]
+    )
 
 
 def test_lower_bound_is_the_longest_critical_path(tmp_path: Path):
     suite = SUITES["smoke"]
     config = run_config(suite, suite.cases(("main",))[0], "colocated")
-    ev = lambda kind, traj, **kw: {"kind": kind, "trajectory_id": traj, "step": 0, "new_tokens": 0, "context_tokens": 0, "generated_tokens": 0, "duration_s": 0.0, **kw}  # noqa: E731
+    ev = lambda kind, traj, **kw: {
+        "kind": kind,
+        "trajectory_id": traj,
+        "step": 0,
+        "new_tokens": 0,
+        "context_tokens": 0,
+        "generated_tokens": 0,
+        "duration_s": 0.0,
+        **kw,
+    }
     events = pl.DataFrame(
         [
             ev("prefill_queued", "a", new_tokens=100),
@@ -113,10 +181,28 @@ def test_lower_bound_takes_the_fastest_layout_of_a_stage_layout_fleet():
     config = run_config(suite, case, "colocated")
     tp, dp = (decode_step_s(config.engines.cost_preset(role), 1, 0) for role in (Role.COLOCATED, Role.DECODE))
     assert tp < dp
-    events = pl.DataFrame([
-        {"kind": "prefill_queued", "trajectory_id": "a", "step": 0, "new_tokens": 1, "context_tokens": 0, "generated_tokens": 0, "duration_s": 0.0},
-        {"kind": "decode_done", "trajectory_id": "a", "step": 0, "new_tokens": 0, "context_tokens": 0, "generated_tokens": 10_000, "duration_s": 0.0},
-    ])  # fmt: skip
+    events = pl.DataFrame(
+        [
+            {
+                "kind": "prefill_queued",
+                "trajectory_id": "a",
+                "step": 0,
+                "new_tokens": 1,
+                "context_tokens": 0,
+                "generated_tokens": 0,
+                "duration_s": 0.0,
+            },
+            {
+                "kind": "decode_done",
+                "trajectory_id": "a",
+                "step": 0,
+                "new_tokens": 0,
+                "context_tokens": 0,
+                "generated_tokens": 10_000,
+                "duration_s": 0.0,
+            },
+        ]
+    )
     bound = lower_bound_s(config, events)
     assert 9_999 * tp < bound < 10_000 * tp + 0.1 < 10_000 * dp  # 9,999 steps: the first token comes with the prefill
 
@@ -130,7 +216,11 @@ def test_paper_suite_plans_the_pd_tables_with_their_settings():
         assert (sync.key.removesuffix("-sync"), sync.mode, async_.mode) == (async_.key.removesuffix("-async"), "sync", "async")
         a, b = run_config(suite, sync, "prorsa"), run_config(suite, async_, "prorsa")
         assert (a.run.mode, b.run.mode) == ("sync", "async") and (b.trainer.max_staleness, b.trainer.stale_policy) == (1, "hold")
-        assert (a.trainer.steps, a.trainer.tasks_per_step, a.trainer.samples_per_task) == (b.trainer.steps, b.trainer.tasks_per_step, b.trainer.samples_per_task)
+        assert (a.trainer.steps, a.trainer.tasks_per_step, a.trainer.samples_per_task) == (
+            b.trainer.steps,
+            b.trainer.tasks_per_step,
+            b.trainer.samples_per_task,
+        )
         assert a.workload == b.workload and a.engines == b.engines
     tables = {c.table for c in cases}
     assert tables == {"main", "sweep", "ablation", "sensitivity"}
@@ -199,10 +289,19 @@ def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_an
     assert main([*args, "--out", str(tmp_path / "bad"), "--set", "allocator.saturated_regim=true"]) == 2
     assert main([*args, "--out", str(tmp_path / "bad"), "--set", "allocatorsaturated_regime=true"]) == 2
     assert not (tmp_path / "bad").exists()
-    assert main([*args, "--out", str(tmp_path / "on"), "--set", "allocator.saturated_regime=true", "--set", "engines.kv_writeback=store"]) == 0
+    assert (
+        main([*args, "--out", str(tmp_path / "on"), "--set", "allocator.saturated_regime=true", "--set", "engines.kv_writeback=store"]) == 0
+    )
     records = json.loads((tmp_path / "on" / "results.json").read_text())
     assert [(r["saturated_regime"], r["kv_writeback"]) for r in records] == [(True, "store")]
-    off = run_suite(SUITES["smoke"], tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",), overrides={"allocator": {"saturated_regime": False}})
+    off = run_suite(
+        SUITES["smoke"],
+        tmp_path / "off",
+        jobs=1,
+        modes=("sync",),
+        policies=("prorsa",),
+        overrides={"allocator": {"saturated_regime": False}},
+    )
     assert off[0]["saturated_regime"] is False
 
 
@@ -219,12 +318,16 @@ def test_seeds_run_every_case_once_per_workload_seed_and_the_tables_give_the_spr
     assert len({r["run_dir"] for r in results}) == len(results)  # each seed's runs in folders of their own
     by_seed = {s: {r["policy"]: r for r in results if r["seed"] == s} for s in (7, 8)}
     assert by_seed[7]["colocated"]["lower_bound_s"] != by_seed[8]["colocated"]["lower_bound_s"]  # other draws: another workload
-    for s, runs in by_seed.items():  # ratios within a seed
+    for _s, runs in by_seed.items():  # ratios within a seed
         assert runs["prorsa"]["speedup_vs_colocated"] == round(runs["colocated"]["rollout_s"] / runs["prorsa"]["rollout_s"], 3)
     (spread,) = seed_spread(comparisons(results))
     sticky = [by_seed[s]["colocated-sticky"]["rollout_s"] / by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8)]
     mean, low, high = spread["vs_colocated-sticky"]
-    assert spread["seeds"] == [7, 8] and abs(mean - (sticky[0] * sticky[1]) ** 0.5) < 2e-3 and (low, high) == tuple(sorted(round(x, 3) for x in sticky))
+    assert (
+        spread["seeds"] == [7, 8]
+        and abs(mean - (sticky[0] * sticky[1]) ** 0.5) < 2e-3
+        and (low, high) == tuple(sorted(round(x, 3) for x in sticky))
+    )
     assert spread["static_at_least"] == sum(by_seed[s]["static-1:3"]["rollout_s"] >= by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8))
     table = (tmp_path / "results.md").read_text()
     assert "| sync, seed 7 | prorsa |" in table and "| sync, seed 8 | prorsa |" in table and "across workload seeds" in table

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from actors.base.clock import PROBE_WALL_S, STALL_WALL_S, ScaledClock
 
 BLOCK_WALL_S = 0.5  # a blocked loop: far past a probe's period and the stall threshold, and past any scheduler hiccup

@@ -38,7 +38,11 @@ def test_async_runs_are_byte_identical_too(tmp_path: Path):
     outs = []
     for name in ("async-a", "async-b"):
         path = write_tiny_config(tmp_path / f"{name}.toml", policy="prorsa", steps=3)
-        text = path.read_text().replace("[run]\n", '[run]\nmode = "async"\n').replace("[engines]\n", '[engines]\ninflight_on_update = "interrupt"\n')
+        text = (
+            path.read_text()
+            .replace("[run]\n", '[run]\nmode = "async"\n')
+            .replace("[engines]\n", '[engines]\ninflight_on_update = "interrupt"\n')
+        )
         path.write_text(text)
         assert run(load_config(path), tmp_path / name, show_progress=False)["status"] == "completed"
         outs.append(tmp_path / name)
@@ -112,13 +116,18 @@ def test_simulation_matches_a_live_run(tmp_path: Path):
     config = write_tiny_config(tmp_path / "live.toml", steps=2, time_scale=5.0)
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(tmp_path / "live")],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sim = simulate(tmp_path, "sim", time_scale=5.0)
     assert event_counts(tmp_path / "live") == event_counts(sim)  # counts: exactly
     live_summary = read_summary(tmp_path / "live")
     for live, simulated in zip(live_summary["steps"], read_summary(sim)["steps"], strict=True):  # times: if the live run kept up
         if abs(simulated["rollout_s"] - live["rollout_s"]) / live["rollout_s"] > 0.05:
-            xfail_if_too_loaded(live_summary, f"step {live['step']}: live {live['rollout_s']:.2f} s vs simulated {simulated['rollout_s']:.2f} s")
+            xfail_if_too_loaded(
+                live_summary, f"step {live['step']}: live {live['rollout_s']:.2f} s vs simulated {simulated['rollout_s']:.2f} s"
+            )
             raise AssertionError(f"live and simulated differ by more than 5% while the live run kept up: {live} vs {simulated}")

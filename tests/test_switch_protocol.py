@@ -18,8 +18,8 @@ from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Drain, Role, SetRole
 from bus_schemas.lifecycle import EventKind
-from tests.test_engine_actor import command, events, results
 from tests.actor_helpers import at_scale, build
+from tests.test_engine_actor import command, events, results
 from tests.test_engine_core import work
 
 pytestmark = pytest.mark.bus
@@ -40,7 +40,7 @@ def start(nc, config, engine_id: str, role: Role) -> tuple[EngineActor, asyncio.
 
 
 async def stop(*pairs) -> None:
-    for actor, task in pairs:
+    for actor, _task in pairs:
         actor.request_stop("test over")
     await asyncio.wait_for(asyncio.gather(*(t for _, t in pairs)), timeout=20)
 
@@ -56,9 +56,19 @@ async def test_decodes_left_at_the_drain_deadline_migrate_with_their_kv(bus, tin
     try:
         ack = await command(bus, "e0", SetRole(role=Role.PREFILL, epoch=1, drain_deadline_s=1.0))
         assert ack.ok and ack.role is Role.PREFILL and ack.epoch == 1
-        assert 1.0 <= ack.drain_s < 100.0  # it waited for the deadline, then handed off (20k tokens take far longer; 100 model s is 1 s of wall time)
+        assert (
+            1.0 <= ack.drain_s < 100.0
+        )  # it waited for the deadline, then handed off (20k tokens take far longer; 100 model s is 1 s of wall time)
         assert e0[0].counters["decodes_migrated"] == 3
-        await until(lambda: e1[0].counters.get("lifecycle_events", 0) > 0 and not e1[0].core.running and e1[0]._pending_transfers == 0 and not e0[0].core.held, 30)
+        await until(
+            lambda: (
+                e1[0].counters.get("lifecycle_events", 0) > 0
+                and not e1[0].core.running
+                and e1[0]._pending_transfers == 0
+                and not e0[0].core.held
+            ),
+            30,
+        )
     finally:
         await stop(e0, e1)
     got = await results(bus)
@@ -67,7 +77,9 @@ async def test_decodes_left_at_the_drain_deadline_migrate_with_their_kv(bus, tin
     ]  # every token of the turn, finished on e1 from the KV e0 held
     log = await events(bus)
     migrated = [e for e in log if e.kind is EventKind.DECODE_MIGRATED]
-    assert sorted(e.trajectory_id for e in migrated) == ["long0", "long1", "long2"] and all(e.engine_id == "e1" and e.detail == "e0" for e in migrated)
+    assert sorted(e.trajectory_id for e in migrated) == ["long0", "long1", "long2"] and all(
+        e.engine_id == "e1" and e.detail == "e0" for e in migrated
+    )
     per_token = PRESETS[tiny_config.engines.preset].kv_bytes_per_token  # the config's model, not another's
     for e in migrated:  # the KV moved is the 500-token prompt *and* the tokens generated before the deadline
         assert e.kv_bytes % per_token == 0 and e.kv_bytes // per_token > 500, (e.kv_bytes, per_token)

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from ops.checks import incomplete_trajectories  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
-from tests.torch_helpers import write_torch_config  # noqa: E402
+from ops.checks import incomplete_trajectories
+from tests.conftest import REPO
+from tests.torch_helpers import write_torch_config
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +27,11 @@ def test_a_small_torch_run_updates_the_policy_from_its_rollouts_and_hands_real_k
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / "model" / "config.json").exists()  # built once, loaded by every process
 

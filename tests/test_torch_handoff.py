@@ -9,17 +9,17 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from actors.config import ModelSection  # noqa: E402
-from actors.engine.torch.actor import ModelMismatch, TorchEngineActor  # noqa: E402
-from actors.engine.torch.model import build_tiny, kv_checksum, load_model  # noqa: E402
-from actors.trainer.torch_trainer import TorchTrainerActor  # noqa: E402
-from bus_schemas import streams, subjects  # noqa: E402
-from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.control import Role  # noqa: E402
-from bus_schemas.lifecycle import EventKind, LifecycleEvent  # noqa: E402
-from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult  # noqa: E402
-from ops.export import read_stream  # noqa: E402
-from tests.torch_helpers import clock, prompt_ids, real_work, torch_config  # noqa: E402
+from actors.config import ModelSection
+from actors.engine.torch.actor import ModelMismatch, TorchEngineActor
+from actors.engine.torch.model import build_tiny, kv_checksum, load_model
+from actors.trainer.torch_trainer import TorchTrainerActor
+from bus_schemas import streams, subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import Role
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
+from bus_schemas.work import DecodeWork, KvChunk, KvFetch, KvHandle, PrefillWork, TurnResult
+from ops.export import read_stream
+from tests.torch_helpers import clock, prompt_ids, real_work, torch_config
 
 pytestmark = pytest.mark.bus
 
@@ -135,8 +135,13 @@ async def test_unknown_handle_and_checksum_mismatch_send_the_turn_back_to_prefil
     async def corrupt_holder(msg) -> None:  # a holder whose bytes do not match its checksum
         request = decode(KvFetch, msg.data)
         data = bytes(20 * b.torch.kv_bytes_per_token)
-        await msg.respond(encode(KvChunk(handle_id=request.handle_id, ok=True, tokens=20, kv_bytes=len(data),
-                                         checksum=kv_checksum(b"other bytes"), data=data)))  # fmt: skip
+        await msg.respond(
+            encode(
+                KvChunk(
+                    handle_id=request.handle_id, ok=True, tokens=20, kv_bytes=len(data), checksum=kv_checksum(b"other bytes"), data=data
+                )
+            )
+        )
 
     await bus.subscribe(subjects.kv("e7"), cb=corrupt_holder)
     a = TorchEngineActor("e0", config, bus, clock(), Role.PREFILL)
@@ -144,8 +149,14 @@ async def test_unknown_handle_and_checksum_mismatch_send_the_turn_back_to_prefil
     unknown = real_work("lost", ids)
     corrupt = real_work("corrupt", ids)
     handle = dict(tokens=20, kv_bytes=1, expires_at_s=1e9)
-    await js.publish(subjects.work_decode(), encode(DecodeWork(prefill=unknown, kv=KvHandle(engine_id="e0", handle_id="nope", **handle), first_token_id=65, prefilled_at_s=0.0)))
-    await js.publish(subjects.work_decode(), encode(DecodeWork(prefill=corrupt, kv=KvHandle(engine_id="e7", handle_id="h", **handle), first_token_id=65, prefilled_at_s=0.0)))
+    await js.publish(
+        subjects.work_decode(),
+        encode(DecodeWork(prefill=unknown, kv=KvHandle(engine_id="e0", handle_id="nope", **handle), first_token_id=65, prefilled_at_s=0.0)),
+    )
+    await js.publish(
+        subjects.work_decode(),
+        encode(DecodeWork(prefill=corrupt, kv=KvHandle(engine_id="e7", handle_id="h", **handle), first_token_id=65, prefilled_at_s=0.0)),
+    )
     a._pulling = False  # A only serves kv.e0 (it knows no handle "nope"); re-prefilled turns stay queued
     a_running = asyncio.create_task(a.run())
     await asyncio.wait_for(a.ready.wait(), timeout=30)

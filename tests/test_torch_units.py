@@ -6,12 +6,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from actors.config import ModelSection  # noqa: E402
-from actors.engine.core import Batch, Seq  # noqa: E402
-from actors.engine.torch.actor import KvChunkView  # noqa: E402
-from actors.engine.torch.backend import TorchBackend  # noqa: E402
-from actors.engine.torch.kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, KvError, PrefixCache  # noqa: E402
-from actors.engine.torch.model import (  # noqa: E402
+from actors.config import ModelSection
+from actors.engine.core import Batch, Seq
+from actors.engine.torch.actor import KvChunkView
+from actors.engine.torch.backend import TorchBackend
+from actors.engine.torch.kv import DECODE_KV_SPARE_TOKENS, KvBufferLayer, KvError, PrefixCache
+from actors.engine.torch.model import (
     ByteTokenizer,
     build_tiny,
     kv_checksum,
@@ -23,12 +23,12 @@ from actors.engine.torch.model import (  # noqa: E402
     tune_allocator,
     weights_to_bytes,
 )
-from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.work import KvChunk  # noqa: E402
-from tests.torch_helpers import prompt_ids, real_work  # noqa: E402
-from actors.environment.tasks import TASKS  # noqa: E402
-from actors.trainer.grpo import group_advantages, grpo_update, token_logprobs  # noqa: E402
-from bus_schemas.train import FinishedTrajectory  # noqa: E402
+from actors.environment.tasks import TASKS
+from actors.trainer.grpo import group_advantages, grpo_update, token_logprobs
+from bus_schemas.codec import decode, encode
+from bus_schemas.train import FinishedTrajectory
+from bus_schemas.work import KvChunk
+from tests.torch_helpers import prompt_ids, real_work
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,23 @@ def checkpoint(tmp_path_factory):
 
 def finished(task: str, i: int, ids: list[int], mask: list[int], logprobs: list[float], reward: float) -> FinishedTrajectory:
     return FinishedTrajectory(
-        trajectory_id=f"{task}-{i}", task_id=task, task_family="calc", env_id="env0", step=0, policy_versions=[0],
-        turns=1, reward=reward, prompt_tokens=mask.index(1), generated_tokens=sum(mask), observation_tokens=0,
-        started_at_s=0.0, finished_at_s=1.0, token_ids=ids, generated_mask=mask, logprobs=logprobs,
-    )  # fmt: skip
+        trajectory_id=f"{task}-{i}",
+        task_id=task,
+        task_family="calc",
+        env_id="env0",
+        step=0,
+        policy_versions=[0],
+        turns=1,
+        reward=reward,
+        prompt_tokens=mask.index(1),
+        generated_tokens=sum(mask),
+        observation_tokens=0,
+        started_at_s=0.0,
+        finished_at_s=1.0,
+        token_ids=ids,
+        generated_mask=mask,
+        logprobs=logprobs,
+    )
 
 
 def test_group_advantages_are_relative_to_the_group():
@@ -142,8 +155,9 @@ def test_batched_decode_matches_a_plain_forward_across_buffer_growth(checkpoint,
     out = DECODE_KV_SPARE_TOKENS + 10
     seqs = []
     for i, n in enumerate(lengths):
-        seq = Seq(work=real_work(f"t{i}", prompt_ids(i, n), out=out), target_tokens=out, cached_prefix_tokens=0,
-                  prefill_tokens=n, handoff=False)  # fmt: skip
+        seq = Seq(
+            work=real_work(f"t{i}", prompt_ids(i, n), out=out), target_tokens=out, cached_prefix_tokens=0, prefill_tokens=n, handoff=False
+        )
         backend.admit_prefill(seq)
         backend.execute(Batch([(seq, n)], [], 1, 0.0))
         seq.generated = 1
@@ -190,8 +204,7 @@ def test_held_kv_serialised_ahead_is_what_an_export_at_fetch_time_sends(checkpoi
     backend = TorchBackend("e0", lm, tok, ModelSection(seed=0), clock=None, time_scale=1.0)
 
     def held(key: str) -> Seq:
-        seq = Seq(work=real_work(key, prompt_ids(3, 12)), target_tokens=1, cached_prefix_tokens=0, prefill_tokens=12,
-                  handoff=True)  # fmt: skip
+        seq = Seq(work=real_work(key, prompt_ids(3, 12)), target_tokens=1, cached_prefix_tokens=0, prefill_tokens=12, handoff=True)
         backend.admit_prefill(seq)
         backend.execute(Batch([(seq, 12)], [], 1, 0.0))
         return seq

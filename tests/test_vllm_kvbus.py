@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the KV checksum helpers live in the torch backend; the dev extra CI installs includes torch")
 
-from actors.engine.vllm.kvbus import Held, KvBus, KvLoadError  # noqa: E402
-from bus_schemas import subjects  # noqa: E402
+from actors.engine.vllm.kvbus import Held, KvBus, KvLoadError
+from bus_schemas import subjects
 
 pytestmark = pytest.mark.bus
 
@@ -25,8 +25,14 @@ def payload() -> bytes:
 
 
 def held() -> Held:
-    return Held(payload(), tokens=BLOCKS * BLOCK_TOKENS - 5, block_bytes=BLOCK_BYTES, layers=LAYERS,
-                block_size_tokens=BLOCK_TOKENS, expires_at_s=0.0)  # fmt: skip
+    return Held(
+        payload(),
+        tokens=BLOCKS * BLOCK_TOKENS - 5,
+        block_bytes=BLOCK_BYTES,
+        layers=LAYERS,
+        block_size_tokens=BLOCK_TOKENS,
+        expires_at_s=0.0,
+    )
 
 
 @pytest.fixture

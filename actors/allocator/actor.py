@@ -48,10 +48,17 @@ def make_policy(config: Config) -> Policy:
 
 
 DECISION_DEMAND_FIELDS = (
-    "prefill_tokens_per_s", "prefill_new_tokens_per_s", "decode_seqs", "decode_context_tokens",
-    "kv_working_set_tokens", "live_trajectories", "live_context_tokens", "remote_share", "prefill_attention_tokens",
+    "prefill_tokens_per_s",
+    "prefill_new_tokens_per_s",
+    "decode_seqs",
+    "decode_context_tokens",
+    "kv_working_set_tokens",
+    "live_trajectories",
+    "live_context_tokens",
+    "remote_share",
+    "prefill_attention_tokens",
     "prefill_backlog_tokens_per_s",
-)  # fmt: skip
+)
 
 
 class AllocatorActor(Actor):
@@ -147,7 +154,9 @@ class AllocatorActor(Actor):
         if engine_id not in self.expired:
             self.expired.add(engine_id)
             self.counters["lease_expiries"] += 1
-            self.log.warning("engine %s: no heartbeat for %.1f s (model), past its lease; out of allocation until it reports", engine_id, silent_s)
+            self.log.warning(
+                "engine %s: no heartbeat for %.1f s (model), past its lease; out of allocation until it reports", engine_id, silent_s
+            )
         return True
 
     def fleet(self) -> Fleet:
@@ -177,7 +186,9 @@ class AllocatorActor(Actor):
                 )
             )
         new_tokens = sum(short + long for short, long in self.env_tokens.values())
-        return Fleet(now_s=self.clock.now_s(), engines=tuple(engines), new_tokens_total=new_tokens, turns_total=sum(self.env_turns.values()))
+        return Fleet(
+            now_s=self.clock.now_s(), engines=tuple(engines), new_tokens_total=new_tokens, turns_total=sum(self.env_turns.values())
+        )
 
     def demand(self, fleet: Fleet) -> Demand | None:
         horizon_s = self.config.allocator.horizon_s
@@ -185,7 +196,11 @@ class AllocatorActor(Actor):
             case "reactive":
                 return from_queues(fleet, horizon_s)
             case "prorsa":
-                return None if self.forecast is None else from_forecast(self.forecast, fleet, horizon_s, self.config.allocator.provision_quantile)
+                return (
+                    None
+                    if self.forecast is None
+                    else from_forecast(self.forecast, fleet, horizon_s, self.config.allocator.provision_quantile)
+                )
             case "oracle":
                 return self.recorded.at(fleet, horizon_s) if self.recorded is not None else None
         return None
@@ -217,11 +232,14 @@ class AllocatorActor(Actor):
             figures = {name: float(getattr(demand, name)) for name in DECISION_DEMAND_FIELDS}
             figures["demand_source"] = demand.source
         decision = AllocationDecision(
-            at_s=fleet.now_s, policy=self.policy.name, epoch=self.epoch,
+            at_s=fleet.now_s,
+            policy=self.policy.name,
+            epoch=self.epoch,
             roles={e.engine_id: e.role.value for e in fleet.engines},
             changes={c.engine_id: c.role.value for c in changes},
-            reason=getattr(self.policy, "last_reason", ""), **figures,
-        )  # fmt: skip
+            reason=getattr(self.policy, "last_reason", ""),
+            **figures,
+        )
         with self.counting_bus_errors("decision_publish_failures"):
             await self.nc.publish(subjects.allocation(), encode(decision))
 
@@ -238,7 +256,13 @@ class AllocatorActor(Actor):
         except (TimeoutError, NoRespondersError) as err:
             self.unresponsive[change.engine_id] = self.clock.now_s()
             self.counters["unacked_commands"] += 1
-            self.log.warning("engine %s did not ack SetRole(%s, epoch %d): %s; left out until it answers", change.engine_id, change.role.value, epoch, err or "timeout")
+            self.log.warning(
+                "engine %s did not ack SetRole(%s, epoch %d): %s; left out until it answers",
+                change.engine_id,
+                change.role.value,
+                epoch,
+                err or "timeout",
+            )
             return
         except (msgspec.DecodeError, msgspec.ValidationError) as err:  # a malformed ack
             self.unresponsive[change.engine_id] = self.clock.now_s()
@@ -248,7 +272,13 @@ class AllocatorActor(Actor):
         except BUS_ERRORS as err:  # any other bus failure: the command may not have arrived
             self.unresponsive[change.engine_id] = self.clock.now_s()
             self.counters["command_errors"] += 1
-            self.log.error("SetRole(%s, epoch %d) to engine %s failed on the bus: %r; left out until it answers", change.role.value, epoch, change.engine_id, err)
+            self.log.error(
+                "SetRole(%s, epoch %d) to engine %s failed on the bus: %r; left out until it answers",
+                change.role.value,
+                epoch,
+                change.engine_id,
+                err,
+            )
             return
         finally:
             self.pending.pop(change.engine_id, None)

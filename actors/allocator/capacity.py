@@ -95,7 +95,9 @@ def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: in
 
 def prefill_s_per_token_per_context(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
     """How `prefill_s_per_token` grows per token of prefix (the attention term; linear)."""
-    return (prefill_s_per_token(preset, chunk_tokens, prefix_tokens + chunk_tokens) - prefill_s_per_token(preset, chunk_tokens, prefix_tokens)) / chunk_tokens
+    return (
+        prefill_s_per_token(preset, chunk_tokens, prefix_tokens + chunk_tokens) - prefill_s_per_token(preset, chunk_tokens, prefix_tokens)
+    ) / chunk_tokens
 
 
 def decode_step_s(preset: CostPreset, seqs: int, context_tokens: int) -> float:
@@ -109,7 +111,9 @@ def step_s_per_seq(preset: CostPreset, full_seqs: int, context_tokens: int) -> f
     """The slope of a decode step's time from one sequence per rank to `full_seqs`."""
     if full_seqs <= preset.dp_ranks:
         return 0.0
-    return (decode_step_s(preset, full_seqs, context_tokens) - decode_step_s(preset, preset.dp_ranks, context_tokens)) / (full_seqs - preset.dp_ranks)
+    return (decode_step_s(preset, full_seqs, context_tokens) - decode_step_s(preset, preset.dp_ranks, context_tokens)) / (
+        full_seqs - preset.dp_ranks
+    )
 
 
 def decode_full_seqs(preset: CostPreset, context_tokens: int, slack: float, cap: int, limit_s: float | None = None) -> int:
@@ -148,7 +152,10 @@ class CapacityModel:
         kv_seq_cap = max(decode.dp_ranks, int(KV_HIGH_WATERMARK * decode.kv_capacity_tokens / context_tokens))
         cap = min(engines.max_decode_seqs * decode.dp_ranks, kv_seq_cap)
         colocated = engines.cost_preset(Role.COLOCATED)
-        colocated_cap = min(engines.max_decode_seqs * colocated.dp_ranks, max(colocated.dp_ranks, int(KV_HIGH_WATERMARK * colocated.kv_capacity_tokens / context_tokens)))
+        colocated_cap = min(
+            engines.max_decode_seqs * colocated.dp_ranks,
+            max(colocated.dp_ranks, int(KV_HIGH_WATERMARK * colocated.kv_capacity_tokens / context_tokens)),
+        )
         lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
         return Capacity(
             prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),

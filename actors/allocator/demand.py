@@ -133,4 +133,3 @@ class RecordedDemand:
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
             prefill_backlog_tokens_per_s=backlog,
         )
-

@@ -122,7 +122,9 @@ def colocated_load(demand: Demand, cap: Capacity, util: float, n: int) -> float:
     * otherwise (vLLM's piecewise steps): decode steps run eager while a peer prefills (the
       prefill share times the decode load, times the eager factor - 1)."""
     prefill = demand.prefill_tokens_per_s * cap.prefill_s_at(demand.prefill_attention_tokens, colocated=True) / util
-    decode = max(demand.decode_seqs / cap.colocated_decode_full_seqs, live_kv_tokens(demand) / (KV_HIGH_WATERMARK * cap.colocated_kv_tokens))
+    decode = max(
+        demand.decode_seqs / cap.colocated_decode_full_seqs, live_kv_tokens(demand) / (KV_HIGH_WATERMARK * cap.colocated_kv_tokens)
+    )
     share = min(1.0, prefill / max(n, 1))
     if cap.colocated_lockstep_ranks > 1:
         return max(prefill, n * (1.0 - (1.0 - share) ** cap.colocated_lockstep_ranks)) + decode

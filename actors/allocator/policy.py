@@ -182,7 +182,7 @@ class Split:
         if target == current and pd_roles:
             self.last_reason = f"hold {current}:{n - current}"
             return []
-        moves = abs(target - current) if pd_roles else n
+        abs(target - current) if pd_roles else n
         if self.weigh_cost and pd_roles:
             gain_s = (bottleneck(loads, current, n) - bottleneck(loads, target, n)) * n * self.config.horizon_s
             cost_s = resize_cost_s(demand, cap, current, target, n, self.config.drain_deadline_s)
@@ -196,12 +196,16 @@ class Split:
         return changes
 
     def _colocate_all(self, usable: list[EngineState]) -> list[RoleChange]:
-        changes = [RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching]
+        changes = [
+            RoleChange(e.engine_id, Role.COLOCATED, self.last_reason) for e in usable if e.role is not Role.COLOCATED and not e.switching
+        ]
         if changes:
             self._changed("colocate")
         return changes
 
-    def _saturated(self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool) -> list[RoleChange] | None:
+    def _saturated(
+        self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool
+    ) -> list[RoleChange] | None:
         """The saturated fleet's choice: the arrangement that turns over the most decode tokens
         per second, bought when what it saves pays for its switches. None where the model does
         not hold (`throughput.saturated_ratio`)."""
@@ -220,9 +224,7 @@ class Split:
         remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
         rates = {p: split_rate(cap, n, p, qs[p], remote_share, live) for p in range(1, n)}
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
-        note = (
-            f"saturated: colocated {coloc:.0f} (q {qs[0]:.2f}) vs {best}:{n - best} {rates[best]:.0f} (q {qs[best]:.2f}) decode tokens/s ({demand.source})"
-        )
+        note = f"saturated: colocated {coloc:.0f} (q {qs[0]:.2f}) vs {best}:{n - best} {rates[best]:.0f} (q {qs[best]:.2f}) decode tokens/s ({demand.source})"
         if colocated_now:
             # the rates are a busy fleet's: a faster arrangement saves what it would of the work
             # there is (a step's tail, a few sequences left, saves next to nothing)
@@ -234,7 +236,9 @@ class Split:
                 changes = self._pick(usable, best, self.now_s)
                 self._changed("split")
                 return changes
-            self.last_reason = f"colocated, {note}: split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f}"
+            self.last_reason = (
+                f"colocated, {note}: split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f}"
+            )
             return []
         now_rate = rates.get(current, 0.0)
         if coloc > max(now_rate, rates[best]):
@@ -333,14 +337,18 @@ class Split:
             return f"colocated: {loads_note}, split gains {gain_s:.1f} engine-s (colocation lost {regret_s:.1f} so far), costs {cost_s:.1f} (+{need_s:.1f})"
         if current and not decode_side_holds(demand, cap, n - current):
             what = "the working set" if cap.decode_holds_histories else "the decoding sequences' KV"
-            return f"colocated: {what} ({decode_side_kv_tokens(demand, cap) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
+            return (
+                f"colocated: {what} ({decode_side_kv_tokens(demand, cap) / 1e6:.1f}M tokens) outgrew {n - current} decode engines {where}"
+            )
         cost_s = n * cap.colocated_switch_s  # back to colocated: nothing to drain
         gain_s = (pd_load - coloc_load) * self.config.horizon_s
         if gain_s - cost_s >= self._required_gain_s("colocate"):
             return f"colocated: {loads_note}, gains {gain_s:.1f} engine-s, costs {cost_s:.1f}"
         return ""
 
-    def _split_pays(self, demand: Demand, cap: Capacity, target: int, n: int, gain_engines: float, saturated: bool = False) -> tuple[bool, float, float, float, float]:
+    def _split_pays(
+        self, demand: Demand, cap: Capacity, target: int, n: int, gain_engines: float, saturated: bool = False
+    ) -> tuple[bool, float, float, float, float]:
         """(bought, gain_s, regret_s, cost_s, need_s) of a split from colocation saving
         `gain_engines`: switches, drains and relocation against the horizon's saving, or the
         saving over several (ski rental, `_regret`); a bought split is recorded (`_buy_split`)."""

@@ -150,9 +150,16 @@ def history_miss_share(kept_tokens: float, pools_tokens: float) -> float:
 
 
 def arrangement_ratio(
-    q: float, q_new: float, cap: Capacity, n: int, prefill_engines: int, measured_at: int,
-    live_history_tokens: float, decoding_tokens: float, history_per_decode: float,
-) -> float:  # fmt: skip
+    q: float,
+    q_new: float,
+    cap: Capacity,
+    n: int,
+    prefill_engines: int,
+    measured_at: int,
+    live_history_tokens: float,
+    decoding_tokens: float,
+    history_per_decode: float,
+) -> float:
     """q for the arrangement with `prefill_engines` (0: colocated), from q measured in the one
     with `measured_at` (q_new of it the turns' new tokens): more where it keeps fewer of the
     live histories, each miss recomputing `history_per_decode` tokens per decode token; never
@@ -181,7 +188,9 @@ def arrangement_ratios(meter: RatioMeter, demand: Demand, cap: Capacity, n: int,
         return [q] * n
     history_per_decode = live_tokens / demand.live_trajectories * turns_per_decode
     q_new = meter.new_ratio or 0.0
-    return [arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, demand.decoding_kv_tokens, history_per_decode) for p in range(n)]
+    return [
+        arrangement_ratio(q, q_new, cap, n, p, reading[0], live_tokens, demand.decoding_kv_tokens, history_per_decode) for p in range(n)
+    ]
 
 
 def saturated(working_set_tokens: float, cap: Capacity, n: int) -> bool:
@@ -241,7 +250,9 @@ class RatioMeter:
     turns: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [turns routed, decode]
     last_turns: int | None = None
 
-    def observe(self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None, turns_total: int | None = None) -> None:
+    def observe(
+        self, prefilled_total: int, decoded_total: int, new_total: int, prefill_engines: int | None, turns_total: int | None = None
+    ) -> None:
         """Count the tokens (and the turns routed) since the last call; q toward the arrangement
         with `prefill_engines` (None: a change settling, not q)."""
         last, self.last = self.last, (prefilled_total, decoded_total, new_total)

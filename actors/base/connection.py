@@ -20,7 +20,6 @@ from bus_schemas import streams
 from bus_schemas.codec import decode, encode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 
-
 # what a failed bus call raises: nats-py's errors (JetStream's and its timeout among them) and
 # socket errors; the in-process bus raises the same types
 BUS_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, OSError)

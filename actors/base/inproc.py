@@ -32,7 +32,8 @@ from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from actors.base.inproc_store import InProcMsg, _Consumer, _KeyValue, _PullSubscription, _Stream
-from bus_schemas.subjects import has_wildcard, matches as subject_matches
+from bus_schemas.subjects import has_wildcard
+from bus_schemas.subjects import matches as subject_matches
 
 MsgCallback = Callable[[InProcMsg], Awaitable[None]]
 
@@ -42,7 +43,9 @@ class InProcJetStream:
         self._client = client
         self._server = client.server
 
-    async def publish(self, subject: str, payload: bytes = b"", timeout: float | None = None, stream: str | None = None, headers=None) -> api.PubAck:
+    async def publish(
+        self, subject: str, payload: bytes = b"", timeout: float | None = None, stream: str | None = None, headers=None
+    ) -> api.PubAck:
         target = self._server.stream_for(subject)
         if target is None:
             raise NoRespondersError
@@ -85,7 +88,9 @@ class InProcJetStream:
         self._server.stream(stream).consumers.pop(consumer, None)
         return True
 
-    async def pull_subscribe(self, subject: str, durable: str | None = None, stream: str | None = None, config: api.ConsumerConfig | None = None, **_) -> _PullSubscription:
+    async def pull_subscribe(
+        self, subject: str, durable: str | None = None, stream: str | None = None, config: api.ConsumerConfig | None = None, **_
+    ) -> _PullSubscription:
         target = self._server.stream(stream) if stream else self._server.stream_for(subject)
         if target is None:
             raise NotFoundError(description=f"no stream captures {subject}")
@@ -101,7 +106,9 @@ class InProcJetStream:
             consumer = target.consumers[name] = _Consumer(target, config, self._server.time)
         return _PullSubscription(self._client, consumer)
 
-    async def get_msg(self, stream_name: str, seq: int | None = None, subject: str | None = None, direct: bool = False, next: bool = False) -> Any:
+    async def get_msg(
+        self, stream_name: str, seq: int | None = None, subject: str | None = None, direct: bool = False, next: bool = False
+    ) -> Any:
         s = self._server.stream(stream_name)
         for candidate in sorted(k for k in s.messages if k >= (seq or 1)):
             stored = s.messages[candidate]

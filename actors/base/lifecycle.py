@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -156,9 +156,14 @@ def transport(js: JetStreamContext, on_reply: OnReply) -> _NatsAcks | _AwaitedPu
 
 class LifecyclePublisher:
     def __init__(
-        self, js: JetStreamContext, counters: Counter, log: logging.Logger, clock: Clock,
-        window: int = WINDOW, give_up_wall_s: float = GIVE_UP_WALL_S,
-    ) -> None:  # fmt: skip
+        self,
+        js: JetStreamContext,
+        counters: Counter,
+        log: logging.Logger,
+        clock: Clock,
+        window: int = WINDOW,
+        give_up_wall_s: float = GIVE_UP_WALL_S,
+    ) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window
@@ -332,8 +337,11 @@ class LifecyclePublisher:
         if n & (n - 1) == 0 or n % 1000 == 0:
             self._log.error(
                 "lifecycle event %s on %s not acked %.0f s after its first try: given up inside the duplicate window (%d so far)",
-                owed.event_id, owed.subject, (now - owed.first_s) / self._clock.time_scale, n,
-            )  # fmt: skip
+                owed.event_id,
+                owed.subject,
+                (now - owed.first_s) / self._clock.time_scale,
+                n,
+            )
         self._settle()
 
     def _settle(self) -> None:

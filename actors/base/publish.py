@@ -65,7 +65,13 @@ async def publish_durable(
             elapsed_wall_s = (clock.now_s() - first_s) / clock.time_scale
             if elapsed_wall_s + _RETRY_WALL_S + ACK_TIMEOUT_WALL_S > give_up_wall_s:
                 counters["publish_failures"] += 1
-                log.error("publish to %s (id %s) not acked after %d tries in %.0f s: giving up inside the duplicate window", subject, msg_id, attempt, elapsed_wall_s)
+                log.error(
+                    "publish to %s (id %s) not acked after %d tries in %.0f s: giving up inside the duplicate window",
+                    subject,
+                    msg_id,
+                    attempt,
+                    elapsed_wall_s,
+                )
                 raise PublishFailed(f"{subject} did not ack {msg_id} within {give_up_wall_s:g} s") from err
             await clock.sleep_wall(_RETRY_WALL_S)
 

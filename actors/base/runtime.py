@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 
 from actors.base.clock import Clock, ScaledClock
 from actors.base.connection import BUS_ERRORS, close, connect, read_origin
-from actors.base.tasks import CANCEL_WAIT_S, cancel_and_wait
 from actors.base.lifecycle import LifecyclePublisher
+from actors.base.tasks import CANCEL_WAIT_S, cancel_and_wait
 from actors.config import Config, ConfigError, load_config
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode

@@ -16,7 +16,6 @@ import asyncio
 import heapq
 import itertools
 
-
 _MIN_TIMERS_TO_PURGE = 100  # rebuild the heap when more than half of at least this many are cancelled
 
 

@@ -17,18 +17,17 @@ from actors.base import Actor
 from actors.base.flag import Flag
 from actors.base.publish import pull_one
 from actors.engine.backend import Backend
-from actors.engine.emulated.backend import EmulatedBackend
 from actors.engine.commands import EngineCommands
+from actors.engine.core import EngineCore, Seq
+from actors.engine.emulated.backend import EmulatedBackend
+from actors.engine.emulated.costmodel import LINKS
 from actors.engine.handoff import EngineHandoff
 from actors.engine.writeback import EngineWriteback
-from actors.engine.core import EngineCore, Seq
-from actors.engine.emulated.costmodel import LINKS
 from bus_schemas import subjects
-from bus_schemas.control import Role
-from bus_schemas.lifecycle import EventKind
-from bus_schemas.status import EngineStatus
 from bus_schemas.codec import decode
-from bus_schemas.lifecycle import LifecycleEvent
+from bus_schemas.control import Role
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
+from bus_schemas.status import EngineStatus
 from bus_schemas.streams import LIFECYCLE, affinity_consumer, decode_consumer, prefill_consumer, pull_subscription
 from bus_schemas.work import DecodeWork, PrefillWork
 
@@ -315,7 +314,13 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             self.core.hold_new_handoffs = await self._decode_side_full()
             batch = self.core.plan(max_advance_s=quantum_s, repeat_prefill=repeat_prefill)
             if batch is None:
-                if burst and all(self._queue_empty[q] for q in self._queues()) and self._drained() and not self.core.held and not self._writebacks:
+                if (
+                    burst
+                    and all(self._queue_empty[q] for q in self._queues())
+                    and self._drained()
+                    and not self.core.held
+                    and not self._writebacks
+                ):
                     return
                 await self._wake.wait(self._idle_wait_wall_s(burst))
                 cursor_s = self.clock.now_s()

@@ -133,9 +133,13 @@ class EngineCommands:
             if error is None:
                 self.counters["policy_updates"] += 1
                 self.event(
-                    EventKind.POLICY_LOADED, policy_version=version, step=version, engine_id=self.actor_id,
-                    duration_s=self.clock.now_s() - started_s, detail=mode,
-                )  # fmt: skip
+                    EventKind.POLICY_LOADED,
+                    policy_version=version,
+                    step=version,
+                    engine_id=self.actor_id,
+                    duration_s=self.clock.now_s() - started_s,
+                    detail=mode,
+                )
                 await self.publish_heartbeat()
             else:
                 self.log.error("could not load policy %d: %s", version, error)
@@ -220,7 +224,11 @@ class EngineCommands:
         self.switching = False
         self._resume_pulling()
         self.event(
-            EventKind.ROLE_SWITCHED, engine_id=self.actor_id, role=command.role.value, duration_s=drain_s + reconfig_s, detail=command.reason
+            EventKind.ROLE_SWITCHED,
+            engine_id=self.actor_id,
+            role=command.role.value,
+            duration_s=drain_s + reconfig_s,
+            detail=command.reason,
         )
         await self._reply(msg, "set_role", ok=True, drain_s=drain_s)
         await self.publish_heartbeat()  # the fleet view sees the new role now, not a period later

@@ -132,9 +132,14 @@ class EngineWriteback:
         )
         self._writebacks[handle.handle_id] = WritebackHold(w.trajectory_id, w.policy_version, tokens, handle.expires_at_s, token_ids, kv)
         notice = KvWriteback(
-            trajectory_id=w.trajectory_id, turn=w.turn, policy_version=w.policy_version, kv=handle,
-            prefix_tokens=prefix, token_ids=token_ids, finished_at_s=at_s,
-        )  # fmt: skip
+            trajectory_id=w.trajectory_id,
+            turn=w.turn,
+            policy_version=w.policy_version,
+            kv=handle,
+            prefix_tokens=prefix,
+            token_ids=token_ids,
+            finished_at_s=at_s,
+        )
         self.counters["kv_writeback_held"] += 1
         self.spawn(self._send_notice(seq.prefill_engine_id, notice), f"wb-notice-{seq.key}")
 
@@ -172,12 +177,12 @@ class EngineWriteback:
         have = request.have_tokens
         if hold.expires_at_s < self.clock.now_s() or not 0 <= have <= hold.tokens:
             self.counters["kv_writeback_refused_fetch"] += 1
-            return KvChunk(handle_id=request.handle_id, ok=False, error=f"write-back expired or have_tokens {have} outside 0..{hold.tokens}")
+            return KvChunk(
+                handle_id=request.handle_id, ok=False, error=f"write-back expired or have_tokens {have} outside 0..{hold.tokens}"
+            )
         tokens = hold.tokens - have
         self.counters["kv_writeback_served"] += 1
-        return KvChunk(
-            handle_id=request.handle_id, ok=True, tokens=tokens, start_tokens=have, kv_bytes=tokens * self._kv_bytes_per_token()
-        )
+        return KvChunk(handle_id=request.handle_id, ok=True, tokens=tokens, start_tokens=have, kv_bytes=tokens * self._kv_bytes_per_token())
 
     # --- prefill side: a notice, the fetch, the landing ----------------------------------------
     async def _on_writeback_notice(self, msg: Msg) -> None:
@@ -219,11 +224,19 @@ class EngineWriteback:
         self.counters["kv_writeback_tokens"] += notice.kv.tokens - have
         self.counters["kv_writeback_bytes"] += kv_bytes
         self.event(
-            EventKind.KV_WRITEBACK_DONE, trajectory_id=notice.trajectory_id, turn=notice.turn, policy_version=notice.policy_version,
-            step=notice.policy_version, engine_id=self.actor_id, role=self.core.role.value, cached_prefix_tokens=notice.kv.tokens,
-            new_tokens=notice.kv.tokens - have, kv_bytes=kv_bytes, duration_s=self.clock.now_s() - started_s,
+            EventKind.KV_WRITEBACK_DONE,
+            trajectory_id=notice.trajectory_id,
+            turn=notice.turn,
+            policy_version=notice.policy_version,
+            step=notice.policy_version,
+            engine_id=self.actor_id,
+            role=self.core.role.value,
+            cached_prefix_tokens=notice.kv.tokens,
+            new_tokens=notice.kv.tokens - have,
+            kv_bytes=kv_bytes,
+            duration_s=self.clock.now_s() - started_s,
             detail=f"to-prefill from {notice.kv.engine_id}",
-        )  # fmt: skip
+        )
 
     def _writeback_have(self, notice: KvWriteback) -> int:
         """KV positions of the notice's sequence this engine holds already (a backend hook)."""
@@ -257,15 +270,23 @@ class EngineWriteback:
         started_s = self.clock.now_s()
         await self.clock.sleep(transfer_s(self.store_link, kv_bytes))
         put = KvStorePut(
-            trajectory_id=w.trajectory_id, policy_version=w.policy_version, tokens=tokens, kv_bytes=kv_bytes,
-            writer_id=self.actor_id, at_s=self.clock.now_s(),
-        )  # fmt: skip
+            trajectory_id=w.trajectory_id,
+            policy_version=w.policy_version,
+            tokens=tokens,
+            kv_bytes=kv_bytes,
+            writer_id=self.actor_id,
+            at_s=self.clock.now_s(),
+        )
         self.store.put(w.trajectory_id, w.policy_version, tokens)  # this engine knows at once; others by the notice
         await self.nc.publish(subjects.kv_store_put(), encode(put))
         self.counters["kv_store_writes"] += 1
         self.counters["kv_store_bytes_written"] += kv_bytes
         self._turn_event(
-            EventKind.KV_WRITEBACK_DONE, seq, self.clock.now_s(), kv_bytes=kv_bytes, duration_s=self.clock.now_s() - started_s,
+            EventKind.KV_WRITEBACK_DONE,
+            seq,
+            self.clock.now_s(),
+            kv_bytes=kv_bytes,
+            duration_s=self.clock.now_s() - started_s,
             detail="store",
         )
 
@@ -290,8 +311,14 @@ class EngineWriteback:
             self.counters["kv_store_loads"] += 1
             self.counters["kv_store_tokens_loaded"] += stored - have
             self._work_event(
-                EventKind.KV_STORE_LOADED, work, role=self.core.role.value, cached_prefix_tokens=stored,
-                context_tokens=work.context_tokens, new_tokens=work.new_tokens, kv_bytes=kv_bytes, duration_s=duration_s,
-            )  # fmt: skip
+                EventKind.KV_STORE_LOADED,
+                work,
+                role=self.core.role.value,
+                cached_prefix_tokens=stored,
+                context_tokens=work.context_tokens,
+                new_tokens=work.new_tokens,
+                kv_bytes=kv_bytes,
+                duration_s=duration_s,
+            )
         else:
             self.counters["kv_store_load_dropped"] += 1

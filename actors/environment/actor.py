@@ -136,11 +136,15 @@ class EnvironmentActor(Actor):
             await msg.term()
             return
         override = self.config.workload.overrides.get(a.task_family)
-        kwargs = {} if override is None else dict(
-            turns_max=override.turns_max,
-            gen_scale=override.gen_scale,
-            obs_scale=override.obs_scale,
-            tool_latency_scale=override.tool_latency_scale,
+        kwargs = (
+            {}
+            if override is None
+            else dict(
+                turns_max=override.turns_max,
+                gen_scale=override.gen_scale,
+                obs_scale=override.obs_scale,
+                tool_latency_scale=override.tool_latency_scale,
+            )
         )
         plan = plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
         t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=plan.prompt_tokens)
@@ -285,7 +289,14 @@ class EnvironmentActor(Actor):
             **self._outcome(t),
         )
         stored = await publish_durable(
-            self.js, subjects.train_finished(), encode(done), f"{self.run_tag}/{a.trajectory_id}", self.counters, self.log, self.stopping, self.clock
+            self.js,
+            subjects.train_finished(),
+            encode(done),
+            f"{self.run_tag}/{a.trajectory_id}",
+            self.counters,
+            self.log,
+            self.stopping,
+            self.clock,
         )
         if getattr(stored, "duplicate", False):  # a rerun of one already reported (its task's ack was lost)
             self.counters["finished_again"] += 1

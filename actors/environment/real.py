@@ -50,7 +50,9 @@ class RealEnvironmentActor(EnvironmentActor):
             return
         seed = zlib.crc32(a.task_id.encode())  # one prompt per task: its G samples form a GRPO group
         prompt = self.tokenizer.encode(task.prompt(self.config.run.seed, seed))
-        t = RealTrajectory(a, msg, plan=None, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=len(prompt), task=task, new_ids=prompt)  # type: ignore[arg-type]
+        t = RealTrajectory(
+            a, msg, plan=None, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=len(prompt), task=task, new_ids=prompt
+        )  # type: ignore[arg-type]
         self.live[a.trajectory_id] = t
         self._event(t, EventKind.STARTED, new_tokens=len(prompt))
         await self._submit(t)
@@ -71,7 +73,9 @@ class RealEnvironmentActor(EnvironmentActor):
             return
         if len(r.token_ids) != r.output_tokens or len(r.logprobs) != r.output_tokens or not r.token_ids:
             self.counters["invalid_messages"] += 1  # the turn stays awaited: its redelivery or a rerun answers it
-            self.log.error("turn result %s carries %d ids / %d logprobs for %d tokens", r.work_id, len(r.token_ids), len(r.logprobs), r.output_tokens)
+            self.log.error(
+                "turn result %s carries %d ids / %d logprobs for %d tokens", r.work_id, len(r.token_ids), len(r.logprobs), r.output_tokens
+            )
             return
         t.awaiting_result = False
         t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id

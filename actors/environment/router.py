@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from bus_schemas.control import Role
 from bus_schemas.status import EngineStatus
 
-
 SEQ_LOAD_TOKENS = 1024  # a decoding sequence weighs like this many queued prefill tokens
 # a decode engine this full of KV decodes all the batch it can hold (the 90% occupancy the
 # allocator sizes pools to) [A]
@@ -125,7 +124,9 @@ class Router:
             held_handles=status.held_kv_handles,
         )
 
-    def route(self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None) -> str | None:
+    def route(
+        self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None
+    ) -> str | None:
         """The engine whose own queue gets this turn; None: the shared prefill queue.
 
         `kv_engine_id` decoded the trajectory's last turn (it holds all of its context),

@@ -26,13 +26,13 @@ from nats.js import api
 from actors.base import Actor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
+from bus_schemas.control import Role
+from bus_schemas.eventlog import events_frame
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import LifecycleEvent
-from bus_schemas.control import Role
 from forecasting.core import CoreConfig, ForecastCore, TickResult
-from forecasting.series import TokenCost
 from forecasting.models import QUANTILES, TARGETS
-from bus_schemas.eventlog import events_frame
+from forecasting.series import TokenCost
 
 FETCH_BATCH = 2000
 FETCH_WAIT_WALL_S = 0.1
@@ -64,7 +64,15 @@ class ForecasterActor(Actor):
     def __init__(self, actor_id, config, nc, clock) -> None:
         super().__init__(actor_id, config, nc, clock)
         fc = config.forecaster
-        self.core = ForecastCore(CoreConfig(models=(fc.model,), bin_s=fc.bin_s, horizons_s=tuple(fc.horizons_s), prefill_cost=prefill_cost(config), decode_cost=decode_cost(config)))
+        self.core = ForecastCore(
+            CoreConfig(
+                models=(fc.model,),
+                bin_s=fc.bin_s,
+                horizons_s=tuple(fc.horizons_s),
+                prefill_cost=prefill_cost(config),
+                decode_cost=decode_cost(config),
+            )
+        )
         self.buffer: list[LifecycleEvent] = []
         self.ticks = 0  # ticks computed
         self.next_index = 1  # the next tick to compute is at next_index * tick_s
@@ -75,9 +83,7 @@ class ForecasterActor(Actor):
         self._drained = asyncio.Event()  # the consumer had nothing pending at the last fetch
 
     async def setup(self) -> None:
-        config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=60.0
-        )
+        config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=60.0)
         self._sub = await self.js.pull_subscribe(subjects.lifecycle_all(), stream=streams.LIFECYCLE.name, config=config)
 
     async def serve(self, burst: bool) -> None:
@@ -110,7 +116,9 @@ class ForecasterActor(Actor):
         self.skipped_ticks += skipped
         self.counters["skipped_ticks"] += skipped
         if self.skipped_ticks == skipped or self.skipped_ticks // 100 > (self.skipped_ticks - skipped) // 100:
-            self.log.warning("behind the clock: skipped %d ticks to tick %d (%d skipped so far)", skipped, self.next_index + skipped, self.skipped_ticks)
+            self.log.warning(
+                "behind the clock: skipped %d ticks to tick %d (%d skipped so far)", skipped, self.next_index + skipped, self.skipped_ticks
+            )
 
     async def _consume(self) -> None:
         while not self.stopping.is_set():
@@ -147,7 +155,13 @@ class ForecasterActor(Actor):
         if message.fallback:
             self.counters["fallbacks"] += 1
         if message.fallback and (message.fallbacks_total in (1, 10, 100) or message.fallbacks_total % 1000 == 0):
-            self.log.warning("tick %.1f s: %s fell back to naive (%d ticks so far): %s", until_s, message.model, message.fallbacks_total, message.fallback_reason)
+            self.log.warning(
+                "tick %.1f s: %s fell back to naive (%d ticks so far): %s",
+                until_s,
+                message.model,
+                message.fallbacks_total,
+                message.fallback_reason,
+            )
         await self.nc.publish(subjects.forecast(), encode(message))
 
     def _message(self, result: TickResult) -> DemandForecast:

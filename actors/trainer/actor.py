@@ -56,7 +56,10 @@ class TrainerActor(AsyncTrainerLoop, Actor):
             self.reports.append(report)
             self.log.info(
                 "step %d: rollout %.1f s, %d trajectories, mean reward %.3f",
-                step, report.rollout_s, report.trajectories, report.mean_reward,
+                step,
+                report.rollout_s,
+                report.trajectories,
+                report.mean_reward,
             )
         self.log.info("all %d steps done", self.config.trainer.steps)
 

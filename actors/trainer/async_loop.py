@@ -63,8 +63,13 @@ class AsyncTrainerLoop:
             await self._durable(subjects.train_step(), encode(report), f"step-{batch.index}")
             self.log.info(
                 "batch %d: %d trajectories, staleness %s, %d dropped, %d turns masked, mean reward %.3f",
-                batch.index, report.trajectories, report.staleness, report.dropped, report.masked_turns, report.mean_reward,
-            )  # fmt: skip
+                batch.index,
+                report.trajectories,
+                report.staleness,
+                report.dropped,
+                report.masked_turns,
+                report.mean_reward,
+            )
             batch_started_s = formed_s
         if loading is not None:
             await loading
@@ -86,9 +91,15 @@ class AsyncTrainerLoop:
             now_s = self.clock.now_s()
             for g, trajectory_id in enumerate(members):
                 assignment = TaskAssignment(
-                    trajectory_id=trajectory_id, task_id=task_id, task_family=family, sample_index=g, step=version,
-                    policy_version=version, seed=i * tc.samples_per_task + g, assigned_at_s=now_s,
-                )  # fmt: skip
+                    trajectory_id=trajectory_id,
+                    task_id=task_id,
+                    task_family=family,
+                    sample_index=g,
+                    step=version,
+                    policy_version=version,
+                    seed=i * tc.samples_per_task + g,
+                    assigned_at_s=now_s,
+                )
                 await self._durable(subjects.train_tasks(), encode(assignment), trajectory_id)
             self.counters["groups_assigned"] += 1
         if self.gate.wanted() > 0 and not self.gate.may_assign(version):
@@ -129,10 +140,13 @@ class AsyncTrainerLoop:
                 staleness = self.gate.next_batch - min(t.policy_versions)
                 self.counters["dropped_stale"] += 1
                 self.event(
-                    EventKind.TRAJECTORY_DROPPED, trajectory_id=t.trajectory_id, task_family=t.task_family,
-                    policy_version=min(t.policy_versions), step=self.gate.next_batch,
+                    EventKind.TRAJECTORY_DROPPED,
+                    trajectory_id=t.trajectory_id,
+                    task_family=t.task_family,
+                    policy_version=min(t.policy_versions),
+                    step=self.gate.next_batch,
                     detail=f"group {g.task_id}: staleness {staleness} > max_staleness {eta} at batch {self.gate.next_batch}",
-                )  # fmt: skip
+                )
             self.log.warning("dropped group %s from training: too stale for batch %d", g.task_id, self.gate.next_batch)
 
     def _note_batch(self, batch: Batch) -> None:
@@ -142,9 +156,11 @@ class AsyncTrainerLoop:
         self.counters["masked_turns"] += batch.masked_turns
         self.counters["batches"] += 1
         self.event(
-            EventKind.BATCH_READY, step=batch.index, policy_version=batch.index,
+            EventKind.BATCH_READY,
+            step=batch.index,
+            policy_version=batch.index,
             detail=f"staleness {batch.staleness}; masked turns {batch.masked_turns}",
-        )  # fmt: skip
+        )
 
     def _take_dropped(self) -> int:
         dropped, self._dropped_since_batch = self._dropped_since_batch, 0

@@ -71,9 +71,20 @@ def turn_mask(t: FinishedTrajectory, min_version: int) -> list[int]:
     return mask
 
 
-def grpo_update(lm, optimizer, trajectories: list[FinishedTrajectory], *, temperature: float, clip_eps: float,
-                epochs: int, pad_id: int, max_grad_norm: float = 1.0, correction: str = "none", is_cap: float = 2.0,
-                min_version: int = -1) -> StepStats:  # fmt: skip
+def grpo_update(
+    lm,
+    optimizer,
+    trajectories: list[FinishedTrajectory],
+    *,
+    temperature: float,
+    clip_eps: float,
+    epochs: int,
+    pad_id: int,
+    max_grad_norm: float = 1.0,
+    correction: str = "none",
+    is_cap: float = 2.0,
+    min_version: int = -1,
+) -> StepStats:
     data = [t for t in trajectories if usable(t)]
     advantages = group_advantages([t.reward for t in data], [t.task_id for t in data])
     keep = [i for i, a in enumerate(advantages) if a != 0.0]

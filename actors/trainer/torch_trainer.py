@@ -51,16 +51,23 @@ class TorchTrainerActor(TrainerActor):
             reply = WeightsChunk(version=-1, ok=False, error="malformed weights fetch")
         elif request.version not in self._weights:
             self.counters["weights_unknown_version"] += 1
-            reply = WeightsChunk(version=request.version, ok=False, error=f"version {request.version} not served (have {sorted(self._weights)})")
+            reply = WeightsChunk(
+                version=request.version, ok=False, error=f"version {request.version} not served (have {sorted(self._weights)})"
+            )
         else:
             chunks, digest, total = self._weights[request.version]
             if not 0 <= request.chunk < len(chunks):
                 reply = WeightsChunk(version=request.version, ok=False, error=f"no chunk {request.chunk}")
             else:
                 reply = WeightsChunk(
-                    version=request.version, ok=True, chunk=request.chunk, n_chunks=len(chunks), total_bytes=total,
-                    checksum=digest, data=bytes(chunks[request.chunk]),
-                )  # fmt: skip
+                    version=request.version,
+                    ok=True,
+                    chunk=request.chunk,
+                    n_chunks=len(chunks),
+                    total_bytes=total,
+                    checksum=digest,
+                    data=bytes(chunks[request.chunk]),
+                )
                 self.counters["weights_chunks_served"] += 1
         if msg.reply:
             await msg.respond(encode(reply))
@@ -69,10 +76,18 @@ class TorchTrainerActor(TrainerActor):
         mc, tc = self.config.model, self.config.trainer
         started_s = self.clock.now_s()
         stats = await asyncio.to_thread(
-            grpo_update, self.lm, self.optimizer, batch, temperature=mc.temperature, clip_eps=mc.clip_eps,
-            epochs=mc.epochs, pad_id=self.tokenizer.pad_id, correction=tc.off_policy_correction, is_cap=tc.is_cap,
+            grpo_update,
+            self.lm,
+            self.optimizer,
+            batch,
+            temperature=mc.temperature,
+            clip_eps=mc.clip_eps,
+            epochs=mc.epochs,
+            pad_id=self.tokenizer.pad_id,
+            correction=tc.off_policy_correction,
+            is_cap=tc.is_cap,
             min_version=min_version,
-        )  # fmt: skip
+        )
         unusable = len(batch) - sum(1 for t in batch if t.token_ids)
         if unusable:
             self.counters["trajectories_without_tokens"] += unusable
@@ -88,8 +103,14 @@ class TorchTrainerActor(TrainerActor):
         self.counters["is_capped_tokens"] += stats.is_capped_tokens
         self.log.info(
             "trained policy %d: loss %.4f on %d tokens of %d trajectories, rollout/trainer logprob gap %.2e, clipped %.3f, %.2f s",
-            new_version, stats.loss, stats.tokens, stats.trajectories, stats.mean_abs_logprob_gap, stats.clipped_fraction, train_s,
-        )  # fmt: skip
+            new_version,
+            stats.loss,
+            stats.tokens,
+            stats.trajectories,
+            stats.mean_abs_logprob_gap,
+            stats.clipped_fraction,
+            train_s,
+        )
         return train_s
 
     def _weights_ref(self) -> str:

@@ -18,14 +18,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any, ClassVar, Self
 
 import numpy as np
-from statistics import NormalDist
 
 from forecasting.live import LiveState
 
-TARGETS = ("prefill_new_tokens", "prefill_miss_tokens", "prefill_engine_s", "decode_active_seqs", "decode_tokens", "decode_engine_s", "live_kv_tokens")
+TARGETS = (
+    "prefill_new_tokens",
+    "prefill_miss_tokens",
+    "prefill_engine_s",
+    "decode_active_seqs",
+    "decode_tokens",
+    "decode_engine_s",
+    "live_kv_tokens",
+)
 QUANTILES = (0.1, 0.5, 0.9)  # the 10-90 % interval is what coverage is measured on
 _Z = np.array([NormalDist().inv_cdf(q) for q in QUANTILES])
 
@@ -70,7 +78,7 @@ class Prediction:
         return float(self.asked.get(target, self.mean[target])[: hi + 1].mean())
 
     @staticmethod
-    def normal(mean: dict[str, np.ndarray], sd: dict[str, np.ndarray]) -> "Prediction":
+    def normal(mean: dict[str, np.ndarray], sd: dict[str, np.ndarray]) -> Prediction:
         """Quantiles from a normal with the given sd, clipped at 0 (demand is never negative)."""
         quantiles = {t: np.maximum(mean[t][None, :] + _Z[:, None] * sd[t][None, :], 0.0) for t in mean}
         return Prediction({t: np.maximum(m, 0.0) for t, m in mean.items()}, quantiles)

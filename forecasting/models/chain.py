@@ -86,7 +86,9 @@ def ahead(cont: np.ndarray, cycles: int) -> tuple[np.ndarray, np.ndarray]:
     return weights[:-1], weights[:-1] - weights[1:]
 
 
-def shared(bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, finishing: np.ndarray, context: np.ndarray, growth: float) -> tuple[np.ndarray, np.ndarray]:
+def shared(
+    bucket: np.ndarray, first_turn: np.ndarray, weights: np.ndarray, finishing: np.ndarray, context: np.ndarray, growth: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Trajectories with the same (elapsed bucket, first turn) have the same future: the
     distinct pairs' buckets, and per pair four blocks of rows (one per decode completion
     ahead, m = 0..M): their continuation weights times how many share it; the same times the

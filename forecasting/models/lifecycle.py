@@ -59,14 +59,17 @@ from forecasting.models.slots import Block, Flows, SlotDemand
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV
 
-
 MAX_CYCLES_AHEAD = 4  # async: batch cycles followed within the horizon
+
+
 def _walked(chain: PhaseChain, ends_by_phase: dict[int, np.ndarray]) -> Flows:
     """The flows that follow the ends of each phase, given as `chain.shared`'s four blocks of rows
     (counts, contexts, finishing counts, finishing contexts), walked along the chain."""
     rows = chain.cycles + 1
     flows_hat = sum(chain.spectrum(phase, ends[:rows]) for phase, ends in ends_by_phase.items())
-    decode_hat = sum(np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items())
+    decode_hat = sum(
+        np.array([chain.spectrum(phase, ends[b * rows : (b + 1) * rows])[DEC] for b in (1, 2, 3)]) for phase, ends in ends_by_phase.items()
+    )
     return Flows.of(chain.inverse(flows_hat), chain.inverse(decode_hat))
 
 
@@ -131,7 +134,9 @@ class Lifecycle(Forecaster):
         return self._to_bins(demand, horizon_bins)
 
     # --- per family --------------------------------------------------------------------------
-    def _add_family(self, demand: SlotDemand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float) -> None:
+    def _add_family(
+        self, demand: SlotDemand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float
+    ) -> None:
         pooled = live.stats[POOLED]
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
@@ -140,8 +145,12 @@ class Lifecycle(Forecaster):
         obs, gen = stat(stats, pooled, "obs_tokens"), stat(stats, pooled, "gen_tokens")
         ends_by_phase: dict[int, np.ndarray] = {}  # chains from the same phase add up before the walk (`chain.shared`'s blocks)
         phase_of, turn_of = live.phase[members], live.turn[members]
-        groups = [(PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre), (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
-                  (DEC, phase_of == DEC, stages[DEC]), (TOOL, phase_of == TOOL, stages[TOOL])]  # fmt: skip
+        groups = [
+            (PRE, (phase_of == PRE) & (turn_of == 0), prompt_pre),
+            (PRE, (phase_of == PRE) & (turn_of != 0), stages[PRE]),
+            (DEC, phase_of == DEC, stages[DEC]),
+            (TOOL, phase_of == TOOL, stages[TOOL]),
+        ]
         for phase, mask, stage in groups:
             sel = members[mask]
             if len(sel) == 0:
@@ -162,8 +171,12 @@ class Lifecycle(Forecaster):
                 engine_s, miss = waiting_prefills(live, stats, pooled, queued)
                 waited_s = now_s - live.entered_s[queued]
                 delays = stat(stats, pooled, "prompt_delays" if stage is prompt_pre else "prefill_delays")
-                demand.add_prefill(delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots), delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots),
-                                   demand.now(miss.sum()), demand.now(engine_s.sum()))  # fmt: skip
+                demand.add_prefill(
+                    delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots),
+                    delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots),
+                    demand.now(miss.sum()),
+                    demand.now(engine_s.sum()),
+                )
                 # the KV this turn adds by its decode: its new tokens unless prefilled already
                 # (in place of the family's mean observation, which the chain adds at every PRE end)
                 own = np.where(live.prefilled[sel], 0.0, live.queued_new[sel]) - obs.mean()
@@ -174,11 +187,15 @@ class Lifecycle(Forecaster):
                 first = stage.residual_sums(bucket, own, step_s, demand.slots, elapsed_s if self.censoring else None)
                 delays = stat(stats, pooled, "prefill_delays")  # ... computed when its prefill is done
                 # in place of the family's mean size for the first arrival
-                demand.add_prefill(delays.lagged(MISS_COLUMN, first[1], step_s), delays.lagged(ENGINE_COLUMN, first[0], step_s), first[1], first[0])
+                demand.add_prefill(
+                    delays.lagged(MISS_COLUMN, first[1], step_s), delays.lagged(ENGINE_COLUMN, first[0], step_s), first[1], first[0]
+                )
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         self._add_sizes(demand, _walked(chain, ends_by_phase), stats, pooled, step_s, turn0=False)
 
-    def _add_sizes(self, demand: SlotDemand, flows: Flows, stats: FamilyStats, pooled: FamilyStats, step_s: float, turn0: bool, block: float = 0.0) -> None:
+    def _add_sizes(
+        self, demand: SlotDemand, flows: Flows, stats: FamilyStats, pooled: FamilyStats, step_s: float, turn0: bool, block: float = 0.0
+    ) -> None:
         """block > 0: the arrivals come as blocks of that many (a start burst), so each
         flow's distribution has blocks, not single arrivals, as its items."""
         obs = stat(stats, pooled, "prompt_tokens" if turn0 else "obs_tokens")
@@ -197,7 +214,12 @@ class Lifecycle(Forecaster):
         demand.compound["prefill_engine_s"].append((done[ENGINE_COLUMN], engine))
         demand.compound["decode_tokens"].append((flows.ends, gen))
         demand.compound["decode_engine_s"].append((flows.ends, decode_s))
-        demand.add_prefill(done[MISS_COLUMN] * miss.mean(), done[ENGINE_COLUMN] * engine.mean(), flows.arrivals * miss.mean(), flows.arrivals * engine.mean())
+        demand.add_prefill(
+            done[MISS_COLUMN] * miss.mean(),
+            done[ENGINE_COLUMN] * engine.mean(),
+            flows.arrivals * miss.mean(),
+            flows.arrivals * engine.mean(),
+        )
         demand.decode_tokens += flows.ends * gen.mean()
         demand.decode_engine_s += flows.ends * (a * gen.mean() + k * gen.second_moment() / 2.0) + flows.ends_context * k * gen.mean()
         # the live KV: a decode start adds its turn's new tokens, a decode end its generated
@@ -226,8 +248,12 @@ class Lifecycle(Forecaster):
         if first < demand.slots:
             demand.decode_active[first:] += queue.queued
         draining = np.arange(demand.slots) <= first
-        demand.add_prefill(draining * queue.waiting_miss_tokens / (first + 1), draining * queue.waiting_engine_s / (first + 1),
-                           demand.now(queue.waiting_miss_tokens), demand.now(queue.waiting_engine_s))  # fmt: skip
+        demand.add_prefill(
+            draining * queue.waiting_miss_tokens / (first + 1),
+            draining * queue.waiting_engine_s / (first + 1),
+            demand.now(queue.waiting_miss_tokens),
+            demand.now(queue.waiting_engine_s),
+        )
         demand.kv_delta[draining] += queue.waiting_new_tokens / (first + 1)
 
     # --- start bursts: sync steps or async batch cycles (LiveState.cadence) ---------------------
@@ -252,7 +278,9 @@ class Lifecycle(Forecaster):
             if anchor.sum() < 1e-3:
                 break
 
-    def _add_burst(self, demand: SlotDemand, live: LiveState, size: float, mix: dict[int, float], p: np.ndarray, step_s: float, wave: bool) -> None:
+    def _add_burst(
+        self, demand: SlotDemand, live: LiveState, size: float, mix: dict[int, float], p: np.ndarray, step_s: float, wave: bool
+    ) -> None:
         """`size` trajectories that start in each slot with probability p, in the families'
         shares `mix` (pooled statistics where it is empty); `wave`: all at once (async)."""
         pooled = live.stats[POOLED]
@@ -269,7 +297,9 @@ class Lifecycle(Forecaster):
         demand.var["prefill_miss_tokens"] += delays.lagged(MISS_COLUMN, burst_var, step_s) * prompt_miss**2
         demand.var["prefill_engine_s"] += delays.lagged(ENGINE_COLUMN, burst_var, step_s) * prompt_engine_s**2
 
-    def _add_family_starts(self, demand: SlotDemand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool) -> None:
+    def _add_family_starts(
+        self, demand: SlotDemand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool
+    ) -> None:
         stages = _stages(stats, pooled)
         turns = stats.turns if stats.turns.n else pooled.turns
         weights, finish = (w[:, 0] for w in ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
@@ -308,7 +338,9 @@ class Lifecycle(Forecaster):
         }
         var = {t: level(v) if t == "decode_active_seqs" else at_end(np.cumsum(v)) if t == LIVE_KV else flow(v) for t, v in d.var.items()}
         prediction = Prediction.normal(mean, {t: np.sqrt(np.maximum(v, 0.0)) for t, v in var.items()})
-        prediction.asked.update({"prefill_miss_tokens": np.maximum(flow(d.miss_asked), 0.0), "prefill_engine_s": np.maximum(flow(d.engine_s_asked), 0.0)})
+        prediction.asked.update(
+            {"prefill_miss_tokens": np.maximum(flow(d.miss_asked), 0.0), "prefill_engine_s": np.maximum(flow(d.engine_s_asked), 0.0)}
+        )
         bins = np.arange(horizon_bins) if self.exact_bins is None else np.array([b for b in self.exact_bins if b < horizon_bins], np.int64)
         for target, sources in d.compound.items():  # the compound Poisson distribution of items × sizes
             if not sources or not len(bins):

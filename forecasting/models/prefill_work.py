@@ -18,7 +18,9 @@ def stat(stats: FamilyStats, pooled: FamilyStats, name: str):
     return own if own.n else getattr(pooled, name)
 
 
-def next_prefill(live: LiveState, stats: FamilyStats, pooled: FamilyStats, members: np.ndarray, new, new_squared) -> tuple[np.ndarray, np.ndarray]:
+def next_prefill(
+    live: LiveState, stats: FamilyStats, pooled: FamilyStats, members: np.ndarray, new, new_squared
+) -> tuple[np.ndarray, np.ndarray]:
     """Expected engine-seconds and cache-missed tokens of each member's next prefill: `new`
     tokens (mean, and mean square) on its context C, of which a share ρ is cached (the
     family's learned ρ). With n = C(1-ρ) + new missed on a prefix ρC (series.TokenCost):

@@ -38,7 +38,17 @@ class SlotDemand:
 
     def __post_init__(self) -> None:
         self.compound = {t: [] for t in COMPOUND}
-        for name in ("new_tokens", "miss_tokens", "engine_s", "miss_asked", "engine_s_asked", "decode_tokens", "decode_engine_s", "decode_active", "kv_delta"):
+        for name in (
+            "new_tokens",
+            "miss_tokens",
+            "engine_s",
+            "miss_asked",
+            "engine_s_asked",
+            "decode_tokens",
+            "decode_engine_s",
+            "decode_active",
+            "kv_delta",
+        ):
             setattr(self, name, np.zeros(self.slots))
         self.var = {t: np.zeros(self.slots) for t in TARGETS}
 
@@ -64,13 +74,13 @@ class Flows:
     finish_context: np.ndarray  # Σ over those of the context (the KV the trajectory lets go)
 
     @staticmethod
-    def of(by_phase: np.ndarray, decode_ends: np.ndarray) -> "Flows":
+    def of(by_phase: np.ndarray, decode_ends: np.ndarray) -> Flows:
         """From the (3, slots) ends per phase, and the (3, slots) decode ends' contexts, the
         finishing ends and their contexts."""
         return Flows(by_phase[TOOL], by_phase[PRE], by_phase[DEC], *decode_ends)
 
     @staticmethod
-    def none(arrivals: np.ndarray) -> "Flows":
+    def none(arrivals: np.ndarray) -> Flows:
         """Arrivals alone."""
         zero = np.zeros_like(arrivals)
         return Flows(arrivals, zero, zero, zero, zero, zero)

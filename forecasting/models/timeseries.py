@@ -128,9 +128,13 @@ class Holt(_Refitting):
         if not np.isfinite(fit.level[-1]):
             raise FitError("ets: non-finite level after fit")
         return dict(
-            alpha=float(p["smoothing_level"]), beta=float(p["smoothing_trend"]), phi=float(p["damping_trend"]),
-            level=float(fit.level[-1]), trend=float(fit.trend[-1]), sd=float(np.std(fit.resid)),
-        )  # fmt: skip
+            alpha=float(p["smoothing_level"]),
+            beta=float(p["smoothing_trend"]),
+            phi=float(p["damping_trend"]),
+            level=float(fit.level[-1]),
+            trend=float(fit.trend[-1]),
+            sd=float(np.std(fit.resid)),
+        )
 
     def _update_one(self, s: dict, y: np.ndarray, seen: int) -> dict:
         level, trend = s["level"], s["trend"]

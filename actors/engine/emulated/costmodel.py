@@ -25,7 +25,20 @@ from dataclasses import dataclass, replace
 from actors.engine.emulated import hardware as hw
 from actors.engine.emulated.hardware import LINKS, Link  # re-exported: the engine imports links from here
 
-__all__ = ["LINKS", "Link", "CostPreset", "Layout", "RankLoad", "PRESETS", "derive", "iteration_s", "group_iteration_s", "switch_reconfig_s", "weight_sync_s", "with_lockstep"]
+__all__ = [
+    "LINKS",
+    "Link",
+    "CostPreset",
+    "Layout",
+    "RankLoad",
+    "PRESETS",
+    "derive",
+    "iteration_s",
+    "group_iteration_s",
+    "switch_reconfig_s",
+    "weight_sync_s",
+    "with_lockstep",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +140,9 @@ def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = L
     moe = model.moe_expert_bytes_bf16 > 0
     ref = hw.GEMM_REF_TOKENS
     if moe:  # grouped GEMM [A], degraded by TP as a dense GEMM of the same per-GPU shape would be
-        eta_prefill = hw.ETA_FLOPS_MOE * gemm_efficiency(ref, model.hidden, model.hidden / tp) / gemm_efficiency(ref, model.hidden, model.hidden)
+        eta_prefill = (
+            hw.ETA_FLOPS_MOE * gemm_efficiency(ref, model.hidden, model.hidden / tp) / gemm_efficiency(ref, model.hidden, model.hidden)
+        )
         eta_decode = eta_prefill
     else:
         eta_prefill = gemm_efficiency(ref, model.hidden, model.hidden / tp)

@@ -96,10 +96,20 @@ MODELS: dict[str, ModelSpec] = {
     # 3 x 2048 x 768, top-8, every layer MoE. Always-read bytes 2.41 GB (attention 0.91e9 params,
     # LM head, router, norms), expert bytes 57.96 GB; active 2.73e9 non-embedding params per token.
     "qwen3-30b-a3b": ModelSpec(
-        "qwen3-30b-a3b", 48, 32, 128, 2048, 98_304, 60.4e9, 2.73e9,
-        moe_dense_bytes_bf16=2.41e9, moe_expert_bytes_bf16=57.96e9, moe_touch_share=8 / 128,
-        lm_head_bytes_bf16=0.622e9, moe_layers=48,
-    ),  # fmt: skip
+        "qwen3-30b-a3b",
+        48,
+        32,
+        128,
+        2048,
+        98_304,
+        60.4e9,
+        2.73e9,
+        moe_dense_bytes_bf16=2.41e9,
+        moe_expert_bytes_bf16=57.96e9,
+        moe_touch_share=8 / 128,
+        lm_head_bytes_bf16=0.622e9,
+        moe_layers=48,
+    ),
     # DeepSeek-V3 (MLA): 61 layers, latent 512 + rope 64 -> 70,272 B/token BF16; 128 heads, q/k head
     # dim 192 (128 nope + 64 rope). 671 B params, FP8 weights. Served with DP attention + EP: its
     # per-GPU throughput constants are measured figures (see DEEPSEEK_V3_EP below).
@@ -115,10 +125,20 @@ MODELS: dict[str, ModelSpec] = {
     # 3 x 4096 x 14336, top-2: always-read 2.95 GB (attention 1.34e9 params + LM head), experts 90.2 GB;
     # active 12.62e9 non-embedding params per token.
     "mixtral-8x7b": ModelSpec(
-        "mixtral-8x7b", 32, 32, 128, 4096, 131_072, 93.2e9, 12.62e9,
-        moe_dense_bytes_bf16=2.95e9, moe_expert_bytes_bf16=90.2e9, moe_touch_share=2 / 8,
-        lm_head_bytes_bf16=0.262e9, moe_layers=32,
-    ),  # fmt: skip
+        "mixtral-8x7b",
+        32,
+        32,
+        128,
+        4096,
+        131_072,
+        93.2e9,
+        12.62e9,
+        moe_dense_bytes_bf16=2.95e9,
+        moe_expert_bytes_bf16=90.2e9,
+        moe_touch_share=2 / 8,
+        lm_head_bytes_bf16=0.262e9,
+        moe_layers=32,
+    ),
 }
 
 

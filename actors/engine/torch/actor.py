@@ -37,8 +37,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.engine.actor import EngineActor
-from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.core import Seq
+from actors.engine.handoff import KV_REQUEST_TIMEOUT_WALL_S
 from actors.engine.torch.backend import TorchBackend
 from actors.engine.torch.kv import KvChunkView, KvError, Outgoing, kv_slice
 from actors.engine.torch.model import (
@@ -183,9 +183,13 @@ class TorchEngineActor(EngineActor):
         self._prepare_transfer(seq.key, max(0, seq.work.context_tokens - 1))
         first, logprob = self.torch.first_token(seq.key)
         return DecodeWork(
-            prefill=seq.work, kv=handle, first_token_id=first, first_logprob=logprob,
-            cached_prefix_tokens=seq.cached_prefix_tokens, prefilled_at_s=at_s,
-        )  # fmt: skip
+            prefill=seq.work,
+            kv=handle,
+            first_token_id=first,
+            first_logprob=logprob,
+            cached_prefix_tokens=seq.cached_prefix_tokens,
+            prefilled_at_s=at_s,
+        )
 
     def _turn_result(self, seq: Seq, at_s: float) -> TurnResult:
         token_ids, logprobs = self.torch.finish(seq)
@@ -265,9 +269,16 @@ class TorchEngineActor(EngineActor):
     @staticmethod
     def _chunk(handle_id: str, out: Outgoing, i: int) -> KvChunk:
         return KvChunk(
-            handle_id=handle_id, ok=True, chunk=i, n_chunks=len(out.replies), tokens=out.tokens,
-            kv_bytes=out.total_bytes, checksum=out.checksum, data=out.replies[i], start_tokens=out.start_tokens,
-        )  # fmt: skip
+            handle_id=handle_id,
+            ok=True,
+            chunk=i,
+            n_chunks=len(out.replies),
+            tokens=out.tokens,
+            kv_bytes=out.total_bytes,
+            checksum=out.checksum,
+            data=out.replies[i],
+            start_tokens=out.start_tokens,
+        )
 
     def _expire_held(self) -> None:
         self._expire_writebacks()
@@ -363,10 +374,17 @@ class TorchEngineActor(EngineActor):
             self._msgs[seq.key] = msg
             self.counters["kv_bytes_fetched"] += len(payload)
             self.counters["kv_tokens_reused"] += have
-            self._landed_events.append(partial(  # stamped now, emitted by `_emit_landed`
-                self._turn_event, EventKind.KV_TRANSFER_DONE, seq, self.clock.now_s(), role=self.core.role.value,
-                kv_bytes=len(payload), duration_s=duration_s,
-            ))  # fmt: skip
+            self._landed_events.append(
+                partial(  # stamped now, emitted by `_emit_landed`
+                    self._turn_event,
+                    EventKind.KV_TRANSFER_DONE,
+                    seq,
+                    self.clock.now_s(),
+                    role=self.core.role.value,
+                    kv_bytes=len(payload),
+                    duration_s=duration_s,
+                )
+            )
         finally:
             self._pending_transfers -= 1
             if self._pending_transfers == 0:

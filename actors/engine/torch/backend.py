@@ -167,9 +167,12 @@ class TorchBackend:
             last = torch.tensor([[st.ids[-1]] for st in states], device=self.device)
             mask = torch.cat([b.mask, column], dim=1)
             out = self.lm(
-                input_ids=last, attention_mask=mask.to(self.device) if padded else None,  # no padding: no mask to build
-                position_ids=b.pos[:, None].to(self.device), past_key_values=cache, use_cache=True,
-            )  # fmt: skip
+                input_ids=last,
+                attention_mask=mask.to(self.device) if padded else None,  # no padding: no mask to build
+                position_ids=b.pos[:, None].to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
             b.kv = [(layer.keys, layer.values) for layer in cache.layers]
             b.mask, b.pos = mask, b.pos + 1
             tokens, logprobs = self._sample(out.logits[:, -1], b.keys)

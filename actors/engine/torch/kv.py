@@ -179,8 +179,10 @@ class DecodeBatch:
         lengths = [kv_len(kv) for _, kv in rows]
         length = max(*lengths, self.mask.shape[1])
         self._pad_to(length)
-        block = [(_stack_left_padded([kv[i][0] for _, kv in rows], length), _stack_left_padded([kv[i][1] for _, kv in rows], length))
-                 for i in range(len(rows[0][1]))]  # fmt: skip
+        block = [
+            (_stack_left_padded([kv[i][0] for _, kv in rows], length), _stack_left_padded([kv[i][1] for _, kv in rows], length))
+            for i in range(len(rows[0][1]))
+        ]
         self.kv = block if not self.keys else [(torch.cat([bk, rk]), torch.cat([bv, rv])) for (bk, bv), (rk, rv) in zip(self.kv, block)]
         block_mask = (torch.arange(length)[None] >= length - torch.tensor(lengths)[:, None]).long()
         self.mask = torch.cat([self.mask, block_mask]) if self.keys else block_mask
@@ -219,10 +221,13 @@ def _stack_left_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 # (msgspec decodes msgpack bin into a memoryview without copying). Same fields, same wire format.
 KvChunkView = msgspec.defstruct(
     "KvChunkView",
-    [(f.name, memoryview, f.default) if f.name == "data" else
-     (f.name, f.type) if f.required else (f.name, f.type, f.default) for f in msgspec.structs.fields(KvChunk)],
-    kw_only=True, frozen=True,
-)  # fmt: skip
+    [
+        (f.name, memoryview, f.default) if f.name == "data" else (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(KvChunk)
+    ],
+    kw_only=True,
+    frozen=True,
+)
 
 
 @dataclass(slots=True)

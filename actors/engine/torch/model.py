@@ -53,8 +53,13 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def spec(self) -> dict[str, str]:
-        return {"kind": "bytes", "vocab_size": str(self.vocab_size), "eos_id": str(self.eos_id),
-                "bos_id": str(self.bos_id), "pad_id": str(self.pad_id)}  # fmt: skip
+        return {
+            "kind": "bytes",
+            "vocab_size": str(self.vocab_size),
+            "eos_id": str(self.eos_id),
+            "bos_id": str(self.bos_id),
+            "pad_id": str(self.pad_id),
+        }
 
 
 class HfTokenizer:
@@ -77,9 +82,14 @@ class HfTokenizer:
 
     def spec(self) -> dict[str, str]:
         vocab = json.dumps(sorted(self._tok.get_vocab().items()), separators=(",", ":"))
-        return {"kind": "hf", "vocab_size": str(self.vocab_size), "eos_id": str(self.eos_id),
-                "bos_id": str(self.bos_id), "pad_id": str(self.pad_id),
-                "vocab_digest": hashlib.blake2b(vocab.encode(), digest_size=16).hexdigest()}  # fmt: skip
+        return {
+            "kind": "hf",
+            "vocab_size": str(self.vocab_size),
+            "eos_id": str(self.eos_id),
+            "bos_id": str(self.bos_id),
+            "pad_id": str(self.pad_id),
+            "vocab_digest": hashlib.blake2b(vocab.encode(), digest_size=16).hexdigest(),
+        }
 
 
 Tokenizer = ByteTokenizer | HfTokenizer

@@ -36,7 +36,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from actors.engine.actor import IDLE_WAKE_WALL_S, EngineActor
+from actors.engine.actor import EngineActor
 from actors.engine.torch.model import checksum
 from actors.engine.vllm.engine import BadInput, Generated, Interrupted, KvSource, VllmEngine, WeightsUnsupported
 from bus_schemas import subjects
@@ -47,7 +47,6 @@ from bus_schemas.status import EngineStatus
 from bus_schemas.train import WeightsChunk, WeightsFetch
 from bus_schemas.work import DecodeWork, KvHandle, PrefillWork, TurnResult
 
-
 WEIGHTS_TIMEOUT_WALL_S = 30.0
 MAX_CUTS_PER_TURN = 8  # weight updates one turn may span before it is failed (a runaway trainer)
 MIN_TEMPERATURE = 0.01  # vLLM's floor for sampling; model.temperature below it decodes greedily
@@ -56,7 +55,7 @@ MIN_TEMPERATURE = 0.01  # vLLM's floor for sampling; model.temperature below it 
 def model_dir(config) -> str:
     path = config.vllm.model or config.model.checkpoint
     if not path:
-        raise ValueError("engines.backend = \"vllm\" needs vllm.model (or model.checkpoint): a local Hugging Face checkpoint dir")
+        raise ValueError('engines.backend = "vllm" needs vllm.model (or model.checkpoint): a local Hugging Face checkpoint dir')
     return path
 
 
@@ -73,9 +72,14 @@ def joined(first: Generated, rest: Generated) -> Generated:
     newest = max(versions, default=rest.policy_version)
     oldest = min(versions, default=newest)
     return Generated(
-        first.token_ids + rest.token_ids, first.logprobs + rest.logprobs, first.cached_tokens, rest.finish_reason,
-        kv_handle=rest.kv_handle or first.kv_handle, policy_version=newest, oldest_version=oldest if oldest < newest else -1,
-    )  # fmt: skip
+        first.token_ids + rest.token_ids,
+        first.logprobs + rest.logprobs,
+        first.cached_tokens,
+        rest.finish_reason,
+        kv_handle=rest.kv_handle or first.kv_handle,
+        policy_version=newest,
+        oldest_version=oldest if oldest < newest else -1,
+    )
 
 
 class VllmEngineActor(EngineActor):
@@ -222,13 +226,20 @@ class VllmEngineActor(EngineActor):
         now_s = self.clock.now_s()
         self._event(EventKind.PREFILL_DONE, work, cached_prefix_tokens=gen.cached_tokens)
         handle = KvHandle(
-            engine_id=self.actor_id, handle_id=gen.kv_handle or work.work_id, tokens=len(ids), kv_bytes=0,
+            engine_id=self.actor_id,
+            handle_id=gen.kv_handle or work.work_id,
+            tokens=len(ids),
+            kv_bytes=0,
             expires_at_s=now_s + self.config.vllm.kv_ttl_wall_s * self.clock.time_scale,
-        )  # fmt: skip
+        )
         item = DecodeWork(
-            prefill=work, kv=handle, first_token_id=gen.token_ids[0], first_logprob=gen.logprobs[0],
-            cached_prefix_tokens=gen.cached_tokens, prefilled_at_s=now_s,
-        )  # fmt: skip
+            prefill=work,
+            kv=handle,
+            first_token_id=gen.token_ids[0],
+            first_logprob=gen.logprobs[0],
+            cached_prefix_tokens=gen.cached_tokens,
+            prefilled_at_s=now_s,
+        )
         await self._publish(subjects.work_decode(), encode(item), work.work_id)
         self._event(EventKind.DECODE_QUEUED, work)
         await self._ack(work.work_id)
@@ -237,7 +248,9 @@ class VllmEngineActor(EngineActor):
         work = item.prefill
         if work.policy_version < max(self.policy_version, self._interrupting_to):  # KV of an older policy: never reused
             self.counters["kv_stale_version"] += 1
-            await self._reprefill(work, f"KV of policy {work.policy_version} on an engine at {max(self.policy_version, self._interrupting_to)}")
+            await self._reprefill(
+                work, f"KV of policy {work.policy_version} on an engine at {max(self.policy_version, self._interrupting_to)}"
+            )
             await self._ack(key)
             return
         ids = list(work.context_token_ids) + list(work.token_ids) + [item.first_token_id]
@@ -252,8 +265,14 @@ class VllmEngineActor(EngineActor):
         await self._finish(work, key, item.kv.engine_id, item.cached_prefix_tokens, first)
 
     async def _generate(
-        self, work: PrefillWork, key: str, ids: list[int], n: int, source: KvSource | None = None, hold: str = "",
-    ) -> Generated:  # fmt: skip
+        self,
+        work: PrefillWork,
+        key: str,
+        ids: list[int],
+        n: int,
+        source: KvSource | None = None,
+        hold: str = "",
+    ) -> Generated:
         """`n` tokens after `ids` (the KV of `ids` loaded from `source`, or held as `hold` for a
         decode engine). A weight update that cuts in (inflight_on_update = "interrupt") keeps
         the tokens so far, waits for the new weights and asks for the rest on them, the KV
@@ -277,9 +296,11 @@ class VllmEngineActor(EngineActor):
                 done = partial if done is None else joined(done, partial)
                 self.counters["turns_interrupted"] += 1
                 self._event(
-                    EventKind.TURN_INTERRUPTED, work, generated_tokens=len(done.token_ids),
+                    EventKind.TURN_INTERRUPTED,
+                    work,
+                    generated_tokens=len(done.token_ids),
                     detail=f"policy {cut.policy_version} -> {max(self._interrupting_to, self.policy_version)}",
-                )  # fmt: skip
+                )
                 if len(done.token_ids) >= n:  # cut after its last token: nothing left to ask for
                     return done
         raise RuntimeError(f"engine {self.actor_id}: turn {key} cut by {MAX_CUTS_PER_TURN} weight updates in a row")
@@ -292,20 +313,33 @@ class VllmEngineActor(EngineActor):
         now_s = self.clock.now_s()
         self._event(EventKind.DECODE_DONE, work, generated_tokens=len(gen.token_ids), cached_prefix_tokens=cached_tokens)
         result = TurnResult(
-            work_id=work.work_id, trajectory_id=work.trajectory_id, turn=work.turn, policy_version=max(work.policy_version, gen.policy_version),
-            prefill_engine_id=prefill_engine_id, decode_engine_id=self.actor_id, output_tokens=len(gen.token_ids),
-            cached_prefix_tokens=cached_tokens, token_ids=gen.token_ids, logprobs=gen.logprobs, finished_at_s=now_s,
+            work_id=work.work_id,
+            trajectory_id=work.trajectory_id,
+            turn=work.turn,
+            policy_version=max(work.policy_version, gen.policy_version),
+            prefill_engine_id=prefill_engine_id,
+            decode_engine_id=self.actor_id,
+            output_tokens=len(gen.token_ids),
+            cached_prefix_tokens=cached_tokens,
+            token_ids=gen.token_ids,
+            logprobs=gen.logprobs,
+            finished_at_s=now_s,
             oldest_policy_version=gen.oldest_version,
-        )  # fmt: skip
+        )
         await self._publish(subjects.result(work.env_id), encode(result), work.work_id)
         await self._ack(key)
 
     def _event(self, kind: EventKind, work: PrefillWork, **fields) -> None:
         fields.setdefault("cached_prefix_tokens", 0)
         self._work_event(
-            kind, work, at_s=self.clock.now_s(), role=self.core.role.value,
-            new_tokens=work.new_tokens, context_tokens=work.context_tokens, **fields,
-        )  # fmt: skip
+            kind,
+            work,
+            at_s=self.clock.now_s(),
+            role=self.core.role.value,
+            new_tokens=work.new_tokens,
+            context_tokens=work.context_tokens,
+            **fields,
+        )
 
     # --- heartbeat ---------------------------------------------------------------------------
     def heartbeat(self) -> EngineStatus:

@@ -95,9 +95,12 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
         self._loaded_reqs: set[str] = set()
         if role == KVConnectorRole.WORKER:
             self._bus = KvBus(
-                str(extra["nats_url"]), self._engine_id, int(extra["chunk_bytes"]),
-                float(extra["ttl_wall_s"]), float(extra["timeout_wall_s"]),
-            )  # fmt: skip
+                str(extra["nats_url"]),
+                self._engine_id,
+                int(extra["chunk_bytes"]),
+                float(extra["ttl_wall_s"]),
+                float(extra["timeout_wall_s"]),
+            )
 
     # --- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -123,7 +126,9 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
                 load, external = self._to_load.pop(new.req_id)
                 start = new.num_computed_tokens - external
                 first, last = _blocks_for(start, new.num_computed_tokens, self._block_size)
-                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), start, new.num_computed_tokens, block_ids[first:last], new.req_id))
+                meta.loads.append(
+                    LoadSpec(str(load["holder"]), str(load["handle"]), start, new.num_computed_tokens, block_ids[first:last], new.req_id)
+                )
             if new.req_id in self._holds:
                 self._hold_blocks[new.req_id] = block_ids
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -134,7 +139,11 @@ class ProrsaNatsConnector(KVConnectorBase_V1):
                 load, external = self._to_load.pop(req_id)
                 computed = cached.num_computed_tokens[i]
                 first, last = _blocks_for(computed - external, computed, self._block_size)
-                meta.loads.append(LoadSpec(str(load["holder"]), str(load["handle"]), computed - external, computed, list(new_blocks[0])[first:last], req_id))
+                meta.loads.append(
+                    LoadSpec(
+                        str(load["holder"]), str(load["handle"]), computed - external, computed, list(new_blocks[0])[first:last], req_id
+                    )
+                )
             if req_id not in self._hold_blocks:
                 continue
             if req_id in cached.resumed_req_ids:  # preempted and back: its blocks are all new

@@ -54,7 +54,7 @@ class Interrupted(Exception):
     "interrupt"`): `partial` holds the tokens it had generated and their logprobs, under
     `policy_version`."""
 
-    def __init__(self, request_id: str, partial: "Generated", policy_version: int) -> None:
+    def __init__(self, request_id: str, partial: Generated, policy_version: int) -> None:
         super().__init__(f"request {request_id} cut after {len(partial.token_ids)} tokens of policy {policy_version}")
         self.partial = partial
         self.policy_version = policy_version
@@ -88,8 +88,14 @@ class VllmConfigError(ConfigError):
 
 
 NIXL_PREFIX = "nixl:"  # a KV handle of vLLM's NixlConnector: this prefix + its kv_transfer_params as JSON
-NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                       "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def installed(distribution: str) -> bool:
@@ -122,8 +128,7 @@ def check_config(cfg: VllmSection) -> None:
         if problems:
             raise VllmConfigError('vllm.kv_connector = "nixl" (vLLM\'s NixlConnector) needs a CUDA machine: ' + "; ".join(problems))
     if cfg.tensor_parallel_size > max(1, devices):
-        raise VllmConfigError(f"vllm.tensor_parallel_size = {cfg.tensor_parallel_size} needs that many CUDA devices; "
-                              f"{devices} here")  # fmt: skip
+        raise VllmConfigError(f"vllm.tensor_parallel_size = {cfg.tensor_parallel_size} needs that many CUDA devices; {devices} here")
 
 
 def require_vllm() -> None:
@@ -172,8 +177,11 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
 
     if cfg.kv_connector == "nixl":
         # the prefill engine keeps a prompt's blocks for the decoder this long (a lease the decoder renews while it waits)
-        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"kv_lease_duration": max(6, round(cfg.kv_ttl_wall_s))}}  # fmt: skip
+        kv = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kv_lease_duration": max(6, round(cfg.kv_ttl_wall_s))},
+        }
     else:
         kv = {
             "kv_connector": "ProrsaNatsConnector",
@@ -181,10 +189,13 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "engine_id": engine_id, "nats_url": nats_url, "chunk_bytes": cfg.kv_chunk_bytes,
-                "ttl_wall_s": cfg.kv_ttl_wall_s, "timeout_wall_s": cfg.kv_fetch_timeout_wall_s,
+                "engine_id": engine_id,
+                "nats_url": nats_url,
+                "chunk_bytes": cfg.kv_chunk_bytes,
+                "ttl_wall_s": cfg.kv_ttl_wall_s,
+                "timeout_wall_s": cfg.kv_fetch_timeout_wall_s,
             },
-        }  # fmt: skip
+        }
     args = dict(
         model=model_dir,
         skip_tokenizer_init=True,  # token ids in and out
@@ -206,9 +217,14 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
 
 class VllmEngine:
     def __init__(
-        self, engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str, role: Role = Role.COLOCATED,
+        self,
+        engine_id: str,
+        cfg: VllmSection,
+        model_dir: str,
+        nats_url: str,
+        role: Role = Role.COLOCATED,
         overrides: dict | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         require_vllm()
         check_config(cfg)
         self.overrides = overrides  # further AsyncEngineArgs fields (engine_args)
@@ -282,8 +298,9 @@ class VllmEngine:
         elif max_tokens < 1:
             problem = f"max_tokens must be >= 1, got {max_tokens}"
         elif len(token_ids) + max_tokens > self.cfg.max_model_len_tokens:
-            problem = (f"{len(token_ids)} prompt + {max_tokens} output tokens exceed vllm.max_model_len_tokens = "
-                       f"{self.cfg.max_model_len_tokens}")  # fmt: skip
+            problem = (
+                f"{len(token_ids)} prompt + {max_tokens} output tokens exceed vllm.max_model_len_tokens = {self.cfg.max_model_len_tokens}"
+            )
         else:
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -293,18 +310,28 @@ class VllmEngine:
             raise BadInput(f"engine {self.engine_id}: {problem}")
 
     async def generate(
-        self, request_id: str, token_ids: list[int], max_tokens: int, temperature: float = 0.0,
-        kv_params: dict | None = None, ignore_eos: bool = True,
-    ) -> Generated:  # fmt: skip
+        self,
+        request_id: str,
+        token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        kv_params: dict | None = None,
+        ignore_eos: bool = True,
+    ) -> Generated:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.check(token_ids, max_tokens)
         stop = [self.eos_token_id] if not ignore_eos and self.eos_token_id is not None else None  # no tokenizer: vLLM knows no EOS
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, logprobs=0, ignore_eos=ignore_eos, detokenize=False,
-            stop_token_ids=stop, extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )  # fmt: skip
+            max_tokens=max_tokens,
+            temperature=temperature,
+            logprobs=0,
+            ignore_eos=ignore_eos,
+            detokenize=False,
+            stop_token_ids=stop,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )
         tokens = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"policy-{self.policy_version}")
         version, latest = self.policy_version, []
 
@@ -354,7 +381,9 @@ class VllmEngine:
         await asyncio.gather(*(task for _, task in cut), return_exceptions=True)
         return len(cut)
 
-    async def prefill(self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0, ignore_eos: bool = True) -> Generated:
+    async def prefill(
+        self, request_id: str, token_ids: list[int], hold: str, temperature: float = 0.0, ignore_eos: bool = True
+    ) -> Generated:
         """Compute the prompt's KV, sample the first token, hold the KV for a decode engine:
         Prorsa's connector holds it under `hold` (the handle); vLLM's NixlConnector keeps the
         blocks and says where in its kv_transfer_params (the handle: them as JSON)."""
@@ -367,9 +396,14 @@ class VllmEngine:
         return gen
 
     async def decode(
-        self, request_id: str, token_ids: list[int], max_tokens: int, source: KvSource | None, temperature: float = 0.0,
+        self,
+        request_id: str,
+        token_ids: list[int],
+        max_tokens: int,
+        source: KvSource | None,
+        temperature: float = 0.0,
         ignore_eos: bool = True,
-    ) -> Generated:  # fmt: skip
+    ) -> Generated:
         """`token_ids`: the prompt and the first token; the prompt's KV comes from `source`."""
         if source is None:
             kv = None

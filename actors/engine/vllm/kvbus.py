@@ -134,10 +134,16 @@ class KvBus:
         self.counters["kv_chunks_served"] += 1
         self.counters["kv_bytes_served"] += len(chunks[req.chunk])
         return KvChunk(
-            handle_id=req.handle_id, ok=True, chunk=req.chunk, n_chunks=len(chunks), tokens=held.tokens,
-            kv_bytes=len(data), checksum=digest if req.chunk == 0 else "", data=bytes(chunks[req.chunk]),
+            handle_id=req.handle_id,
+            ok=True,
+            chunk=req.chunk,
+            n_chunks=len(chunks),
+            tokens=held.tokens,
+            kv_bytes=len(data),
+            checksum=digest if req.chunk == 0 else "",
+            data=bytes(chunks[req.chunk]),
             start_tokens=first_block * held.block_size_tokens,
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _slice(held: Held, first_block: int) -> tuple[bytes | memoryview, str]:
@@ -166,10 +172,12 @@ class KvBus:
     async def _fetch(self, holder_id: str, handle_id: str, have_tokens: int) -> tuple[bytes, int]:
         started_s = self._loop.time()  # wall time: vLLM's process has no Prorsa clock
         first = await self._request(holder_id, KvFetch(handle_id=handle_id, requester_id=self.engine_id, have_tokens=have_tokens))
-        rest = await asyncio.gather(*(
-            self._request(holder_id, KvFetch(handle_id=handle_id, chunk=i, requester_id=self.engine_id, have_tokens=have_tokens))
-            for i in range(1, first.n_chunks)
-        ))  # fmt: skip
+        rest = await asyncio.gather(
+            *(
+                self._request(holder_id, KvFetch(handle_id=handle_id, chunk=i, requester_id=self.engine_id, have_tokens=have_tokens))
+                for i in range(1, first.n_chunks)
+            )
+        )
         parts = [first.data, *(c.data for c in rest)]
         if sum(len(p) for p in parts) != first.kv_bytes or not kv_checksum_matches(parts, first.checksum):
             self.counters["kv_checksum_failures"] += 1
