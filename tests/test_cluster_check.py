@@ -1,4 +1,4 @@
-"""The loss of a server (issue 18's done-when): `runners.cluster_check` runs one emulated run
+"""The loss of a server, end to end: `runners.cluster_check` runs one emulated run
 over two launcher processes, each on a different server of a local 3-server cluster, and
 `kill -9`s one server mid-run. The run must complete with nothing lost."""
 

@@ -127,3 +127,29 @@ def test_heartbeats_default_to_one_per_model_second(tmp_path: Path):
     assert load_config(path).run.heartbeat_wall_s == pytest.approx(0.05)
     path.write_text("[run]\ntime_scale = 20.0\nheartbeat_wall_s = 0.5\n")
     assert load_config(path).run.heartbeat_wall_s == 0.5
+
+
+def test_the_registry_checks_are_added_to_the_schema_by_actors_config(tmp_path: Path):
+    """actors.config_schema reads the shape alone; actors.config adds the checks that need the
+    cost model, the workload profiles and the forecasting registry, and keeps them through
+    with_policy."""
+    from actors import config_schema
+    from actors.config import Config, EngineSection
+
+    path = write_tiny_config(tmp_path / "c.toml")
+    good = load_config(path)
+    assert type(good) is Config and type(good.engines) is EngineSection
+    assert type(with_policy(good, "static-1:1").engines) is EngineSection
+    assert good.engines.cost_preset(Role.DECODE).dp_ranks == 1
+    for old, new, says in [
+        ("prefill_engines = 1", 'prefill_engines = 1\npreset = "h100-nope"', "unknown engines.preset 'h100-nope'"),
+        ("math = 0.5 }", "maths = 0.5 }", "unknown task family 'maths'"),
+        ("[trainer]", '[forecaster]\nmodel = "prophet"\n\n[trainer]', "unknown forecaster.model 'prophet'"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        assert old in path.read_text()
+        bad.write_text(path.read_text().replace(old, new))
+        with pytest.raises(ConfigError, match=says):
+            load_config(bad)
+        shape = config_schema.parse_config(bad, config_schema.Config)  # the schema alone takes it
+        assert type(shape) is config_schema.Config and not hasattr(shape.engines, "cost_preset")

@@ -18,6 +18,20 @@ from ops.supervise import supervise
 
 pytestmark = pytest.mark.bus
 
+POLL_DEADLINE_WALL_S = 30.0  # each wait on the supervisor's state below fails after this
+
+
+async def until(condition, run: asyncio.Task, what: str) -> None:
+    """Poll the supervisor's state until `condition()`; fail if it ends first or takes too long."""
+    try:
+        async with asyncio.timeout(POLL_DEADLINE_WALL_S):
+            while not condition():
+                if run.done():
+                    raise AssertionError(f"the supervisor ended ({run.result()!r}) before {what}")
+                await asyncio.sleep(0.01)  # barrier-ok: polls the supervisor's state, under the deadline above
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {POLL_DEADLINE_WALL_S} s") from None
+
 
 async def test_a_server_that_dies_while_interrupted_is_not_restarted(tmp_path: Path):
     server = EmbeddedNats(tmp_path / "nats")
@@ -34,15 +48,16 @@ async def test_a_server_that_dies_while_interrupted_is_not_restarted(tmp_path: P
     notes: dict = {}
     run = asyncio.create_task(supervise({}, tmp_path, bus, 0, interrupted, supervision, respawn, notes, server))
     try:
-        while "lifecycle_alerts" not in notes:  # the supervisor is connected and watching (it notes its alerts then)
-            await asyncio.sleep(0.01)  # barrier-ok: polls the supervisor's state, not a time
+        await until(lambda: "lifecycle_alerts" in notes, run, "the supervisor is watching")  # it notes its alerts then
         original = server.proc.pid
         server.proc.send_signal(signal.SIGINT)  # the group's Ctrl-C reaches the server first ...
-        while not supervision.deaths:  # the supervisor has counted the death (it then backs off 0.5 s)
-            await asyncio.sleep(0.01)  # barrier-ok: polls the supervisor's state, not a time
+        await until(lambda: bool(supervision.deaths), run, "the supervisor counted the death")  # it then backs off 0.5 s
         interrupted.set()  # ... and the launcher's own handler runs during the restart's backoff
         status = await asyncio.wait_for(run, timeout=30)
     finally:
+        if not run.done():  # a failed wait above: leave no supervisor behind
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
         server.stop()
     assert status == "interrupted"
     assert server.proc.pid == original and server.proc.poll() is not None  # never started again

@@ -49,9 +49,8 @@ def test_a_small_vllm_run_completes_splits_into_pd_and_loads_each_policy(tmp_pat
     prefill and decode, KV moves between them over NATS, and each new policy is reloaded in
     place by both engines (the launcher's tiny model is untied, as vLLM's reload needs).
     A step takes a few seconds, and the first split comes once the forecast sees demand: on a
-    loaded machine two steps were over before it (CI, stop 39), and three (a dry run at stop
-    42: the split came 0.5 s after the last trajectory, 8 s after the first step began), so
-    the run has six."""
+    loaded machine two steps were over before it (in CI), and three (in a dry run the split came
+    0.5 s after the last trajectory, 8 s after the first step began), so the run has six."""
     steps = 6
     config = demo_config(tmp_path / "vllm.toml", steps=str(steps), tasks_per_step="2", samples_per_task="4")
     out = tmp_path / "run"

@@ -81,7 +81,7 @@ def working_set_tokens(demand: Demand) -> float:
     Both over-count the live histories (`Demand.live_context_tokens`): pools keep finished
     trajectories' prefixes until eviction, so a warm fleet's read full, and the sequences
     decoding are the longer ones. The rules and the saturated regime's gate were measured on
-    this figure; docs/allocation.md (stop 33) shows what the live histories did in its place."""
+    this figure; docs/allocation.md, "Alternatives considered", shows what the live histories did in its place."""
     return max(demand.kv_working_set_tokens, demand.live_trajectories * demand.decode_context_tokens)
 
 
@@ -143,7 +143,7 @@ def relocation_s(demand: Demand, cap: Capacity, target: int, n: int, saturated: 
     trajectories hold (`relocatable_tokens`): the rest is finished trajectories' prefixes that
     colocation evicts as it needs room. Below saturation the held KV stays the measure: after
     a split at a SWE step's start the prefill side recomputed more than the live trajectories
-    held on the engines that turned decode (docs/allocation.md, stop 36)."""
+    held on the engines that turned decode (docs/allocation.md, saturated fleets)."""
     tokens = relocatable_tokens(demand) if saturated else demand.kv_working_set_tokens
     return tokens * (n - target) / n * cap.prefill_s_per_token
 

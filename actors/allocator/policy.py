@@ -214,7 +214,7 @@ class Split:
         if q is None:
             return None
         # the history term prices a split before it is bought; once split, one q judges it, as
-        # the hold and the way back were built on (docs/allocation.md, stop 39)
+        # the hold and the way back were built on (docs/allocation.md, saturated fleets)
         qs = arrangement_ratios(self.ratios, demand, cap, n, q) if colocated_now else [q] * n
         # at most the live trajectories decode at once (a step's tail leaves the pools part-empty)
         live = demand.live_trajectories if demand.live_trajectories > 0 else None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.config import ConfigError, VllmSection
+from actors.config_schema import ConfigError, VllmSection
 from actors.torch_extras import hidden_extras, hide_unloadable_torch_extras
 from bus_schemas import subjects
 from bus_schemas.control import Role
@@ -84,7 +84,7 @@ class VllmMissing(RuntimeError):
 
 
 class VllmConfigError(ConfigError):
-    """The [vllm] section asks for what this machine cannot run; the message is one line."""
+    """The [vllm] section asks for what this host cannot run; the message is one line."""
 
 
 NIXL_PREFIX = "nixl:"  # a KV handle of vLLM's NixlConnector: this prefix + its kv_transfer_params as JSON
@@ -113,7 +113,7 @@ def cuda_devices() -> int:
 
 
 def check_config(cfg: VllmSection) -> None:
-    """Raise VllmConfigError (one line) for a [vllm] section this machine cannot run: vLLM's
+    """Raise VllmConfigError (one line) for a [vllm] section this host cannot run: vLLM's
     NIXL connector needs vLLM's CUDA build, a CUDA device and the `nixl` package; TP needs
     that many GPUs. Called before any engine starts (VllmEngine, runners.gpu_check)."""
     problems = []

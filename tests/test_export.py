@@ -1,0 +1,79 @@
+"""The export (ops/export.py) on the real bus: a message in a stream that does not decode as
+its subject's type is left out of the export, logged in one line, and counted in the run
+record and the summary (`undecodable_messages`, `undecodable_by_subject`); the stream keeps it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bus_schemas import streams, subjects
+from bus_schemas.codec import encode
+from bus_schemas.eventlog import events_frame
+from bus_schemas.lifecycle import EventKind, LifecycleEvent
+from bus_schemas.work import PrefillWork
+from ops.export import read_run, read_stream, summarize, write_run
+from tests.test_engine_core import work
+
+pytestmark = pytest.mark.bus
+
+
+def event(event_id: str) -> LifecycleEvent:
+    return LifecycleEvent(event_id=event_id, kind=EventKind.PREFILL_QUEUED, at_s=0.0, actor_id="t")
+
+
+async def test_undecodable_messages_are_counted_logged_and_left_in_the_stream(bus, caplog, tmp_path: Path, tiny_config):
+    js = bus.jetstream()
+    lc = subjects.lifecycle(EventKind.PREFILL_QUEUED.value)
+    for payload in [encode(event("a")), b"\x93\xff garbage", encode(event("b")), b"", encode(event("c"))]:
+        await js.publish(lc, payload)  # the ack is the barrier: stored before the export reads
+    await js.publish(subjects.train_finished(), b"not msgpack")
+    await js.publish(subjects.train_step(), encode(event("a step report it is not")))  # decodes, wrong type
+
+    with caplog.at_level(logging.ERROR, logger="prorsa.export"):
+        record = await read_run(js)
+
+    assert [e.event_id for e in record.events] == ["a", "b", "c"]
+    assert record.finished == [] and record.steps == []
+    assert record.undecodable == {lc: 2, subjects.train_finished(): 1, subjects.train_step(): 1}
+    lines = [r.getMessage() for r in caplog.records if r.name == "prorsa.export"]
+    assert len(lines) == 4, lines
+    assert sum(lc in line and "LIFECYCLE" in line and "not a LifecycleEvent" in line for line in lines) == 2
+    assert all("left out of the export" in line for line in lines)
+    assert (await js.stream_info(streams.LIFECYCLE.name)).state.messages == 5  # reading took nothing out
+
+    summary = summarize(record, events_frame(record.events), policy="colocated", mode="sync", backend="emulated", expected=0)
+    assert summary["undecodable_messages"] == 4
+    assert summary["undecodable_by_subject"] == {lc: 2, subjects.train_finished(): 1, subjects.train_step(): 1}
+
+    out = tmp_path / "run"
+    out.mkdir()
+    written = write_run(record, out, tiny_config, "completed", 1.0)
+    assert json.loads((out / "summary.json").read_text())["undecodable_messages"] == 4 == written["undecodable_messages"]
+
+
+async def test_a_clean_run_reads_zero_undecodable(bus):
+    js = bus.jetstream()
+    await js.publish(subjects.lifecycle(EventKind.PREFILL_QUEUED.value), encode(event("a")))
+    record = await read_run(js)
+    assert record.undecodable == {}
+    summary = summarize(record, events_frame(record.events), policy="colocated", mode="sync", backend="emulated", expected=0)
+    assert summary["undecodable_messages"] == 0 and summary["undecodable_by_subject"] == {}
+
+
+async def test_a_work_queue_read_counts_its_undecodable_messages_too(bus, caplog):
+    """Work queues are read message by message (no second consumer): the same count and line."""
+    js = bus.jetstream()
+    await js.publish(subjects.work_prefill(), encode(work("a")))
+    await js.publish(subjects.work_prefill(), b"\xc1")  # 0xc1: never valid msgpack
+    await js.publish(subjects.work_prefill(), encode(work("b")))
+    undecodable: Counter[str] = Counter()
+    with caplog.at_level(logging.ERROR, logger="prorsa.export"):
+        got = await read_stream(js, streams.WORK_PREFILL, subjects.work_prefill(), PrefillWork, undecodable)
+    assert [w.trajectory_id for w in got] == ["a", "b"]
+    assert undecodable == {subjects.work_prefill(): 1}
+    assert [r.getMessage() for r in caplog.records if "message 2 of 3" in r.getMessage()] != []
