@@ -10,7 +10,7 @@ throughput = trained trajectories / run_s.
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Callable
 
 from ops.critical_path import BUCKETS, BUCKETS_ALIGN, BUCKETS_HEADER
@@ -111,10 +111,25 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
 SPREAD = {"vs_colocated": "colocated_s", "vs_colocated-sticky": "colocated-sticky_s", "vs_static": "static_s", "of_oracle": "oracle_s"}
 
 
+def _median_range(ratios: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of ratios, each rounded to 3 places."""
+    return round(statistics.median(ratios), 3), round(min(ratios), 3), round(max(ratios), 3)
+
+
+def _ratio_spreads(runs: list[dict]) -> dict:
+    """Each of prorsa's ratios (`SPREAD`) over `runs` as (median, lowest, highest), from the
+    seconds rather than the rounded ratios; None where any run lacks that baseline."""
+    out = {}
+    for name, other in SPREAD.items():
+        ratios = [c[other] / c["prorsa_s"] for c in runs if c[other] and c["prorsa_s"] > 0]
+        out[name] = _median_range(ratios) if ratios and len(ratios) == len(runs) else None
+    return out
+
+
 def seed_spread(compared: list[dict]) -> list[dict]:
     """Per row and mode run at more than one workload seed: each of prorsa's ratios
-    (`comparisons`) as its geometric mean over the seeds, with the lowest and the highest;
-    and on how many seeds prorsa is at least as fast as that seed's best static split."""
+    (`comparisons`) as its median over the seeds, with the lowest and the highest; and on how
+    many seeds prorsa is at least as fast as that seed's best static split."""
 
     def key(c: dict) -> tuple:  # the row and mode, whatever the seed
         return (*(c[k] for k in ROW), c["mode"])
@@ -124,18 +139,27 @@ def seed_spread(compared: list[dict]) -> list[dict]:
         runs = [c for c in compared if key(c) == row_key]
         if len({c["seed"] for c in runs}) < 2:
             continue
-        row = {**dict(zip((*ROW, "mode"), row_key)), "seeds": [c["seed"] for c in runs]}
-        for name, other in SPREAD.items():  # from the seconds, not the rounded ratios
-            ratios = [c[other] / c["prorsa_s"] for c in runs if c[other] and c["prorsa_s"] > 0]
-            mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if len(ratios) == len(runs) else None
-            row[name] = None if mean is None else (round(mean, 3), round(min(ratios), 3), round(max(ratios), 3))
+        row = {**dict(zip((*ROW, "mode"), row_key)), "seeds": [c["seed"] for c in runs], **_ratio_spreads(runs)}
         row["static_at_least"] = sum(1 for c in runs if c["static_s"] >= c["prorsa_s"]) if row["vs_static"] else None
         out.append(row)
     return out
 
 
+def fleet_summary(compared: list[dict], table: str = "main") -> list[dict]:
+    """Per fleet and mode of `table`: each of prorsa's ratios over every workload and seed of
+    that fleet (one ratio per row and seed) as (median, lowest, highest), with the workloads
+    and seeds it covers. The README's results table."""
+    out = []
+    runs_of = [c for c in compared if c["table"] == table]
+    for fleet, mode in dict.fromkeys((c["fleet"], c["mode"]) for c in runs_of):
+        runs = [c for c in runs_of if (c["fleet"], c["mode"]) == (fleet, mode)]
+        workloads, seeds = list(dict.fromkeys(c["workload"] for c in runs)), list(dict.fromkeys(c["seed"] for c in runs))
+        out.append({"table": table, "fleet": fleet, "mode": mode, "workloads": workloads, "seeds": seeds, **_ratio_spreads(runs)})
+    return out
+
+
 def _spread(x: tuple[float, float, float] | None) -> str:
-    return f"{x[0]:.3f}x ({x[1]:.3f}-{x[2]:.3f})" if x else "-"
+    return f"{x[0]:.2f}x [{x[1]:.2f}–{x[2]:.2f}]" if x else "-"
 
 
 ROW_HEADER, ROW_ALIGN = "| table | fleet | workload | traj/GPU | variant | ", "| --- | --- | --- | ---: | --- | "
@@ -177,6 +201,26 @@ def critical_path_lines(results: list[dict], mode: Callable[[dict], str]) -> lis
     return lines
 
 
+def fleet_lines(compared: list[dict]) -> list[str]:
+    """The per-fleet table of the main table's rows (`fleet_summary`), the README's results."""
+    summary = fleet_summary(compared)
+    if not summary:
+        return []
+    lines = [
+        "",
+        "prorsa per fleet (main table): each ratio's median over every workload and seed [lowest-highest] (ratio > 1: prorsa faster):",
+        "",
+        "| fleet | mode | workloads | seeds | vs colocated | vs colocated-sticky | vs best static | of oracle |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for f in summary:
+        lines.append(
+            f"| {f['fleet']} | {f['mode']} | {', '.join(f['workloads'])} | {', '.join(map(str, f['seeds']))} | "
+            f"{_spread(f['vs_colocated'])} | {_spread(f['vs_colocated-sticky'])} | {_spread(f['vs_static'])} | {_spread(f['of_oracle'])} |"
+        )
+    return lines
+
+
 def results_markdown(results: list[dict]) -> str:
     seeded = len({r.get("seed") for r in results}) > 1  # several workload seeds: say each row's
 
@@ -212,7 +256,7 @@ def results_markdown(results: list[dict]) -> str:
     spread = seed_spread(compared)
     if spread:
         lines += _section(
-            "prorsa across workload seeds: each ratio's geometric mean over the seeds (lowest-highest); best static: each seed's own, in hindsight:",
+            "prorsa across workload seeds: each ratio's median over the seeds [lowest-highest]; best static: each seed's own, in hindsight:",
             "mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
             "--- | --- | ---: | ---: | ---: | ---: | ---: |",
         )
@@ -223,6 +267,7 @@ def results_markdown(results: list[dict]) -> str:
                 f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated'])} | {_spread(c['vs_colocated-sticky'])} | "
                 f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
             )
+    lines += fleet_lines(compared)
     lines += critical_path_lines(results, mode)
     modes = mode_comparisons(results)
     if modes:
@@ -240,3 +285,30 @@ def results_markdown(results: list[dict]) -> str:
                 f"{_x(m['async_vs_sync'])}{'' if m['same_tasks'] else ' (other tasks)'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Merge the results.json of several bench folders (e.g. one per workload seed) and write
+    their tables: `python -m runners.rollout_tables DIR [DIR ...] --out DIR`."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m runners.rollout_tables", description=main.__doc__)
+    parser.add_argument("folders", type=Path, nargs="+", help="rollout bench output folders (each with a results.json)")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the merged results.json and results.md")
+    args = parser.parse_args(argv)
+    missing = [str(f) for f in args.folders if not (f / "results.json").is_file()]
+    if missing:
+        print(f"no results.json in {', '.join(missing)}")
+        return 2
+    results = [r for f in args.folders for r in json.loads((f / "results.json").read_text())]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.md").write_text(results_markdown(results))
+    print(f"wrote {args.out / 'results.md'} ({len(results)} runs from {len(args.folders)} folders)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

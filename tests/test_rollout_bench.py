@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
-from runners.rollout_tables import comparisons, mode_comparisons, results_markdown, seed_spread
+from runners.rollout_tables import comparisons, fleet_summary, mode_comparisons, results_markdown, seed_spread
 
 FIELDS = {
     "table",
@@ -307,8 +307,8 @@ def test_set_overrides_a_config_value_in_every_run_and_a_bad_one_stops_before_an
 
 def test_seeds_run_every_case_once_per_workload_seed_and_the_tables_give_the_spread(tmp_path: Path):
     """`--seeds A,B`: each case runs at each workload seed (its own runs, its own draws), every
-    ratio is taken within a seed, and a row run at several seeds gets each ratio's geometric
-    mean with the lowest and the highest. A seed given twice (with `--set run.seed`) is refused
+    ratio is taken within a seed, and a row run at several seeds gets each ratio's median
+    with the lowest and the highest. A seed given twice (with `--set run.seed`) is refused
     before anything runs."""
     from runners.bench import main
 
@@ -322,10 +322,10 @@ def test_seeds_run_every_case_once_per_workload_seed_and_the_tables_give_the_spr
         assert runs["prorsa"]["speedup_vs_colocated"] == round(runs["colocated"]["rollout_s"] / runs["prorsa"]["rollout_s"], 3)
     (spread,) = seed_spread(comparisons(results))
     sticky = [by_seed[s]["colocated-sticky"]["rollout_s"] / by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8)]
-    mean, low, high = spread["vs_colocated-sticky"]
+    median, low, high = spread["vs_colocated-sticky"]
     assert (
         spread["seeds"] == [7, 8]
-        and abs(mean - (sticky[0] * sticky[1]) ** 0.5) < 2e-3
+        and abs(median - (sticky[0] + sticky[1]) / 2) < 2e-3
         and (low, high) == tuple(sorted(round(x, 3) for x in sticky))
     )
     assert spread["static_at_least"] == sum(by_seed[s]["static-1:3"]["rollout_s"] >= by_seed[s]["prorsa"]["rollout_s"] for s in (7, 8))
@@ -335,3 +335,56 @@ def test_seeds_run_every_case_once_per_workload_seed_and_the_tables_give_the_spr
     assert main([*args, "--seeds", "1,2", "--set", "run.seed=3"]) == 2
     assert main([*args, "--seeds", "1,x"]) == 2
     assert not (tmp_path / "twice").exists()
+
+
+def _compared(fleet: str, workload: str, seed: int, prorsa_s: float, colocated_s: float) -> dict:
+    """One `comparisons` row: prorsa and every baseline family, with the seconds given."""
+    return {
+        "table": "main",
+        "fleet": fleet,
+        "workload": workload,
+        "trajectories_per_gpu": 32,
+        "variant": "default",
+        "seed": seed,
+        "mode": "sync",
+        "prorsa_s": prorsa_s,
+        "colocated_s": colocated_s,
+        "colocated-sticky_s": colocated_s,
+        "static_s": 2 * prorsa_s,
+        "oracle_s": prorsa_s,
+    }
+
+
+def test_the_fleet_summary_gives_each_ratio_as_its_median_and_range_over_workloads_and_seeds():
+    """The README's results: per fleet, one ratio per (workload, seed), their median, lowest and
+    highest; a fleet with any row lacking a baseline gets no figure for it rather than a partial one."""
+    rows = [
+        _compared("moe", "swe", 1, 10.0, 11.0),
+        _compared("moe", "swe", 2, 10.0, 15.0),
+        _compared("moe", "math", 1, 10.0, 30.0),
+        _compared("dense", "swe", 1, 10.0, 9.0),
+        {**_compared("dense", "math", 1, 10.0, 12.0), "oracle_s": None},
+        {**_compared("moe", "swe", 1, 10.0, 99.0), "table": "sweep"},  # another table: not counted
+    ]
+    moe, dense = fleet_summary(rows)
+    assert (moe["fleet"], moe["workloads"], moe["seeds"]) == ("moe", ["swe", "math"], [1, 2])
+    assert moe["vs_colocated"] == (1.5, 1.1, 3.0) and moe["vs_static"] == (2.0, 2.0, 2.0)
+    assert dense["vs_colocated"] == (1.05, 0.9, 1.2) and dense["of_oracle"] is None
+
+
+def test_rollout_tables_merges_bench_folders_into_one_table(tmp_path: Path):
+    """`python -m runners.rollout_tables A B --out C`: the runs of both folders in one
+    results.json and one results.md (the seeds' spread included); a folder without results is
+    refused in one line, before anything is written."""
+    from runners.rollout_tables import main
+
+    policies = ("colocated", "colocated-sticky", "static-1:3", "prorsa")
+    for seed in (7, 8):
+        run_suite(SUITES["smoke"], tmp_path / f"s{seed}", jobs=1, modes=("sync",), policies=policies, seeds=(seed,))
+    assert main([str(tmp_path / "s7"), str(tmp_path / "nothing"), "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()
+    assert main([str(tmp_path / "s7"), str(tmp_path / "s8"), "--out", str(tmp_path / "both")]) == 0
+    merged = json.loads((tmp_path / "both" / "results.json").read_text())
+    assert sorted({r["seed"] for r in merged}) == [7, 8] and len(merged) == 2 * len(policies)
+    table = (tmp_path / "both" / "results.md").read_text()
+    assert "across workload seeds" in table and "prorsa per fleet" in table
