@@ -365,8 +365,22 @@ class BusSection(_Section):
     # servers holding each stream and KV bucket: 1 on a lone server, 3 on a 3-server cluster
     # (every stream survives the loss of one server; docs/deploy.md); JetStream allows 1 to 5
     replicas: int = 1
+    # TLS on every connection to the bus (docs/deploy.md, "TLS"): "off"; "local": the launcher
+    # makes a CA and certificates for the run (DIR/tls) and its embedded server requires TLS
+    # with client certificates (mutual TLS); "on": a server given with --nats-url (tls:// URLs),
+    # trusted through tls_ca, with tls_cert and tls_key as the clients' certificate (mutual TLS)
+    tls: Literal["off", "local", "on"] = "off"
+    tls_ca: str = ""  # PEM: the CA bundle that signed the servers' certificates ("on")
+    tls_cert: str = ""  # PEM: the actors' client certificate, where the server verifies clients ("on"; with tls_key)
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
+        if self.tls == "on" and not self.tls_ca:
+            raise ValueError("bus.tls = 'on' needs bus.tls_ca (the PEM bundle of the CA that signed the servers' certificates)")
+        if self.tls != "on" and (self.tls_ca or self.tls_cert or self.tls_key):
+            raise ValueError(f"bus.tls_ca, tls_cert and tls_key apply with bus.tls = 'on', not {self.tls!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("bus.tls_cert and bus.tls_key go together (a client certificate and its key)")
         if self.sync_interval != "always" and not re.fullmatch(r"\d+(ms|s|m|h)", self.sync_interval):
             raise ValueError(f"bus.sync_interval must be 'always' or a period like '2m', not {self.sync_interval!r}")
         if not 1 <= self.replicas <= 5:

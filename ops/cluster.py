@@ -1,6 +1,6 @@
 """A local JetStream cluster: N nats-servers on loopback, for tests and trials.
 
-    python -m ops.cluster [--servers 3] --out DIR [--sync-interval always|2m] [--accounts run-a,run-b]
+    python -m ops.cluster [--servers 3] --out DIR [--sync-interval always|2m] [--accounts run-a,run-b] [--tls]
 
 Each server is the project's own `nats-server` binary (`ops/natsserver.py`), configured by a
 generated file: its client port and route port on 127.0.0.1, a store folder DIR/n<i>/jetstream,
@@ -10,6 +10,10 @@ each name is a NATS account with JetStream and one user (the account's name, a f
 password in DIR/accounts/<name>.json, mode 0600): one account per run, so runs sharing the
 cluster see neither each other's messages nor streams (same subjects, same stream names).
 Run each run's launchers with PRORSA_NATS_USER / PRORSA_NATS_PASSWORD set to its account's.
+With `--tls` a fresh CA under DIR/tls signs the servers' certificate (`ops/tls.py`): clients
+must speak TLS (tls:// URLs) with a client certificate the CA signed (mutual TLS), and the
+routes between the servers run over TLS too; the command prints the `[bus]` settings a run's
+launchers take (tls = "on", tls_ca, tls_cert, tls_key).
 The command prints the client URLs (and writes them to DIR/cluster.json), then serves until
 Ctrl-C or SIGTERM, and stops every server.
 
@@ -43,12 +47,13 @@ import msgspec
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from actors.base.connection import BUS_ERRORS, close, connect
+from actors.base.connection import BUS_ERRORS, TlsFiles, close, connect
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 from ops.access import User, write_credentials
 from ops.natsserver import PORT_TRIES, EmbeddedNats, PortInUseError, exited_error, free_port
+from ops.tls import make_local_pki
 
 CLUSTER_NAME = "prorsa"
 READY_STREAM = "CLUSTER_READY"  # created on every server, then deleted, before start() returns
@@ -72,6 +77,7 @@ class LocalCluster:
         sync_interval: str = "always",
         name: str = CLUSTER_NAME,
         accounts: tuple[str, ...] = (),
+        tls: bool = False,
     ) -> None:
         if servers < MIN_SERVERS:
             raise ValueError(f"a JetStream cluster needs at least {MIN_SERVERS} servers to survive the loss of one, not {servers}")
@@ -82,6 +88,7 @@ class LocalCluster:
         # account name -> its one user (same name, fresh password); empty: no authorization
         self.accounts = {a: User(a, secrets.token_urlsafe(24), (">",), (">",)) for a in accounts}
         self.name, self.sync_interval, self.n_servers = name, sync_interval, servers
+        self.pki = make_local_pki(self.root / "tls") if tls else None  # clients and routes over TLS
         self.servers: list[EmbeddedNats] = []
         self.route_ports: list[int] = []
         self.configure()
@@ -94,10 +101,23 @@ class LocalCluster:
         self.servers = []
         for i, route_port in enumerate(self.route_ports):
             routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(self.route_ports) if j != i)
-            block = f'cluster {{\n  name: "{self.name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
+            route_tls = self.pki.server.block() if self.pki else ""
+            block = f'cluster {{\n  name: "{self.name}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n{route_tls}}}\n'
             self.servers.append(
-                EmbeddedNats(self.root / f"n{i}", sync_interval=self.sync_interval, authorization=auth, server_name=f"n{i}", cluster=block)
+                EmbeddedNats(
+                    self.root / f"n{i}",
+                    sync_interval=self.sync_interval,
+                    authorization=auth,
+                    server_name=f"n{i}",
+                    cluster=block,
+                    tls=self.pki and self.pki.server,
+                )
             )
+
+    @property
+    def client_tls(self) -> TlsFiles | None:
+        """What a client of this cluster trusts and shows (None: plaintext)."""
+        return self.pki.client if self.pki else None
 
     @property
     def urls(self) -> list[str]:
@@ -191,7 +211,9 @@ class LocalCluster:
         a known metadata leader is not yet a cluster whose peers all answer, and a run
         started earlier finds its R3 streams waiting on a peer."""
         user = next(iter(self.accounts.values()), None)
-        nc = await connect(self.seed_url, "cluster-ready", LOG, user=user and user.name, password=user and user.password)
+        nc = await connect(
+            self.seed_url, "cluster-ready", LOG, user=user and user.name, password=user and user.password, tls=self.client_tls
+        )
         js = nc.jetstream(timeout=5)
         probe = api.StreamConfig(
             name=READY_STREAM, subjects=[f"_prorsa.{READY_STREAM}"], num_replicas=len(self.servers), storage=api.StorageType.MEMORY
@@ -298,9 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for the servers' configs, logs and stores")
     parser.add_argument("--sync-interval", default="always", help="JetStream fsync: 'always' (default) or a period such as '2m'")
     parser.add_argument("--accounts", default="", help="comma-separated account names, one per run (default: no authorization)")
+    parser.add_argument(
+        "--tls", action="store_true", help="a local CA under DIR/tls; clients and routes over TLS, clients with certificates"
+    )
     args = parser.parse_args(argv)
     try:
-        cluster = LocalCluster(args.out, args.servers, args.sync_interval, accounts=tuple(filter(None, args.accounts.split(","))))
+        accounts = tuple(filter(None, args.accounts.split(",")))
+        cluster = LocalCluster(args.out, args.servers, args.sync_interval, accounts=accounts, tls=args.tls)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -312,11 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    (args.out / "cluster.json").write_text(json.dumps({"urls": cluster.urls, "seed_url": cluster.seed_url}) + "\n")
+    tls = cluster.client_tls
+    record = {"urls": cluster.urls, "seed_url": cluster.seed_url} | ({"tls": tls.env()} if tls else {})
+    (args.out / "cluster.json").write_text(json.dumps(record) + "\n")
     for i, url in enumerate(cluster.urls):
         print(f"n{i} {url} pid {cluster.pid(i)}", flush=True)
     for account in cluster.accounts:
         print(f"account {account}: credentials in {args.out / 'accounts' / (account + '.json')}", flush=True)
+    if tls:
+        print(f'[bus] settings of a run on it: tls = "on", tls_ca = "{tls.ca}", tls_cert = "{tls.cert}", tls_key = "{tls.key}"', flush=True)
     print(f"seed url: {cluster.seed_url}  (Ctrl-C stops the cluster)", flush=True)
     rc = 0
     while not stop.wait(0.5):

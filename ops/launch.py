@@ -44,7 +44,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from actors.base.connection import BUS_ERRORS, close, connect, publish_origin
+from actors.base.connection import BUS_ERRORS, TlsFiles, close, connect, publish_origin
 from actors.config import POLICIES, Config, ConfigError, initial_roles, load_config, with_policy
 from bus_schemas import streams
 from ops import access
@@ -54,6 +54,7 @@ from ops.export import read_run, write_run
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
 from ops.supervise import STOP_GRACE_WALL_S, stop_all, supervise
+from ops.tls import make_local_pki
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG = logging.getLogger("prorsa.launch")
@@ -66,13 +67,15 @@ class Bus:
 
     url: str
     users: dict[str, access.User] | None = None  # None: a server we did not start (credentials from the environment)
+    tls: TlsFiles | None = None  # what every client trusts and shows ([bus] tls); None: plaintext
 
     async def connect(self, name: str):
         launcher = self.users[access.LAUNCHER] if self.users else None
-        return await connect(self.url, name, LOG, user=launcher and launcher.name, password=launcher and launcher.password)
+        return await connect(self.url, name, LOG, user=launcher and launcher.name, password=launcher and launcher.password, tls=self.tls)
 
     def actor_env(self, spec: ActorSpec) -> dict[str, str]:
-        return access.actor_env(self.users[access.user_name(spec.kind, spec.actor_id)]) if self.users else {}
+        env = access.actor_env(self.users[access.user_name(spec.kind, spec.actor_id)]) if self.users else {}
+        return env | (self.tls.env() if self.tls else {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +263,8 @@ def write_bus_file(out: Path, bus: Bus) -> None:
     """DIR/bus.json: where `ops.monitor --run DIR` connects, as the read-only monitor user
     (mode 0600: it holds a password); the credentials of every user go to DIR/credentials/."""
     record = {"url": bus.url}
+    if bus.tls:
+        record |= {"tls_ca": bus.tls.ca, "tls_cert": bus.tls.cert, "tls_key": bus.tls.key}
     if bus.users:
         access.write_credentials(out / "credentials", bus.users)
         monitor = bus.users[access.MONITOR]
@@ -286,11 +291,18 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
         console.print(f"replacing the earlier run in {out}", highlight=False)
         shutil.rmtree(out / "nats")
     users = None if nats_url else access.make_users([(spec.kind, spec.actor_id) for spec in specs])
+    pki = make_local_pki(out / "tls") if config.bus.tls == "local" else None
     server = (
         None
         if nats_url
-        else EmbeddedNats(out / "nats", sync_interval=config.bus.sync_interval, authorization=access.authorization_block(users))
+        else EmbeddedNats(
+            out / "nats",
+            sync_interval=config.bus.sync_interval,
+            authorization=access.authorization_block(users),
+            tls=pki and pki.server,
+        )
     )
+    tls = pki.client if pki else client_tls(config)
     procs: dict[ActorSpec, asyncio.subprocess.Process] = {}
     started = time.monotonic()
     interrupted = asyncio.Event()  # Ctrl-C or SIGTERM, at any moment from here on
@@ -302,7 +314,7 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
     status = "interrupted"
     join = ender = None  # a host of a run over several hosts: its connection, the watch for the end
     try:
-        bus = Bus(nats_url or server.start(), users)
+        bus = Bus(nats_url or server.start(), users, tls)
         if server is not None:
             console.print(f"started nats-server pid {server.proc.pid} at {bus.url}", highlight=False)
         join = await bus.connect("launcher-join") if only else None
@@ -365,6 +377,24 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
     return 0 if status == "completed" and not killed else 1
 
 
+def client_tls(config: Config) -> TlsFiles | None:
+    """The clients' TLS files given in [bus] (tls = "on"), or None."""
+    bus = config.bus
+    return TlsFiles(bus.tls_ca, bus.tls_cert, bus.tls_key) if bus.tls == "on" else None
+
+
+def check_bus(config: Config, nats_url: str | None) -> None:
+    """ConfigError (one line) where [bus] tls does not fit where the bus is: "local" makes the
+    embedded server's certificates, "on" trusts a server given with --nats-url."""
+    if config.bus.tls == "local" and nats_url:
+        raise ConfigError("bus.tls = 'local' makes the embedded server's certificates; for a server given with --nats-url use 'on'")
+    if config.bus.tls == "on" and not nats_url:
+        raise ConfigError("bus.tls = 'on' trusts a server given with --nats-url; the embedded server makes its own with 'local'")
+    for path in filter(None, (config.bus.tls_ca, config.bus.tls_cert, config.bus.tls_key)):
+        if not Path(path).is_file():
+            raise ConfigError(f"bus TLS file {path!r}: no such file")
+
+
 def dump_tasks() -> None:
     """Every asyncio task's stack, on stderr: what a launcher that seems stuck awaits."""
     for task in asyncio.all_tasks():
@@ -407,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.on_actor_death:
             config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, on_actor_death=args.on_actor_death))
         specs = actor_specs(config)  # policy-level checks (e.g. a static split with no decode engine)
+        check_bus(config, args.nats_url)
         if args.only and not select_actors(specs, args.only):
             raise ConfigError(f"--only {' '.join(args.only)}: no actor of this run")
     except ConfigError as err:

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from actors.base.connection import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles
 from actors.base.tasks import cancel_and_wait
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
@@ -62,6 +64,7 @@ class BusTarget:
     user: str | None = None
     password: str | None = None
     creds: str | None = None  # a NATS .creds file
+    tls: TlsFiles | None = None  # the CA bundle (and client certificate) of a bus that speaks TLS
     source: str = ""  # how it was found, for the header: "run runs/x" or "--nats-url"
     run_dir: Path | None = None
     hints: dict = field(default_factory=dict)  # from the run's config: lease_wall_s, heartbeat_wall_s, time_scale, expected_engines
@@ -89,6 +92,7 @@ def target_from_run(run_dir: Path) -> BusTarget:
         user=raw.get("user") or None,
         password=raw.get("password") or None,
         creds=creds or None,
+        tls=TlsFiles(raw["tls_ca"], raw.get("tls_cert", ""), raw.get("tls_key", "")) if raw.get("tls_ca") else None,
         source=f"run {run_dir}",
         run_dir=run_dir,
         hints=run_hints(run_dir),
@@ -133,13 +137,16 @@ def run_prefill_cost(run_dir: Path):
 
 
 def target_from_url(url: str, environ: dict | None = None) -> BusTarget:
-    """Any deployment: credentials from NATS_USER / NATS_PASSWORD or NATS_CREDS where set."""
+    """Any deployment: credentials from NATS_USER / NATS_PASSWORD or NATS_CREDS, and TLS files
+    from PRORSA_NATS_TLS_CA / _CERT / _KEY, where set."""
     env = os.environ if environ is None else environ
+    ca = env.get(TLS_CA_ENV) or ""
     return BusTarget(
         url=url,
         user=env.get("NATS_USER") or None,
         password=env.get("NATS_PASSWORD") or None,
         creds=env.get("NATS_CREDS") or None,
+        tls=TlsFiles(ca, env.get(TLS_CERT_ENV) or "", env.get(TLS_KEY_ENV) or "") if ca else None,
         source="--nats-url",
     )
 
@@ -153,11 +160,18 @@ def _connect_options(target: BusTarget) -> dict:
     elif target.user:
         options["user"] = target.user
         options["password"] = target.password or ""
+    if target.tls:
+        try:
+            options["tls"] = target.tls.context()
+        except OSError as err:
+            raise MonitorInputError(str(err)) from None
     return options
 
 
 def _why(err: BaseException) -> str:
     text = str(err) or type(err).__name__
+    if isinstance(err, ssl.SSLError):  # an OSError too, but the server did answer
+        return f"the TLS handshake failed ({getattr(err, 'reason', None) or text})"
     if isinstance(err, (OSError, nats.errors.NoServersError, TimeoutError, asyncio.TimeoutError)):
         return "no NATS server answers there"
     if "authorization" in text.lower() or "authentication" in text.lower():

@@ -5,7 +5,9 @@ Bound to 127.0.0.1 on a free port, JetStream on file storage under the run folde
 sync_interval` trades that for speed), and `max_payload` raised for KV chunks. With an
 `authorization` block (the launcher's: one user per actor, `ops/access.py`) every client
 must authenticate; without one (the tests' session server) anyone on this host may connect.
-With a `cluster` block (`ops/cluster.py`) it is one server of a JetStream cluster. Settings go
+With a `cluster` block (`ops/cluster.py`) it is one server of a JetStream cluster. With `tls`
+(`ops/tls.py`) its clients must speak TLS, and (mutual TLS) show a certificate its CA signed;
+its URL is then tls://. Settings go
 in a generated config file (mode 0600: it holds passwords), not flags.
 """
 
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 
 from ops.procs import die_with_parent
+from ops.tls import ServerTls
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 READY_TIMEOUT_WALL_S = 20.0
@@ -72,6 +75,7 @@ class EmbeddedNats:
         authorization: str = "",
         server_name: str = "",
         cluster: str = "",
+        tls: ServerTls | None = None,
     ) -> None:
         self.root = Path(root)
         self.port_given = port is not None  # a given port is kept even if taken; a picked one is picked again
@@ -80,12 +84,13 @@ class EmbeddedNats:
         self.authorization = authorization  # the config's `authorization` block ("" : none)
         self.server_name = server_name  # required in a JetStream cluster ("" : the server picks one)
         self.cluster = cluster  # the config's `cluster` block ("" : a lone server)
+        self.tls = tls  # clients must speak TLS (with a certificate of tls.ca where tls.verify_clients); None: plaintext
         self.proc: subprocess.Popen | None = None
         self.was_ready = False  # started once: a restart keeps its port
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -102,7 +107,7 @@ class EmbeddedNats:
                 "jetstream {\n"
                 f'  store_dir: "{self.root / "jetstream"}"\n'
                 f"  sync_interval: {self.sync_interval}\n"
-                "}\n" + self.cluster + self.authorization
+                "}\n" + (self.tls.block() if self.tls else "") + self.cluster + self.authorization
             )
         os.chmod(conf, 0o600)
         return conf

@@ -38,7 +38,7 @@ from pathlib import Path
 import msgspec
 
 from actors.base.clock import ScaledClock
-from actors.base.connection import close, connect, publish_origin
+from actors.base.connection import TlsFiles, close, connect, publish_origin
 from actors.base.lifecycle import LifecyclePublisher
 from actors.config import Config
 from bus_schemas import streams, subjects
@@ -49,6 +49,7 @@ from bus_schemas.lifecycle import EventKind, LifecycleEvent
 from bus_schemas.status import EngineStatus
 from ops.export import read_stream
 from ops.natsserver import EmbeddedNats
+from ops.tls import make_local_pki
 
 LOG = logging.getLogger("prorsa.bench.bus")
 REPO = Path(__file__).resolve().parent.parent
@@ -87,11 +88,19 @@ def bench_event(i: int) -> LifecycleEvent:
     )
 
 
-async def events_per_s(root: Path, sync_interval: str, n_events: int) -> dict:
+def bench_server(root: Path, tls: bool, sync_interval: str = "always") -> tuple[EmbeddedNats, TlsFiles | None]:
+    """A fresh server under `root` and what its clients need: with `tls`, a local CA's
+    certificates (mutual TLS, as a launched run with `[bus] tls = "local"`)."""
+    pki = make_local_pki(root / "tls") if tls else None
+    return EmbeddedNats(root / "nats", sync_interval=sync_interval, tls=pki and pki.server), pki and pki.client
+
+
+async def events_per_s(root: Path, sync_interval: str, n_events: int, tls: bool = False) -> dict:
     """One run on a fresh server: events acked per second, and every emitted id checked
     against the stream afterwards (lost: missing; duplicated: stored more than once)."""
-    with EmbeddedNats(root, sync_interval=sync_interval) as server:
-        nc = await connect(server.url, "bench-events", LOG)
+    server, client_tls = bench_server(root, tls, sync_interval)
+    with server:
+        nc = await connect(server.url, "bench-events", LOG, tls=client_tls)
         try:
             js = nc.jetstream()
             await streams.ensure_streams(js)
@@ -124,9 +133,10 @@ async def events_per_s(root: Path, sync_interval: str, n_events: int) -> dict:
             await close(nc)
 
 
-async def events_median(root: Path, sync_interval: str, n_events: int, repeats: int) -> tuple[float, list[dict]]:
+async def events_median(root: Path, sync_interval: str, n_events: int, repeats: int, tls: bool = False) -> tuple[float, list[dict]]:
     """(the median rate over `repeats` runs, each run's figures): a shared machine is noisy."""
-    runs = [await events_per_s(root / f"{sync_interval}-{k}", sync_interval, n_events) for k in range(repeats)]
+    name = f"{sync_interval}{'-tls' if tls else ''}"
+    runs = [await events_per_s(root / f"{name}-{k}", sync_interval, n_events, tls) for k in range(repeats)]
     return statistics.median(r["events_per_s"] for r in runs), runs
 
 
@@ -166,7 +176,7 @@ def forecast(tick: int) -> bytes:
     )
 
 
-async def control_latency_ms(root: Path, n_switches: int, fleet: int, heartbeat_wall_s: float) -> list[float]:
+async def control_latency_ms(root: Path, n_switches: int, fleet: int, heartbeat_wall_s: float, tls: bool = False) -> list[float]:
     """Forecast published → SetRole acked by a real engine process, in wall ms, minus its drain and reconfiguration."""
     config = msgspec.convert(
         {"run": {"name": "bench-bus", "time_scale": 1.0, "heartbeat_wall_s": heartbeat_wall_s}, "engines": {"count": 1}}, Config
@@ -174,8 +184,9 @@ async def control_latency_ms(root: Path, n_switches: int, fleet: int, heartbeat_
     config_path = root / "config.json"
     root.mkdir(parents=True, exist_ok=True)
     config_path.write_bytes(msgspec.json.encode(config))
-    with EmbeddedNats(root / "nats") as server:
-        nc = await connect(server.url, "bench-control", LOG)
+    server, client_tls = bench_server(root, tls)
+    with server:
+        nc = await connect(server.url, "bench-control", LOG, tls=client_tls)
         engine = subprocess.Popen(
             [
                 sys.executable,
@@ -193,7 +204,7 @@ async def control_latency_ms(root: Path, n_switches: int, fleet: int, heartbeat_
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": str(REPO), **(client_tls.env() if client_tls else {})},
         )
         beating = None
         try:
@@ -260,12 +271,18 @@ async def bench(
         disk_fsyncs = disk_fsyncs_per_s(root / "probe")
         fsync_rate, fsync_runs = await events_median(root, "always", n_fsync_events, repeats)
         latencies = await control_latency_ms(root / "control", n_switches, fleet, heartbeat_wall_s)
-    runs = async_runs + fsync_runs
+        tls_rate, tls_runs = await events_median(root, "2m", n_events, repeats, tls=True)
+        tls_latencies = await control_latency_ms(root / "control-tls", n_switches, fleet, heartbeat_wall_s, tls=True)
+    runs = async_runs + fsync_runs + tls_runs
     result = {
         "events_per_s_async": round(async_rate),
         "events_per_s_fsync": round(fsync_rate),
         "control_p50_ms": round(percentile(latencies, 0.50), 2),
         "control_p99_ms": round(percentile(latencies, 0.99), 2),
+        # the same over TLS (mutual TLS, a local CA's certificates; as `[bus] tls = "local"`)
+        "events_per_s_async_tls": round(tls_rate),
+        "control_p50_ms_tls": round(percentile(tls_latencies, 0.50), 2),
+        "control_p99_ms_tls": round(percentile(tls_latencies, 0.99), 2),
         "lost": sum(r["lost"] for r in runs),
         "duplicated": sum(r["duplicated"] for r in runs),
         "measured": {
@@ -280,6 +297,7 @@ async def bench(
             "disk_fsyncs_per_s": round(disk_fsyncs),
             "runs_async": async_runs,
             "runs_fsync": fsync_runs,
+            "runs_async_tls": tls_runs,
             "events": "per run: a fresh server, one LifecyclePublisher, emit N then flush; rate = N / time to the last ack (the median of the runs); "
             "lost / duplicated = emitted ids missing from / stored more than once in the LIFECYCLE stream, read back after each run",
             "control": "forecast publish -> SetRole request (allocator stand-in) -> engine process switches and acks, minus drain",

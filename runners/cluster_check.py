@@ -1,9 +1,10 @@
 """The loss of a server: a small emulated run over two launchers on a local 3-server cluster.
 
-    python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--policy colocated] [--no-kill]
+    python -m runners.cluster_check --out DIR [--steps 2] [--time-scale 50] [--policy colocated] [--no-kill] [--tls]
     python -m runners.cluster_check --capacity --out DIR [--sim-config configs/sim-swe-64.toml]
 
-1. Start a local 3-server JetStream cluster (`ops/cluster.py`) under DIR/cluster.
+1. Start a local 3-server JetStream cluster (`ops/cluster.py`) under DIR/cluster (`--tls`:
+   clients and routes over TLS, the run's `[bus] tls = "on"` with the cluster's files).
 2. Start two launchers, as two hosts would: `--only engines` connected to server n1 (its
    seed URL) into DIR/engines, and `--only control --only environments` connected to n0 into
    DIR/control. Every stream and the run bucket have 3 replicas (`[bus] replicas = 3`).
@@ -36,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from actors.base.connection import close, connect
+from actors.base.connection import TlsFiles, close, connect
 from bus_schemas import subjects
 from ops.cluster import LocalCluster
 
@@ -61,7 +62,7 @@ ack_wait_wall_s = 5.0
 
 [bus]
 replicas = 3
-
+{bus_tls}
 [engines]
 count = 2
 prefill_engines = 1
@@ -105,9 +106,9 @@ def start_launcher(config: Path, out: Path, url: str, groups: list[str]) -> subp
         log.close()
 
 
-async def first_finish(url: str, timeout_wall_s: float) -> None:
+async def first_finish(url: str, timeout_wall_s: float, tls: TlsFiles | None = None) -> None:
     """Return when a trajectory has finished (a lifecycle 'finished' event on the bus)."""
-    nc = await connect(url, "cluster-check", LOG)
+    nc = await connect(url, "cluster-check", LOG, tls=tls)
     try:
         finished = asyncio.Event()
 
@@ -156,19 +157,23 @@ def run_check(
     policy: str = "colocated",
     first_finish_timeout_wall_s: float = FIRST_FINISH_TIMEOUT_WALL_S,
     run_timeout_wall_s: float = RUN_TIMEOUT_WALL_S,
+    tls: bool = False,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "cluster-check.toml"
-    config.write_text(CONFIG.format(stamp=time.strftime("%Y%m%d-%H%M%S"), time_scale=time_scale, steps=steps, policy=policy))
     started = time.monotonic()
-    with LocalCluster(out / "cluster") as cluster:
+    with LocalCluster(out / "cluster", tls=tls) as cluster:
+        files = cluster.client_tls
+        bus_tls = f'tls = "on"\ntls_ca = "{files.ca}"\ntls_cert = "{files.cert}"\ntls_key = "{files.key}"\n' if files else ""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config.write_text(CONFIG.format(stamp=stamp, time_scale=time_scale, steps=steps, policy=policy, bus_tls=bus_tls))
         print(f"cluster: {cluster.seed_url}", flush=True)
         engines = start_launcher(config, out / "engines", cluster.urls[KILLED], ["engines"])
         control = start_launcher(config, out / "control", cluster.urls[0], ["control", "environments"])
         killed: list[str] = []
         stalled = False
         try:
-            asyncio.run(first_finish(cluster.urls[2], first_finish_timeout_wall_s))
+            asyncio.run(first_finish(cluster.urls[2], first_finish_timeout_wall_s, files))
             if kill:
                 pid = cluster.kill(KILLED)
                 killed.append(f"n{KILLED}")
@@ -308,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--policy", default="colocated", help="run.policy (prorsa: the allocator on the control host switches the other host's engines)"
     )
+    parser.add_argument("--tls", action="store_true", help="clients and routes over TLS (a local CA), the run with [bus] tls = 'on'")
     parser.add_argument("--capacity", action="store_true", help="measure the cluster's capacity and a fleet's traffic instead")
     parser.add_argument("--sim-config", type=Path, default=REPO / "configs" / "sim-swe-64.toml")
     args = parser.parse_args(argv)
@@ -316,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["cluster_r3"]), flush=True)
         print(f"wrote {args.out / 'capacity.json'}", flush=True)
         return 0
-    summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill, policy=args.policy)
+    summary = run_check(args.out, args.steps, args.time_scale, kill=not args.no_kill, policy=args.policy, tls=args.tls)
     ok = summary.get("status") == "completed" and passed(summary)
     print(
         f"{'passed' if ok else 'FAILED'}: {summary.get('status')}, servers killed {summary['servers_killed']}, "

@@ -1,4 +1,4 @@
-"""`runners.bench bus` on the real server, small: every figure is measured and nothing is lost."""
+"""`runners.bench bus` on the real server, small: every figure (plaintext and over TLS) is measured and nothing is lost."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ async def test_the_bus_bench_measures_every_figure_and_loses_nothing(tmp_path: P
     assert result["lost"] == 0 and result["duplicated"] == 0  # every emitted id is in the LIFECYCLE stream, once
     assert result["events_per_s_async"] > 0 and result["events_per_s_fsync"] > 0
     assert 0 < result["control_p50_ms"] <= result["control_p99_ms"] < 10_000
+    assert result["events_per_s_async_tls"] > 0 and 0 < result["control_p50_ms_tls"] <= result["control_p99_ms_tls"] < 10_000
     measured = result["measured"]
     assert measured["switches"] == 10 and measured["disk_fsyncs_per_s"] > 0
-    runs = measured["runs_async"] + measured["runs_fsync"]
-    assert len(runs) == 4 and all(r["lost"] == 0 and r["duplicated"] == 0 for r in runs)
+    runs = measured["runs_async"] + measured["runs_fsync"] + measured["runs_async_tls"]
+    assert len(runs) == 6 and all(r["lost"] == 0 and r["duplicated"] == 0 for r in runs)
     assert all(0 < r["peak_in_flight"] <= 1024 and r["client_cpu_us_per_event"] > 0 for r in runs)

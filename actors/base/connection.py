@@ -1,12 +1,15 @@
-"""Connecting to the bus: reconnect forever, pings, every disconnect logged; credentials from
-the caller or the environment (PRORSA_NATS_USER, PRORSA_NATS_PASSWORD). A URL may list several
-seed servers of one cluster, comma-separated: the client connects to one of them, learns the
-rest of the cluster from it, and fails over to another when its server goes away."""
+"""Connecting to the bus: reconnect forever, pings, every disconnect logged; credentials and
+TLS files from the caller or the environment (PRORSA_NATS_USER, PRORSA_NATS_PASSWORD;
+PRORSA_NATS_TLS_CA, PRORSA_NATS_TLS_CERT, PRORSA_NATS_TLS_KEY). A URL may list several seed
+servers of one cluster, comma-separated: the client connects to one of them, learns the rest
+of the cluster from it, and fails over to another when its server goes away."""
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
+from dataclasses import dataclass
 
 import msgspec
 import nats.aio.client
@@ -41,6 +44,54 @@ def widen_nats_reads() -> None:
 USER_ENV, PASSWORD_ENV = "PRORSA_NATS_USER", "PRORSA_NATS_PASSWORD"
 
 
+# TLS: the CA bundle that signs the servers' certificates, and (mutual TLS) this client's own
+# certificate and key, all PEM files; explicit arguments win, then these environment variables
+TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV = "PRORSA_NATS_TLS_CA", "PRORSA_NATS_TLS_CERT", "PRORSA_NATS_TLS_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """What a client needs to speak TLS to the bus: the CA bundle it trusts and, where the
+    server verifies clients (mutual TLS), its own certificate and key (both or neither)."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.ca:
+            raise ValueError("TLS needs a CA bundle (the PEM file of the CA that signed the servers' certificates)")
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("a TLS client certificate needs its key, and a key its certificate")
+
+    def env(self) -> dict[str, str]:
+        """The environment a child process reads these from (`from_env`)."""
+        return {TLS_CA_ENV: self.ca, TLS_CERT_ENV: self.cert, TLS_KEY_ENV: self.key}
+
+    @staticmethod
+    def from_env() -> TlsFiles | None:
+        ca = os.environ.get(TLS_CA_ENV, "")
+        return TlsFiles(ca, os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")) if ca else None
+
+    def context(self) -> ssl.SSLContext:
+        """A client context that trusts only `ca` and checks the server's name; OSError (one
+        line, the file named) where a file is missing or unreadable."""
+        try:
+            context = ssl.create_default_context(cafile=self.ca)
+            if self.cert:
+                context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as err:
+            raise OSError(f"TLS files (ca {self.ca!r}, cert {self.cert!r}, key {self.key!r}) unusable: {err}") from err
+        return context
+
+
+def tls_options(tls: TlsFiles | None) -> dict:
+    """nats-py's connect options for `tls` (or the environment's; none: plaintext, unless a
+    tls:// URL asks nats-py for TLS against the system's CAs)."""
+    tls = tls or TlsFiles.from_env()
+    return {"tls": tls.context()} if tls else {}
+
+
 def inbox_prefix(user: str | None) -> str:
     """A user's own reply inbox (the server lets each user subscribe only to its own)."""
     return f"_INBOX_{user}" if user else "_INBOX"
@@ -54,7 +105,9 @@ def seed_urls(url: str) -> list[str]:
     return urls
 
 
-async def connect(url: str, name: str, log: logging.Logger, user: str | None = None, password: str | None = None) -> NATS:
+async def connect(
+    url: str, name: str, log: logging.Logger, user: str | None = None, password: str | None = None, tls: TlsFiles | None = None
+) -> NATS:
     widen_nats_reads()
     user = user or os.environ.get(USER_ENV) or None
     password = password or os.environ.get(PASSWORD_ENV) or None
@@ -85,6 +138,7 @@ async def connect(url: str, name: str, log: logging.Logger, user: str | None = N
         user=user,
         password=password,
         inbox_prefix=inbox_prefix(user),
+        **tls_options(tls),
     )
     return nc
 
