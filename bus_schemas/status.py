@@ -47,9 +47,14 @@ class ActorStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ActorReport(msgspec.Struct, frozen=True, kw_only=True):
-    """Published on subjects.report(id) (JetStream) when an actor stops: its counters."""
+    """Published on subjects.report(id) (JetStream): an actor's counters since its process
+    started, as checkpoints while it runs (final False) and once when it stops (final True).
+    A restarted actor is a new incarnation; a run's counters add up each incarnation's last
+    report, so an actor killed outright loses at most one checkpoint period of counts."""
 
     actor_id: str
     kind: str
     at_s: float
     counters: dict[str, int]  # e.g. invalid_messages, reprefills, redelivered
+    incarnation: str = ""  # one per process start ("": one incarnation only)
+    final: bool = True  # False: a checkpoint of a running actor

@@ -163,6 +163,30 @@ async def read_run(js: JetStreamContext) -> RunRecord:
     )
 
 
+def actor_counters(reports: list[ActorReport]) -> dict[str, dict[str, int]]:
+    """Each actor's counters over the run: every incarnation's last report (final, or the last
+    checkpoint of one that died), added up; a `max_*` or `peak_*` counter takes the largest."""
+    last = {(r.actor_id, r.incarnation): r for r in reports}  # stream order: the latest wins
+    merged: dict[str, dict[str, int]] = {}
+    for (actor_id, _), report in last.items():
+        into = merged.setdefault(actor_id, {})
+        for name, value in report.counters.items():
+            into[name] = max(into.get(name, value), value) if name.startswith(("max_", "peak_")) else into.get(name, 0) + value
+    return merged
+
+
+def incarnations(reports: list[ActorReport]) -> dict[str, dict[str, int]]:
+    """Per actor: how many incarnations reported, and how many of those ended without a final
+    report (killed: their counters come from their last checkpoint)."""
+    last = {(r.actor_id, r.incarnation): r for r in reports}
+    out: dict[str, dict[str, int]] = {}
+    for (actor_id, _), report in last.items():
+        row = out.setdefault(actor_id, {"incarnations": 0, "without_final_report": 0})
+        row["incarnations"] += 1
+        row["without_final_report"] += not report.final
+    return out
+
+
 def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str, backend: str, expected: int) -> dict:
     """The run's summary. `expected`: the trajectories the config's batches need (steps x B x G);
     under stale_policy "drop" every dropped trajectory's group is replaced by a new one, so the
@@ -172,7 +196,7 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
     row's policy version."""
     finished_ids = {f.trajectory_id for f in record.finished}
     totals = step_token_totals(events)
-    counters: dict[str, dict[str, int]] = {r.actor_id: r.counters for r in record.reports}
+    counters = actor_counters(record.reports)
     steps = []
     for report in sorted(record.steps, key=lambda r: r.step):
         tokens = totals.get(report.step, {})
@@ -212,6 +236,8 @@ def summarize(record: RunRecord, events: pl.DataFrame, *, policy: str, mode: str
         "events": events.height,
         "steps": steps,
         "actors": counters,
+        # actors that ran more than one process, or ended one without a final report
+        "actor_incarnations": {a: n for a, n in incarnations(record.reports).items() if n["incarnations"] > 1 or n["without_final_report"]},
     }
 
 

@@ -77,3 +77,31 @@ async def test_a_work_queue_read_counts_its_undecodable_messages_too(bus, caplog
     assert [w.trajectory_id for w in got] == ["a", "b"]
     assert undecodable == {subjects.work_prefill(): 1}
     assert [r.getMessage() for r in caplog.records if "message 2 of 3" in r.getMessage()] != []
+
+
+def test_a_restarted_actors_counters_add_up_over_its_incarnations():
+    """Each incarnation's last report counts (the final one, or the last checkpoint of a
+    process that was killed); `max_*` counters take the largest; reports without
+    incarnations (one process) count once, their last."""
+    from bus_schemas.status import ActorReport
+    from ops.export import actor_counters, incarnations
+
+    def report(actor: str, incarnation: str, final: bool, **counters: int) -> ActorReport:
+        return ActorReport(actor_id=actor, kind="engine", at_s=0.0, counters=counters, incarnation=incarnation, final=final)
+
+    reports = [
+        report("e0", "a", False, invalid_messages=1, max_tick_lag_ms=30),
+        report("e0", "a", False, invalid_messages=4, max_tick_lag_ms=50),  # a's last word: it was killed
+        report("e0", "b", False, invalid_messages=1),
+        report("e0", "b", True, invalid_messages=2, max_tick_lag_ms=20, redelivered=3),
+        report("e1", "", True, invalid_messages=9),
+        report("e1", "", True, invalid_messages=10),  # the same process reporting twice: its last
+    ]
+    assert actor_counters(reports) == {
+        "e0": {"invalid_messages": 6, "max_tick_lag_ms": 50, "redelivered": 3},
+        "e1": {"invalid_messages": 10},
+    }
+    assert incarnations(reports) == {
+        "e0": {"incarnations": 2, "without_final_report": 1},
+        "e1": {"incarnations": 1, "without_final_report": 0},
+    }
