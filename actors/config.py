@@ -5,7 +5,8 @@ with the checks and the cost model that need other packages' registries.
 the cost-model preset and links exist and fit the layout (``actors.engine.emulated.costmodel``),
 that every task family has a profile (``actors.environment.workloads``) and that the
 forecaster's model is registered (``forecasting.models``); ``EngineSection.cost_preset``
-gives the cost model an engine runs with in a role. Every schema name is re-exported, so
+gives the cost model an engine runs with in a role; a `workload.trace` is read and checked
+against the trainer's shape (``actors.environment.trace``). Every schema name is re-exported, so
 ``from actors.config import ...`` keeps working; a module that needs only the shape of a
 config imports ``actors.config_schema`` and none of these packages.
 """
@@ -37,6 +38,7 @@ from actors.config_schema import (
     with_policy,
 )
 from actors.engine.emulated.costmodel import LINKS, PRESETS, CostPreset, Layout, with_layout, with_lockstep
+from actors.environment.trace import ReplaySchedule
 from actors.environment.workloads import PROFILES  # profiles live with the environment
 from bus_schemas.control import Role
 from forecasting.models import REGISTRY  # the registry lives with the models
@@ -107,12 +109,15 @@ class EngineSection(schema.EngineSection):
 
 
 class WorkloadSection(schema.WorkloadSection):
-    """The schema's workload section, every task family checked against the profiles."""
+    """The schema's workload section, every task family checked against the profiles; a trace's
+    path made absolute (relative to the working directory), so every actor reads the same file."""
 
     def __post_init__(self) -> None:
         for family in self.families():
             if family not in PROFILES:
                 raise ValueError(f"unknown task family {family!r} (known: {_known(PROFILES)})")
+        if self.trace:
+            self.trace = str(Path(self.trace).expanduser().absolute())
         super().__post_init__()
 
 
@@ -131,6 +136,15 @@ class Config(schema.Config):
     engines: EngineSection = msgspec.field(default_factory=EngineSection)
     workload: WorkloadSection = msgspec.field(default_factory=WorkloadSection)
     forecaster: ForecasterSection = msgspec.field(default_factory=ForecasterSection)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.workload.trace:  # read and checked now: a trace that cannot fill the run fails before anything starts
+            if self.engines.backend != "emulated":
+                raise ValueError(
+                    f"workload.trace replays recorded trajectories on the emulated backend only (engines.backend = {self.engines.backend!r})"
+                )
+            ReplaySchedule.of(self)
 
 
 def load_config(path: str | Path) -> Config:

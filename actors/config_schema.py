@@ -201,6 +201,9 @@ class WorkloadSection(_Section):
     mix: dict[str, float] = msgspec.field(default_factory=lambda: {"swe": 0.5, "math": 0.5})  # family -> share
     phases: list[WorkloadPhase] = []  # later steps' mixes, in increasing from_step
     overrides: dict[str, FamilyOverride] = {}
+    # a recorded trace (JSONL, one trajectory a line) the environments replay instead of sampling
+    # the families; mix, phases and overrides then pick nothing (docs/workloads.md, "Recorded traces")
+    trace: str = ""
 
     def __post_init__(self) -> None:
         for mix in self.mixes():

@@ -2,9 +2,12 @@
 
 Per trajectory: submit the prompt for prefill → receive the turn's result → call the tool
 (a modelled latency) → submit the observation as the next turn … → compute the reward and
-hand the finished trajectory to the trainer. The task assignment stays un-acked (kept alive
-with in-progress acks) until the finished trajectory is stored, so an environment that dies
-mid-trajectory has the trajectory redelivered and rerun elsewhere — never silently lost.
+hand the finished trajectory to the trainer. A trajectory's shape (turns, lengths, tool
+latencies, reward) is drawn from its task family's profile (`workloads.plan_trajectory`) or,
+with `workload.trace` set, read from a recorded trace (`trace.ReplaySchedule`). The task
+assignment stays un-acked (kept alive with in-progress acks) until the finished trajectory
+is stored, so an environment that dies mid-trajectory has the trajectory redelivered and
+rerun elsewhere — never silently lost.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from nats.aio.msg import Msg
 from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
 from actors.environment.router import Router, store_miss_share
+from actors.environment.trace import ReplaySchedule, TracePlan
 from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -33,7 +37,7 @@ FETCH_WAIT_WALL_S = 0.2
 class Trajectory:
     assignment: TaskAssignment
     task_msg: Msg
-    plan: TrajectoryPlan
+    plan: TrajectoryPlan | TracePlan
     started_at_s: float
     nonce: str = ""  # this rollout of the trajectory (a redelivered trajectory gets a new one)
     turn: int = 0
@@ -46,6 +50,12 @@ class Trajectory:
     prefix_engine_id: str = ""  # the engine that prefilled the last turn (holds the prefix up to it)
     kv_engine_id: str = ""  # the engine that decoded the last turn (holds all of the context)
 
+    @property
+    def family(self) -> str:
+        """The task family its turns and events carry: the plan's (a replayed trace line names its
+        own), or the assignment's where there is no plan (real backends)."""
+        return self.assignment.task_family if self.plan is None else self.plan.family
+
 
 class EnvironmentActor(Actor):
     kind = "environment"
@@ -56,6 +66,7 @@ class EnvironmentActor(Actor):
         self._tasks_empty = False
         self._room = asyncio.Event()
         self.newest_version = 0  # the newest policy version a turn result has shown
+        self.replay: ReplaySchedule | None = None  # workload.trace: the recorded trajectories replayed
 
     async def setup(self) -> None:
         ack_wait = self.clock.loop_s(self.config.run.ack_wait_wall_s)  # as the keep-alive's period
@@ -66,6 +77,8 @@ class EnvironmentActor(Actor):
         if self.router is not None:
             await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_engine_status)
         await self.nc.subscribe(subjects.dead_letter_all(), cb=self._on_dead_letter)
+        if self.config.workload.trace:  # checked when the config loaded; read here once (cached per process)
+            self.replay = ReplaySchedule.of(self.config)
 
     def _make_router(self) -> Router:
         """Per-turn placement; with KV write-back a prefill engine's prefix includes the output."""
@@ -135,6 +148,18 @@ class EnvironmentActor(Actor):
             self.log.error("rejected task %s: unknown task family %r", a.trajectory_id, a.task_family)
             await msg.term()
             return
+        # a.seed is the trajectory's index in the trainer's data schedule (group x G + sample), sync and async alike
+        plan = self.replay.plan(a.seed) if self.replay is not None else self._sampled_plan(a)
+        t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=plan.prompt_tokens)
+        self.live[a.trajectory_id] = t
+        reruns = _deliveries(msg) - 1  # > 0: an earlier rollout was cut short (its environment died)
+        if reruns > 0:
+            self.counters["trajectories_rerun"] += 1
+            self.log.warning("rerunning trajectory %s from its start (delivery %d)", a.trajectory_id, reruns + 1)
+        self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens, attempt=reruns)
+        await self._submit(t)
+
+    def _sampled_plan(self, a: TaskAssignment) -> TrajectoryPlan:
         override = self.config.workload.overrides.get(a.task_family)
         kwargs = (
             {}
@@ -146,15 +171,7 @@ class EnvironmentActor(Actor):
                 tool_latency_scale=override.tool_latency_scale,
             )
         )
-        plan = plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
-        t = Trajectory(a, msg, plan, started_at_s=self.clock.now_s(), nonce=self.new_id()[:8], new_tokens=plan.prompt_tokens)
-        self.live[a.trajectory_id] = t
-        reruns = _deliveries(msg) - 1  # > 0: an earlier rollout was cut short (its environment died)
-        if reruns > 0:
-            self.counters["trajectories_rerun"] += 1
-            self.log.warning("rerunning trajectory %s from its start (delivery %d)", a.trajectory_id, reruns + 1)
-        self._event(t, EventKind.STARTED, new_tokens=plan.prompt_tokens, attempt=reruns)
-        await self._submit(t)
+        return plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
 
     async def _on_dead_letter(self, msg: Msg) -> None:
         """A turn of ours was dead-lettered (no engine could finish it): this rollout cannot
@@ -190,8 +207,8 @@ class EnvironmentActor(Actor):
         return dict(
             context_tokens=t.context_tokens,
             new_tokens=t.new_tokens,
-            max_output_tokens=t.plan.profile.gen_tokens.hi,  # type: ignore[attr-defined]
-            target_output_tokens=t.plan.gen_tokens(),
+            max_output_tokens=t.plan.max_output_tokens(t.turn),
+            target_output_tokens=t.plan.gen_tokens(t.turn),
         )
 
     async def _submit(self, t: Trajectory) -> None:
@@ -201,7 +218,7 @@ class EnvironmentActor(Actor):
             trajectory_id=a.trajectory_id,
             turn=t.turn,
             env_id=self.actor_id,
-            task_family=a.task_family,
+            task_family=t.family,
             policy_version=self._turn_version(t),
             queued_at_s=self.clock.now_s(),
             **self._turn_fields(t),
@@ -249,17 +266,17 @@ class EnvironmentActor(Actor):
         self.newest_version = max(self.newest_version, r.policy_version)
         t.generated_tokens += r.output_tokens
         t.context_tokens += t.new_tokens + r.output_tokens
-        cap = t.plan.profile.context_cap_tokens
+        cap = t.plan.context_cap_tokens
         if t.turn + 1 >= t.plan.turns or t.context_tokens >= cap:
             self.spawn(self._finish(t, truncated=t.context_tokens >= cap), f"finish-{r.trajectory_id}")
         else:
             self.spawn(self._tool_call(t), f"tool-{r.trajectory_id}-{t.turn}")
 
     async def _tool_call(self, t: Trajectory) -> None:
-        latency_s = t.plan.tool_latency_s()
+        latency_s = t.plan.tool_latency_s(t.turn)
         self._event(t, EventKind.TOOL_STARTED)
         await self.clock.sleep(latency_s)
-        obs = t.plan.obs_tokens()
+        obs = t.plan.obs_tokens(t.turn)
         t.observation_tokens += obs
         self._event(t, EventKind.TOOL_DONE, duration_s=latency_s, new_tokens=obs)
         t.turn += 1
@@ -276,7 +293,7 @@ class EnvironmentActor(Actor):
         done = FinishedTrajectory(
             trajectory_id=a.trajectory_id,
             task_id=a.task_id,
-            task_family=a.task_family,
+            task_family=t.family,
             env_id=self.actor_id,
             step=a.step,
             policy_versions=t.versions,
@@ -315,7 +332,7 @@ class EnvironmentActor(Actor):
             kind,
             trajectory_id=a.trajectory_id,
             turn=t.turn,
-            task_family=a.task_family,
+            task_family=t.family,
             policy_version=a.policy_version,
             step=a.step,
             **fields,

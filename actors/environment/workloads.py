@@ -170,7 +170,11 @@ PROFILES: dict[str, Profile] = {
 
 @dataclass(slots=True)
 class TrajectoryPlan:
-    """The sampled shape of one trajectory; drawn lazily turn by turn from its own RNG."""
+    """The sampled shape of one trajectory; drawn lazily turn by turn from its own RNG.
+
+    The environment's plan interface (a recorded trajectory, `trace.TracePlan`, has the same):
+    `turn` names the turn a value is for; a sampled plan draws afresh on each call whatever
+    the turn, in the order the agent loop asks."""
 
     profile: Profile
     rng: np.random.Generator
@@ -180,13 +184,24 @@ class TrajectoryPlan:
     obs_scale: float = 1.0
     tool_latency_scale: float = 1.0
 
-    def gen_tokens(self) -> int:
+    @property
+    def family(self) -> str:
+        return self.profile.name
+
+    @property
+    def context_cap_tokens(self) -> int:
+        return self.profile.context_cap_tokens
+
+    def max_output_tokens(self, turn: int = 0) -> int:
+        return self.profile.gen_tokens.hi  # type: ignore[attr-defined]
+
+    def gen_tokens(self, turn: int = 0) -> int:
         return max(1, round(self.profile.gen_tokens.sample(self.rng) * self.gen_scale))  # type: ignore[attr-defined]
 
-    def obs_tokens(self) -> int:
+    def obs_tokens(self, turn: int = 0) -> int:
         return max(1, round(self.profile.obs_tokens.sample(self.rng) * self.obs_scale))  # type: ignore[attr-defined]
 
-    def tool_latency_s(self) -> float:
+    def tool_latency_s(self, turn: int = 0) -> float:
         return self.profile.tool_latency_s.sample(self.rng) * self.tool_latency_scale  # type: ignore[attr-defined]
 
     def reward(self) -> float:
