@@ -18,7 +18,10 @@ The command prints the client URLs (and writes them to DIR/cluster.json), then s
 Ctrl-C or SIGTERM, and stops every server.
 
 `LocalCluster` is the same thing for tests: start, stop, `kill(i)` (SIGKILL, the loss of a
-server) and `restart(i)` (same port, same store: it rejoins and catches up).
+server) and `restart(i)` (same port, same store: it rejoins and catches up); for the chaos
+soak (`runners/chaos_soak.py`) also `freeze(i)` / `thaw(i)` (SIGSTOP / SIGCONT), `revive(i)`
+(a restart that does not wait for a metadata leader), and the Raft elections won, read from
+the servers' logs (`leader_changes`, `meta_leader`).
 
 Below it, how launchers on several hosts share one run (`ops.launch --only`): the host that
 starts `control` creates the streams and the run's origin; the others wait for that origin
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import secrets
 import signal
@@ -41,6 +45,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -61,12 +66,38 @@ LOG = logging.getLogger("prorsa.cluster")
 MIN_SERVERS = 3  # JetStream keeps a quorum (and its R3 streams) through the loss of one server
 META_LEADER_TIMEOUT_WALL_S = 30.0
 META_LEADER_LINES = (b"Self is new JetStream cluster metadata leader", b"JetStream cluster new metadata leader")
+# what the winner of a Raft election logs (only the winner: a follower's "new metadata leader: nX"
+# is not one), by the group's kind; the group is the stream ('ACCOUNT > STREAM') or consumer
+# ('ACCOUNT > STREAM > CONSUMER'), "_meta_" for the metadata group
+ELECTED = re.compile(
+    r"^\[\d+\] (?P<ts>\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) \[INF\] "
+    r"(?:(?P<meta>Self is new JetStream cluster metadata leader)|JetStream cluster new (?P<kind>stream|consumer) leader for '(?P<group>[^']*)')"
+)
+LOG_TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"  # nats-server's log time: local time, microseconds
 
 
 def accounts_block(users: dict[str, User]) -> str:
     """The config's `accounts` block: one account per user, named after it, with JetStream."""
     accounts = {name: {"jetstream": "enabled", "users": [{"user": u.name, "password": u.password}]} for name, u in users.items()}
     return "accounts: " + json.dumps(accounts, indent=1) + "\n"
+
+
+class LeaderChange(msgspec.Struct, frozen=True):
+    """One Raft election won, as its winner logged it."""
+
+    wall_s: float  # Unix time, from the log line's local time
+    server: int  # the winner, n<server>
+    kind: str  # meta | stream | consumer
+    group: str  # "_meta_", the stream ('$G > LIFECYCLE') or the consumer ('$G > TASKS > environments')
+
+
+def parse_leader_change(line: str, server: int) -> LeaderChange | None:
+    """The election a log line reports won by `server`, or None if it reports none."""
+    m = ELECTED.match(line)
+    if m is None:
+        return None
+    wall_s = datetime.strptime(m["ts"], LOG_TIME_FORMAT).timestamp()
+    return LeaderChange(wall_s, server, "meta", "_meta_") if m["meta"] else LeaderChange(wall_s, server, m["kind"], m["group"])
 
 
 class LocalCluster:
@@ -174,6 +205,56 @@ class LocalCluster:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+
+    def freeze(self, i: int) -> int:
+        """SIGSTOP server i: a server that hangs (its sockets open, nothing answered, no Raft
+        heartbeat sent) until `thaw(i)`. Returns its pid."""
+        pid = self.pid(i)
+        if pid is None:
+            raise RuntimeError(f"server n{i} is not running")
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def thaw(self, i: int) -> int:
+        """SIGCONT server i (frozen by `freeze`): it goes on where it stopped. Returns its pid."""
+        pid = self.pid(i)
+        if pid is None:
+            raise RuntimeError(f"server n{i} is not running")
+        os.kill(pid, signal.SIGCONT)
+        return pid
+
+    def revive(self, i: int) -> str:
+        """Start server i again on its port and store, and return once it takes clients,
+        without waiting for a metadata leader (`restart` waits for one: while the cluster
+        elects, that is a wait for the election's end). As with `start` and `restart`, call it
+        from a thread that outlives the server: the server gets SIGTERM when the thread that
+        started it exits (`ops.procs.die_with_parent`), a worker thread included."""
+        return self.servers[i].start()
+
+    def leader_changes(self, since_wall_s: float = 0.0, until_wall_s: float = float("inf")) -> list[LeaderChange]:
+        """Every Raft election won in [since_wall_s, until_wall_s) (Unix time), read from the
+        servers' logs (restarts append to them), oldest first."""
+        changes = []
+        for i, server in enumerate(self.servers):
+            if not server.log_path.exists():
+                continue
+            for line in server.log_path.read_text(errors="replace").splitlines():
+                change = parse_leader_change(line, i)
+                if change is not None and since_wall_s <= change.wall_s < until_wall_s:
+                    changes.append(change)
+        return sorted(changes, key=lambda c: c.wall_s)
+
+    def leaders(self) -> dict[str, int]:
+        """Each Raft group's leader as the logs last tell it ('_meta_', '$G > LIFECYCLE', ...
+        -> server index). A group deleted since stays in it; a frozen leader stays until a
+        new one is elected."""
+        return {c.group: c.server for c in self.leader_changes()}
+
+    def meta_leader(self) -> int | None:
+        """The running server that last won the metadata group's election (from the logs), or
+        None if no running server has."""
+        won = [c.server for c in self.leader_changes() if c.kind == "meta" and self.pid(c.server) is not None]
+        return won[-1] if won else None
 
     def __enter__(self) -> LocalCluster:
         self.start()
