@@ -56,6 +56,7 @@ from actors.base.connection import BUS_ERRORS, TlsFiles, close, connect
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
+from bus_schemas.status import ActorReport
 from ops.access import User, write_credentials
 from ops.natsserver import PORT_TRIES, EmbeddedNats, PortInUseError, exited_error, free_port
 from ops.tls import make_local_pki
@@ -385,10 +386,15 @@ async def wait_for_reports(js: JetStreamContext, actor_ids: list[str], timeout_w
     while missing:
         for actor_id in list(missing):
             try:
-                await js.get_last_msg(streams.REPORTS.name, subjects.report(actor_id))
-                missing.remove(actor_id)
+                last = await js.get_last_msg(streams.REPORTS.name, subjects.report(actor_id))
             except BUS_ERRORS:  # not there yet
-                pass
+                continue
+            try:
+                final = decode(ActorReport, last.data).final  # a checkpoint of a running actor is not its final report
+            except msgspec.DecodeError:
+                final = True  # something is there; the export counts what does not decode
+            if final:
+                missing.remove(actor_id)
         if not missing or asyncio.get_running_loop().time() > deadline:
             break
         await asyncio.sleep(POLL_WALL_S)

@@ -105,3 +105,21 @@ def test_a_restarted_actors_counters_add_up_over_its_incarnations():
         "e0": {"incarnations": 2, "without_final_report": 1},
         "e1": {"incarnations": 1, "without_final_report": 0},
     }
+
+
+async def test_a_host_waits_for_final_reports_not_checkpoints(bus):
+    """`ops.cluster.wait_for_reports`: an actor whose last report is a checkpoint is still
+    missing; its final report ends the wait."""
+    from bus_schemas.status import ActorReport
+    from ops.cluster import wait_for_reports
+
+    js = bus.jetstream()
+
+    async def report(final: bool) -> None:
+        r = ActorReport(actor_id="w0", kind="engine", at_s=1.0, counters={"n": 1}, incarnation="a", final=final)
+        await js.publish(subjects.report("w0"), encode(r))  # acked: stored before the wait reads
+
+    await report(final=False)
+    assert await wait_for_reports(js, ["w0"], timeout_wall_s=0.3) == ["w0"]
+    await report(final=True)
+    assert await wait_for_reports(js, ["w0"], timeout_wall_s=5.0) == []
