@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import itertools
 import logging
 import shlex
@@ -41,12 +43,14 @@ from ops.export import decisions_frame, forecasts_frame, read_run, write_run
 console = Console(stderr=True)
 STOP_TIMEOUT_S = 60.0  # model seconds the other actors get to stop once the trainer is done
 VIRTUAL_DECODE_STEP_S = 30.0  # a decode-only step ends at the next finish, new work, or this
+GC_YOUNG_OBJECTS = 50_000  # allocations between two young-generation collections (Python's default: 700)
 
 
 def build_actors(config: Config, server: InProcServer) -> list[Actor]:
     if config.engines.backend != "emulated":
         raise ConfigError(f"simulation runs the emulated backend only (config has engines.backend = {config.engines.backend!r})")
-    clock = LoopClock(config.run.time_scale)  # wall periods (pulls, heartbeats) span what they do live
+    # wall periods (pulls, heartbeats) span what they do live
+    clock = LoopClock(config.run.time_scale, loop=asyncio.get_running_loop())
     roles = initial_roles(config)
     engines = [EngineActor(e, config, server.connect(e), clock, roles[e]) for e in config.engine_ids()]
     for engine in engines:  # no wall clock to keep up with: a decode step runs to the next event
@@ -103,12 +107,14 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
             console.print(f"[red]error: {actor.kind} {actor.actor_id} failed: {result!r}")
             status = "failed"
     out.mkdir(parents=True, exist_ok=True)
-    record = await read_run(control.jetstream())
-    summary = write_run(record, out, config, status, time.monotonic() - started_wall, console)
-    if forecasts:
-        forecasts_frame(forecasts).write_parquet(out / "forecasts.parquet")
-    if decisions:
-        decisions_frame(decisions).write_parquet(out / "allocations.parquet")
+    with no_collections():  # the export builds hundreds of thousands of objects that all stay alive until it ends
+        record = await read_run(control.jetstream())
+        server.drop_messages()  # all in `record` now
+        summary = write_run(record, out, config, status, time.monotonic() - started_wall, console)
+        if forecasts:
+            forecasts_frame(forecasts).write_parquet(out / "forecasts.parquet")
+        if decisions:
+            decisions_frame(decisions).write_parquet(out / "allocations.parquet")
     summary_model_s = asyncio.get_running_loop().time()
     console.print(
         f"[bold]{status}[/bold]: simulated {summary_model_s:,.0f} model s in {summary['wall_s']} s wall; "
@@ -118,7 +124,44 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
     return summary
 
 
+@contextlib.contextmanager
+def fewer_collections():
+    """Garbage collection tuned to a simulation: the objects alive at its start (modules,
+    classes, the config) are frozen out of every collection, and the young generation is
+    collected every GC_YOUNG_OBJECTS allocations instead of 700. A simulation allocates
+    millions of short-lived objects (futures, timer handles, events) that reference
+    counting frees; at the default threshold the collector ran thousands of times and its
+    full collections, walking every live object, took a fifth of the run. Nothing here
+    changes what a run computes; cycles are still collected, only less often."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_OBJECTS, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def no_collections():
+    """No garbage collection inside: for a stretch that allocates much and frees little."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def run(config: Config, out: Path, show_progress: bool = True) -> dict:
+    with fewer_collections():
+        return _run(config, out, show_progress)
+
+
+def _run(config: Config, out: Path, show_progress: bool) -> dict:
     loop = VirtualTimeLoop()
     try:
         if not show_progress:

@@ -46,15 +46,21 @@ class InProcJetStream:
     async def publish(
         self, subject: str, payload: bytes = b"", timeout: float | None = None, stream: str | None = None, headers=None
     ) -> api.PubAck:
+        target, seq, duplicate = self.store(subject, payload, headers)
+        return api.PubAck(stream=target.config.name, seq=seq, duplicate=duplicate or None)
+
+    def store(self, subject: str, payload: bytes, headers=None) -> tuple[_Stream, int, bool]:
+        """`publish` without the coroutine and the PubAck (the in-process bus answers at once):
+        (the stream, its sequence, whether it had the message already)."""
         target = self._server.stream_for(subject)
         if target is None:
             raise NoRespondersError
         seq, duplicate = target.store(subject, payload, headers, self._server.time())
-        await self._server.deliver_core(self._client, subject, payload, "", headers)
-        return api.PubAck(stream=target.config.name, seq=seq, duplicate=duplicate or None)
+        self._server.deliver_now(subject, payload, "", headers)
+        return target, seq, duplicate
 
     async def publish_async(self, subject: str, payload: bytes = b"", wait_stall=None, stream=None, headers=None) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
+        future = self._server.loop().create_future()
         future.set_result(await self.publish(subject, payload, headers=headers))
         return future
 
@@ -103,7 +109,7 @@ class InProcJetStream:
             config.filter_subject = config.filter_subject or subject
             config.durable_name = durable
             config.name = name
-            consumer = target.consumers[name] = _Consumer(target, config, self._server.time)
+            consumer = target.consumers[name] = _Consumer(target, config, self._server.loop)
         return _PullSubscription(self._client, consumer)
 
     async def get_msg(
@@ -168,6 +174,10 @@ class InProcServer:
         self._wildcard: dict[_CoreSub, None] = {}  # subscriptions with `*` or `>` (few: one per kind of interest)
         self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions, in creation order
         self._stream_of: dict[str, _Stream | None] = {}  # subject -> capturing stream
+        try:  # the loop it serves, if created in one (each get_running_loop call costs a getpid)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     def add_sub(self, sub: _CoreSub) -> None:
         """Index a subscription. A literal one (a request's inbox, most often) changes only its
@@ -193,11 +203,21 @@ class InProcServer:
             del self._literal[sub.subject]
         self._routes.pop(sub.subject, None)
 
+    def drop_messages(self) -> None:
+        """Forget every stream's messages and message ids (a finished simulation, once its
+        export has read them: the export's frames then have that memory)."""
+        for stream in self.streams.values():
+            stream.purge()
+            stream.forget_ids()
+
     def streams_changed(self) -> None:
         self._stream_of.clear()
 
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
+
     def time(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self.loop().time()
 
     def connect(self, name: str = "", on_error: Callable[[Exception], Awaitable[None]] | None = None) -> InProcClient:
         return InProcClient(self, name, on_error)
@@ -224,6 +244,9 @@ class InProcServer:
         return bool(self._route(subject))
 
     async def deliver_core(self, sender: InProcClient, subject: str, data: bytes, reply: str, headers) -> None:
+        self.deliver_now(subject, data, reply, headers)
+
+    def deliver_now(self, subject: str, data: bytes, reply: str, headers) -> None:
         for sub in self._route(subject):
             sub.queue.put_nowait(InProcMsg(sub.client, subject, data, reply, headers))
 
@@ -253,10 +276,14 @@ class InProcClient:
             logging.getLogger("prorsa.inproc").error("%s: subscription callback failed: %r", self.name, err, exc_info=err)
 
     async def publish(self, subject: str, payload: bytes = b"", reply: str = "", headers=None) -> None:
+        self.publish_now(subject, payload, reply, headers)
+
+    def publish_now(self, subject: str, payload: bytes = b"", reply: str = "", headers=None) -> None:
+        """`publish` as a plain call: the in-process bus stores and delivers on the spot."""
         stream = self.server.stream_for(subject)
         if stream is not None:
             stream.store(subject, payload, headers, self.server.time())
-        await self.server.deliver_core(self, subject, payload, reply, headers)
+        self.server.deliver_now(subject, payload, reply, headers)
 
     async def subscribe(self, subject: str, queue: str = "", cb: MsgCallback | None = None, **_) -> _CoreSub:
         sub = _CoreSub(self, subject, cb)

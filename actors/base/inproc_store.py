@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -22,14 +24,36 @@ if TYPE_CHECKING:
     from actors.base.inproc import InProcClient
 
 EPS_S = 1e-9  # times closer than this are equal (float sums of timeouts drift by ~1e-16)
+_FORGET_EVERY = 256  # ids stored between two sweeps for those out of the duplicate window (a sweep is memory only)
 
 
-@dataclass(slots=True)
-class _Stored:
+_MSG_ID = "Nats-Msg-Id"
+
+
+class _Stored(msgspec.Struct, gc=False):
+    """A message in a stream. Not tracked by the garbage collector (`gc=False`: it holds
+    only an int, strings, bytes and a dict of strings, so it can be in no reference cycle):
+    a long simulation stores hundreds of thousands, which every full collection would
+    otherwise walk. Headers that are only a message id (every lifecycle event's) are kept as
+    that id, without a dict per message; each reader gets a dict of its own."""
+
     seq: int
     subject: str
     data: bytes
-    headers: dict[str, str] | None
+    msg_id: str | None = None  # the headers were {"Nats-Msg-Id": msg_id}
+    other_headers: dict[str, str] | None = None  # any other headers, as published
+
+    @classmethod
+    def of(cls, seq: int, subject: str, data: bytes, headers: dict[str, str] | None) -> _Stored:
+        if headers is not None and len(headers) == 1 and _MSG_ID in headers:
+            return cls(seq, subject, data, msg_id=headers[_MSG_ID])
+        return cls(seq, subject, data, other_headers=headers)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self.msg_id is not None:
+            return {_MSG_ID: self.msg_id}
+        return self.other_headers
 
 
 @dataclass(slots=True)
@@ -40,6 +64,8 @@ class _Pending:
 
 class InProcMsg:
     """A delivered message: core (`respond`) or JetStream (`ack`, `nak`, `term`, `in_progress`)."""
+
+    __slots__ = ("_client", "subject", "data", "reply", "headers", "_consumer", "_seq", "metadata")
 
     def __init__(self, client: InProcClient, subject: str, data: bytes, reply: str = "", headers=None) -> None:
         self._client = client
@@ -81,6 +107,7 @@ class _Stream:
         self.messages: dict[int, _Stored] = {}
         self.next_seq = 1
         self.dedup: dict[str, tuple[int, float]] = {}  # msg id -> (seq, stored at)
+        self._dedup_order: deque[tuple[float, str]] = deque()  # (stored at, msg id), oldest first
         self.consumers: dict[str, _Consumer] = {}
 
     @property
@@ -91,21 +118,39 @@ class _Stream:
         return any(subject_matches(p, subject) for p in self.config.subjects or ())
 
     def store(self, subject: str, data: bytes, headers: dict[str, str] | None, now: float) -> tuple[int, bool]:
-        msg_id = (headers or {}).get("Nats-Msg-Id")
-        window = self.config.duplicate_window or 120.0
+        msg_id = None if headers is None else headers.get(_MSG_ID)
         if msg_id is not None:
+            window = self.config.duplicate_window or 120.0
+            if len(self._dedup_order) % _FORGET_EVERY == 0:
+                self._forget_old_ids(now, window)
             seen = self.dedup.get(msg_id)
             if seen is not None and now - seen[1] < window:
                 return seen[0], True
         seq = self.next_seq
         self.next_seq += 1
-        self.messages[seq] = _Stored(seq, subject, data, headers)
+        self.messages[seq] = _Stored.of(seq, subject, data, headers)
         if msg_id is not None:
             self.dedup[msg_id] = (seq, now)
+            self._dedup_order.append((now, msg_id))
         for consumer in self.consumers.values():
             if consumer.wants(subject):
                 consumer.offer()
         return seq, False
+
+    def _forget_old_ids(self, now: float, window: float) -> None:
+        """Drop the ids stored a `window` or more ago (a message with one of them would be
+        stored again anyway), as nats-server does, so a long run does not keep every id. The
+        test is the very one `store` makes; an id stored again since keeps its newer entry.
+        Only memory: `store` checks each id's age itself, so a sweep may come late."""
+        order, dedup = self._dedup_order, self.dedup
+        while order and now - order[0][0] >= window:
+            stored_at, msg_id = order.popleft()
+            if dedup.get(msg_id, (0, None))[1] == stored_at:
+                del dedup[msg_id]
+
+    def forget_ids(self) -> None:
+        self.dedup.clear()
+        self._dedup_order.clear()
 
     def purge(self) -> None:
         self.messages.clear()
@@ -116,7 +161,7 @@ class _Stream:
 
 
 class _Consumer:
-    def __init__(self, stream: _Stream, config: api.ConsumerConfig, loop_time: Callable[[], float]) -> None:
+    def __init__(self, stream: _Stream, config: api.ConsumerConfig, loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
         self.stream = stream
         self.config = config
         self.name = config.durable_name or config.name or ""
@@ -126,7 +171,7 @@ class _Consumer:
         self.cursor = 1  # next stream sequence never delivered
         self.pending: dict[int, _Pending] = {}
         self._timers: list[tuple[float, int]] = []  # (redeliver_at, seq), stale entries skipped
-        self._time = loop_time
+        self._loop = loop  # the bus's loop
         self._waiters: list[asyncio.Future] = []  # open pulls waiting for a message, oldest first
         self._wants: dict[str, bool] = {}  # subject -> matches the filter
 
@@ -154,7 +199,7 @@ class _Consumer:
 
     def next_message(self) -> tuple[_Stored, int] | None:
         """A message due now: the oldest redelivery, else the next undelivered one."""
-        now = self._time()
+        now = self._loop().time()
         timer = self._live_timer()
         if timer is not None and timer[0] <= now + EPS_S:
             seq = heapq.heappop(self._timers)[1]
@@ -173,12 +218,37 @@ class _Consumer:
             return stored, 1
         return None
 
+    def next_messages(self, limit: int) -> list[tuple[_Stored, int]]:
+        """Up to `limit` messages due now, as that many `next_message` calls would hand them
+        out. Without acks there are no redeliveries: a plain walk from the cursor (an export
+        reads a whole stream this way)."""
+        if self.explicit:
+            found: list[tuple[_Stored, int]] = []
+            while len(found) < limit and (one := self.next_message()) is not None:
+                found.append(one)
+            return found
+        messages, wants, seq, end = self.stream.messages, self.wants, self.cursor, self.stream.next_seq
+        found = []
+        while seq < end and len(found) < limit:
+            stored = messages.get(seq)
+            seq += 1
+            if stored is not None and wants(stored.subject):
+                found.append((stored, 1))
+        self.cursor = seq
+        return found
+
     def next_redelivery_at(self) -> float | None:
         timer = self._live_timer()
         return None if timer is None else timer[0]
 
     def num_pending(self) -> int:
-        return sum(1 for seq, m in self.stream.messages.items() if seq >= self.cursor and self._matches(m))
+        """Messages this consumer has not delivered yet. Walks whichever is shorter: the
+        sequences from the cursor on, or the stream (a work queue keeps only unacked ones)."""
+        messages, cursor, end = self.stream.messages, self.cursor, self.stream.next_seq
+        if end - cursor <= len(messages):
+            found = (messages.get(seq) for seq in range(cursor, end))
+            return sum(1 for m in found if m is not None and self._matches(m))
+        return sum(1 for seq, m in messages.items() if seq >= cursor and self._matches(m))
 
     def ack(self, seq: int) -> None:
         if self.pending.pop(seq, None) is not None and self.stream.work_queue:
@@ -186,7 +256,7 @@ class _Consumer:
 
     def nak(self, seq: int, delay_s: float) -> None:
         if seq in self.pending:
-            self._schedule(seq, self._time() + delay_s)
+            self._schedule(seq, self._loop().time() + delay_s)
             if delay_s > 0:
                 self._look_again()
             else:
@@ -195,7 +265,7 @@ class _Consumer:
     async def wait(self, timeout_s: float) -> tuple[_Stored, int] | None:
         """Open a pull: the message handed to it (`offer`), or None after `timeout_s` or when
         asked to look again."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         future = loop.create_future()
         self._waiters.append(future)
         timer = loop.call_later(max(0.0, timeout_s), resolve_if_pending, future, None)
@@ -235,26 +305,39 @@ class _Consumer:
 
     def touch(self, seq: int) -> None:
         if seq in self.pending:
-            self._schedule(seq, self._time() + self.ack_wait_s)
+            self._schedule(seq, self._loop().time() + self.ack_wait_s)
 
     def _give_back(self, seq: int) -> None:
         if seq in self.pending:
             self.pending[seq].deliveries -= 1
-            self._schedule(seq, self._time())
+            self._schedule(seq, self._loop().time())
         elif seq == self.cursor - 1:
             self.cursor = seq
         self.offer()
 
 
 class _Metadata:
-    """JetStream delivery metadata; `num_pending` is counted only when asked for."""
+    """JetStream delivery metadata, each field worked out only when asked for (a consumer
+    reading a whole stream asks for none)."""
+
+    __slots__ = ("_consumer", "_seq", "num_delivered")
 
     def __init__(self, consumer: _Consumer, seq: int, deliveries: int) -> None:
         self._consumer = consumer
+        self._seq = seq
         self.num_delivered = deliveries
-        self.sequence = SimpleNamespace(stream=seq, consumer=seq)
-        self.stream = consumer.stream.config.name
-        self.consumer = consumer.name
+
+    @property
+    def sequence(self) -> SimpleNamespace:
+        return SimpleNamespace(stream=self._seq, consumer=self._seq)
+
+    @property
+    def stream(self) -> str:
+        return self._consumer.stream.config.name
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer.name
 
     @property
     def num_pending(self) -> int:
@@ -267,12 +350,10 @@ class _PullSubscription:
         self._consumer = consumer
 
     async def fetch(self, batch: int = 1, timeout: float | None = 5, heartbeat: float | None = None) -> list[InProcMsg]:
-        loop = asyncio.get_running_loop()
+        loop = self._consumer._loop()
         deadline = loop.time() + (timeout if timeout is not None else 1e18)
         while True:
-            msgs = []
-            while len(msgs) < batch and (found := self._consumer.next_message()) is not None:
-                msgs.append(self._deliver(*found))
+            msgs = [self._deliver(stored, deliveries) for stored, deliveries in self._consumer.next_messages(batch)]
             if msgs:
                 return msgs
             now = loop.time()
@@ -281,10 +362,8 @@ class _PullSubscription:
             wake_at = min(t for t in (deadline, self._consumer.next_redelivery_at()) if t is not None)
             found = await self._consumer.wait(wake_at - now)
             if found is not None:
-                msgs = [self._deliver(*found)]
-                while len(msgs) < batch and (found := self._consumer.next_message()) is not None:
-                    msgs.append(self._deliver(*found))
-                return msgs
+                more = self._consumer.next_messages(batch - 1) if batch > 1 else []
+                return [self._deliver(*found), *(self._deliver(stored, deliveries) for stored, deliveries in more)]
 
     def _deliver(self, stored: _Stored, deliveries: int) -> InProcMsg:
         msg = InProcMsg(self._client, stored.subject, stored.data, headers=stored.headers)

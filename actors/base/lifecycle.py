@@ -100,6 +100,8 @@ def read_ack(data: bytes, headers: dict | None) -> tuple[str | None, bool]:
 class _NatsAcks:
     """nats-server: core publishes with a reply subject; acks arrive on one subscription."""
 
+    store_now = None  # acks come later, on the inbox
+
     def __init__(self, nc: NATS, on_reply: OnReply) -> None:
         self._nc = nc
         self._on_reply = on_reply
@@ -137,6 +139,12 @@ class _AwaitedPublish:
     def __init__(self, js, on_reply: OnReply) -> None:
         self._js = js
         self._on_reply = on_reply
+        self._store = getattr(js, "store", None)  # the in-process bus's publish without the coroutine and the PubAck
+        self.store_now = None if self._store is None else self._store_at_once
+
+    def _store_at_once(self, subject: str, data: bytes, event_id: str) -> bool:
+        """Store one event; True if the stream had it already."""
+        return self._store(subject, data, {"Nats-Msg-Id": event_id})[2]
 
     async def open(self) -> None:
         pass
@@ -278,10 +286,14 @@ class LifecyclePublisher:
             else:
                 await self._try(owed, now)
         sent = 0
+        store_now = self._transport.store_now
         while self._queue and len(self._awaiting) + len(self._retrying) < self.window:
             event = self._queue.popleft()
             self._next_token += 1
-            await self._try(_Owed(self._next_token, event.event_id, self._subjects[event.kind], encode(event), now), now)
+            if store_now is not None:
+                self._store_now(store_now, event, now)
+            else:
+                await self._try(_Owed(self._next_token, event.event_id, self._subjects[event.kind], encode(event), now), now)
             sent += 1
             if sent % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the actor (and the acks) run
@@ -299,6 +311,23 @@ class LifecyclePublisher:
             await self._transport.send(owed)
         except BUS_ERRORS as err:  # not sent (connection lost, say): retry
             self._on_reply(owed.token, repr(err), False)
+
+    def _store_now(self, store_now: Callable[[str, bytes, str], bool], event: LifecycleEvent, now: float) -> None:
+        """`_try` and its `_on_reply` on a transport that stores and acks on the spot (the
+        in-process bus), without the bookkeeping of an event in flight: nothing else can
+        happen between the two. A failed try is owed and retried as `_try` would."""
+        subject, data = self._subjects[event.kind], encode(event)
+        in_flight = len(self._awaiting) + len(self._retrying) + 1
+        if in_flight > self.peak_in_flight:
+            self.peak_in_flight = in_flight
+        try:
+            duplicate = store_now(subject, data, event.event_id)
+        except BUS_ERRORS as err:
+            self._retry(_Owed(self._next_token, event.event_id, subject, data, now), repr(err))
+            return
+        if duplicate:
+            self._counters["lifecycle_publish_duplicates"] += 1
+        self._settle()
 
     def _on_reply(self, token: int, error: str | None, duplicate: bool) -> None:
         owed = self._awaiting.pop(token, None)

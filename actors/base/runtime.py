@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -188,27 +189,89 @@ class Actor:
         finally:
             await sub.unsubscribe()
 
+    @functools.cached_property
+    def status_subject(self) -> str:
+        return subjects.status(self.kind, self.actor_id)
+
     async def publish_heartbeat(self) -> None:
-        subject = subjects.status(self.kind, self.actor_id)
-        has_interest = getattr(self.nc, "has_interest", None)  # the in-process bus knows every subscriber
-        if has_interest is not None and not has_interest(subject):
-            return  # nobody to tell (a colocated fleet in simulation): skip building the status
+        status = self._heartbeat_payload()
+        if status is not None:
+            await self.nc.publish(self.status_subject, status)
+
+    def _heartbeat_payload(self) -> bytes | None:
+        """The encoded status to publish now, or None: nobody listens (the in-process bus knows
+        every subscriber: a colocated fleet in simulation skips building it), no status, or no
+        connection."""
+        has_interest = getattr(self.nc, "has_interest", None)
+        if has_interest is not None and not has_interest(self.status_subject):
+            return None
         status = self.heartbeat()
         if status is not None and self.nc.is_connected:
-            await self.nc.publish(subject, encode(status))
+            return encode(status)
+        return None
+
+    def _check_lease(self, now_s: float, last_s: float, lease_s: float) -> None:
+        if now_s - last_s > lease_s:  # frozen (SIGSTOP, a stalled host) past the lease
+            self.counters["lease_lapses"] += 1
+            self.log.warning("no heartbeat for %.1f s (model), past the lease: re-registering", now_s - last_s)
+            self.on_lease_lapsed()
 
     async def _heartbeats(self) -> None:
         lease_s = self.config.run.lease_wall_s * self.clock.time_scale  # model seconds
+        publish_now = getattr(self.nc, "publish_now", None)  # the in-process bus
+        call_later_wall = getattr(self.clock, "call_later_wall", None)  # virtual time's clock
+        if publish_now is not None and call_later_wall is not None:
+            await self._heartbeats_on_timers(publish_now, call_later_wall, lease_s)
+            return
         last_s = self.clock.now_s()
         while True:
             now_s = self.clock.now_s()
-            if now_s - last_s > lease_s:  # frozen (SIGSTOP, a stalled host) past the lease
-                self.counters["lease_lapses"] += 1
-                self.log.warning("no heartbeat for %.1f s (model), past the lease: re-registering", now_s - last_s)
-                self.on_lease_lapsed()
+            self._check_lease(now_s, last_s, lease_s)
             last_s = now_s
             await self.publish_heartbeat()
             await self.clock.sleep_wall(self.config.run.heartbeat_wall_s)
+
+    async def _heartbeats_on_timers(
+        self, publish_now: Callable[[str, bytes], None], call_later_wall: Callable[..., asyncio.TimerHandle], lease_s: float
+    ) -> None:
+        """`_heartbeats` on the in-process bus, each beat a plain callback instead of a step of
+        this task: a large fleet beats hundreds of thousands of times a run, mostly with nobody
+        listening. Step for step as the loop above: a beat's timer is set where the task's
+        sleep would set it (`clock.call_later_wall`), and when it fires, the beat is
+        queued (`call_soon`) where the sleep's future would queue the task's wake-up, so every
+        beat (and its publish) runs at the same point among the loop's callbacks. This task
+        only holds the beats' lifetime: cancelling it stops them, as it stops the loop above;
+        a beat that raises fails it."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        period_wall_s = self.config.run.heartbeat_wall_s
+        done = loop.create_future()  # never set, except to raise a beat's error
+        last_s = self.clock.now_s()
+        timer: asyncio.TimerHandle | None = None
+
+        def beat() -> None:
+            nonlocal last_s, timer
+            if task is not None and task.cancelling():  # stopped between the timer and its beat
+                return
+            try:
+                now_s = self.clock.now_s()
+                self._check_lease(now_s, last_s, lease_s)
+                last_s = now_s
+                status = self._heartbeat_payload()
+                if status is not None:
+                    publish_now(self.status_subject, status)
+            except Exception as err:  # as a crash of the loop above: the actor stops
+                if not done.done():
+                    done.set_exception(err)
+                return
+            timer = call_later_wall(period_wall_s, loop.call_soon, beat)
+
+        beat()
+        try:
+            await done
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def on_lease_lapsed(self) -> None:
         """Called when this actor's heartbeats stopped for longer than its lease: the others

@@ -30,6 +30,11 @@ from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
 KV_HIGH_WATERMARK = 0.9  # stop admitting work above this share of the KV pool
+# Seq's token properties as plain functions: `sum(map(_KV_TOKENS, seqs))` adds up a batch
+# without a generator frame per sequence (these sums run several times per step)
+_KV_TOKENS = Seq.kv_tokens.fget
+_KV_RESERVED_TOKENS = Seq.kv_reserved_tokens.fget
+_DECODE_LEFT = Seq.decode_left.fget
 
 
 class EngineCore:
@@ -80,8 +85,8 @@ class EngineCore:
     @property
     def kv_used_tokens(self) -> int:
         return (
-            sum(s.kv_reserved_tokens for s in self.waiting)
-            + sum(s.kv_tokens for s in self.running.values())
+            sum(map(_KV_RESERVED_TOKENS, self.waiting))
+            + sum(map(_KV_TOKENS, self.running.values()))
             + sum(h.seq.kv_tokens for h in self.held.values())
         )
 
@@ -89,8 +94,8 @@ class EngineCore:
     def kv_resident_tokens(self) -> int:
         """KV actually allocated now (admission reservations of unprefilled tokens excluded)."""
         return (
-            sum(s.kv_tokens for s in self.waiting)
-            + sum(s.kv_tokens for s in self.running.values())
+            sum(map(_KV_TOKENS, self.waiting))
+            + sum(map(_KV_TOKENS, self.running.values()))
             + sum(h.seq.kv_tokens for h in self.held.values())
         )
 
@@ -145,6 +150,8 @@ class EngineCore:
         return seq
 
     def _least_loaded_rank(self) -> int:
+        if self.preset.dp_ranks == 1:
+            return 0
         load = [0] * self.preset.dp_ranks
         for s in [*self.waiting, *self.running.values()]:
             load[s.rank] += s.kv_reserved_tokens
@@ -181,22 +188,26 @@ class EngineCore:
         """The next step. `repeat_prefill`: a step whose prefill chunks all continue (none
         finishes, each fills its rank's budget) may cover several identical iterations, as a
         decode-only step does; for backends that model time rather than run tokens."""
-        self._preempt_to_fit(1)
-        self._resume_retracted()
+        resident = self._preempt_to_fit(1)
+        if self._resume_retracted():
+            resident = self.kv_resident_tokens
         decode = list(self.running.values())
         ranks = self.preset.dp_ranks
         budget = [self.max_batch_tokens] * ranks
         for seq in decode:
             budget[seq.rank] -= 1
-        free = self.kv_capacity_tokens - self.kv_resident_tokens - len(decode)  # prefill only into free KV
-        room_for_new = self._room_for_new(free)
+        free = self.kv_capacity_tokens - resident - len(decode)  # prefill only into free KV
+        free_before_chunks = free
+        room_for_new = None  # SGLang: worked out at the first new request (it needs the whole batch's growth)
         chunks: list[tuple[Seq, int]] = []
         for seq in self.waiting:
             if seq.preempted and seq.prefill_done_tokens == 0 and seq.prefill_left > free:
                 continue  # recompute a preempted sequence only once all of it fits again
             if seq.handoff and seq.prefill_done_tokens == 0 and self.hold_new_handoffs:
                 continue  # no decode engine could take its KV yet
-            if seq.prefill_done_tokens == 0 and room_for_new is not None:  # SGLang: a new request fits with its growth
+            if seq.prefill_done_tokens == 0 and self.admission == "sglang":  # SGLang: a new request fits with its growth
+                if room_for_new is None:
+                    room_for_new = self._room_for_new(free_before_chunks)
                 need = seq.prefill_left + self._growth(seq)
                 if need > room_for_new and (self.running or chunks):  # alone, it starts whatever its growth
                     room_for_new = -1.0  # first come, first served: nothing after it starts either
@@ -221,21 +232,22 @@ class EngineCore:
                 return self.plan(max_advance_s, repeat_prefill)
             return None
         ends_s = None
+        decoding = self._decode_per_rank(decode)
         if chunks:
             repeats = self._repeatable(chunks, decode, budget, free) if repeat_prefill else 1
             ends_s, total_s = [], 0.0
             for ahead in range(repeats):  # each repeat's chunks and decodes sit on a longer context
-                total_s += group_iteration_s(self.preset, self._loads(chunks, decode, ahead))
+                total_s += group_iteration_s(self.preset, self._loads(chunks, decoding, ahead))
                 if ends_s and total_s > max_advance_s:
                     break
                 ends_s.append(total_s)
             iterations, duration_s = len(ends_s), ends_s[-1]
         else:
-            loads = self._loads([], decode)
+            loads = self._loads([], decoding)
             one_s = group_iteration_s(self.preset, loads)
             fit = int(max_advance_s // one_s) if one_s > 0 else 1
-            free = self.kv_capacity_tokens - self.kv_resident_tokens
-            iterations = max(1, min(fit, free // len(decode), min(max(1, s.decode_left) for s in decode)))
+            free = self.kv_capacity_tokens - resident  # nothing changed since it was counted
+            iterations = max(1, min(fit, free // len(decode), min(map(_DECODE_LEFT, decode))))
             duration_s = group_decode_run_s(self.preset, loads, iterations)
         copy_s = self._take_host_copy_s()
         if ends_s is not None:
@@ -255,13 +267,16 @@ class EngineCore:
         """KV a sequence is expected to still need for its output (none: it hands off)."""
         return 0.0 if seq.handoff else growth_tokens(seq.max_new_tokens, seq.generated, self.new_token_ratio.current)
 
-    def _room_for_new(self, free: int) -> float | None:
+    def _room_for_new(self, free: int) -> float:
         """SGLang: the free KV less the expected growth of every sequence that decodes here
-        (running, or part-way through its prefill); None: greedy admission (vLLM)."""
-        if self.admission != "sglang":
-            return None
+        (running, or part-way through its prefill), summed in that order (`_growth` inlined)."""
         started = [s for s in self.waiting if s.prefill_done_tokens > 0]
-        return free - sum(self._growth(s) for s in [*self.running.values(), *started])
+        ratio = self.new_token_ratio.current
+        growth = (
+            0.0 if s.handoff else growth_tokens(s.work.max_output_tokens or s.target_tokens, s.generated, ratio)  # (Seq.max_new_tokens)
+            for s in [*self.running.values(), *started]
+        )
+        return free - sum(growth)
 
     def _repeatable(self, chunks: list[tuple[Seq, int]], decode: list[Seq], budget: list[int], free: int) -> int:
         """How many iterations would plan exactly these chunks again: none finishes its prefill,
@@ -271,34 +286,46 @@ class EngineCore:
             return 1
         repeats = min((seq.prefill_left - 1) // n for seq, n in chunks)
         if decode:
-            repeats = min(repeats, min(max(1, s.decode_left) for s in decode))
+            repeats = min(repeats, max(1, min(map(_DECODE_LEFT, decode))))
         return max(1, min(repeats, 1 + free // (sum(n for _, n in chunks) + len(decode))))
 
-    def _loads(self, chunks: list[tuple[Seq, int]], decode: list[Seq], ahead: int = 0) -> list[RankLoad]:
-        """Each rank's work in an iteration, `ahead` repeats of these chunks from now."""
-        prefill: list[list[tuple[int, int]]] = [[] for _ in range(self.preset.dp_ranks)]
-        seqs, context = [0] * self.preset.dp_ranks, [0] * self.preset.dp_ranks
-        for seq, n in chunks:
-            prefill[seq.rank].append((n, seq.cached_prefix_tokens + seq.prefill_done_tokens + ahead * n))
+    def _decode_per_rank(self, decode: list[Seq]) -> tuple[list[int], list[int]]:
+        """Each rank's decoding sequences and their KV context tokens, counted once per step."""
+        ranks = self.preset.dp_ranks
+        if ranks == 1:
+            return [len(decode)], [sum(map(_KV_TOKENS, decode))]
+        seqs, context = [0] * ranks, [0] * ranks
         for seq in decode:
             seqs[seq.rank] += 1
-            context[seq.rank] += seq.kv_tokens + ahead
-        return [RankLoad(tuple(prefill[r]), seqs[r], context[r]) for r in range(self.preset.dp_ranks)]
+            context[seq.rank] += seq.kv_tokens
+        return seqs, context
 
-    def _preempt_to_fit(self, iterations: int) -> None:
+    def _loads(self, chunks: list[tuple[Seq, int]], decoding: tuple[list[int], list[int]], ahead: int = 0) -> list[RankLoad]:
+        """Each rank's work in an iteration, `ahead` repeats of these chunks from now (every
+        decode's context is then `ahead` tokens longer). `decoding`: `_decode_per_rank`."""
+        seqs, context = decoding
+        prefill: list[list[tuple[int, int]]] = [[] for _ in range(self.preset.dp_ranks)]
+        for seq, n in chunks:
+            prefill[seq.rank].append((n, seq.cached_prefix_tokens + seq.prefill_done_tokens + ahead * n))
+        return [RankLoad(tuple(prefill[r]), seqs[r], context[r] + ahead * seqs[r]) for r in range(self.preset.dp_ranks)]
+
+    def _preempt_to_fit(self, iterations: int) -> int:
         """Free KV for `iterations` of decode growth: the newest sequence holding KV (running, or
         part-way through its prefill) loses it and is recomputed later (recompute preemption).
-        A PD decode engine under SGLang retracts to host memory instead (`_retract_to_host`)."""
+        A PD decode engine under SGLang retracts to host memory instead (`_retract_to_host`).
+        Returns the KV resident afterwards (`kv_resident_tokens`)."""
         while self.allow_preemption and self.running:
-            if self.kv_resident_tokens + len(self.running) * iterations <= self.kv_capacity_tokens:
-                return
+            resident = self.kv_resident_tokens
+            if resident + len(self.running) * iterations <= self.kv_capacity_tokens:
+                return resident
             if self.role is Role.DECODE and self.admission == "sglang":
                 self._retract_to_host()
-                return
+                return self.kv_resident_tokens
             holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
             self._evict(max(holders, key=lambda s: self._order.get(s.key, 0)))
             stay = list(self.running.values())
             self.new_token_ratio.after_preemption([s.generated for s in stay], [s.max_new_tokens for s in stay])
+        return self.kv_resident_tokens
 
     def _retract_to_host(self) -> None:
         """SGLang's PD decode server out of KV (`retract_decode`, disaggregation_mode "decode"):
@@ -317,18 +344,21 @@ class EngineCore:
         stay = list(self.running.values())
         self.new_token_ratio.after_preemption([s.generated for s in stay], [s.max_new_tokens for s in stay])
 
-    def _resume_retracted(self) -> None:
+    def _resume_retracted(self) -> bool:
         """Retracted decodes come back in order while each fits with its reservation beside the
-        reservations of every request here (SGLang `resume_retracted_reqs`)."""
+        reservations of every request here (SGLang `resume_retracted_reqs`). True if any came back."""
+        resumed = False
         while self.retracted:
             seq = self.retracted[0]
             requests = len(self.running) + len(self.waiting)
             free = self.kv_capacity_tokens - self.kv_used_tokens - RESERVED_DECODE_TOKENS * requests
             if seq.kv_tokens + RESERVED_DECODE_TOKENS > free and (self.running or self.waiting):
-                return  # alone, it comes back whatever its size
+                break  # alone, it comes back whatever its size
             self.retracted.popleft()
             self.running[seq.key] = seq
             self._host_copy_tokens[seq.rank] += seq.kv_tokens
+            resumed = True
+        return resumed
 
     def _take_host_copy_s(self) -> float:
         """The host copies due before the next step: the slowest rank's (each rank has its own
@@ -360,11 +390,15 @@ class EngineCore:
         if batch.decode:
             self.new_token_ratio.decay(batch.iterations)
         done: list[tuple[str, Seq]] = []
-        for seq in batch.decode:
-            if self.running.get(seq.key) is not seq:
+        running, iterations = self.running, batch.iterations
+        for seq in batch.decode:  # every decoding sequence, every step: kept to plain attribute reads
+            if running.get(seq.work.work_id) is not seq:  # (Seq.key)
                 continue  # migrated away during the step: the new engine redoes those tokens
-            seq.generated = min(seq.target_tokens, seq.generated + batch.iterations)
-            if seq.decode_left <= 0:
+            generated = seq.generated + iterations
+            if generated < seq.target_tokens:
+                seq.generated = generated
+            else:  # its last token (capped at the target)
+                seq.generated = seq.target_tokens
                 del self.running[seq.key]
                 self._order.pop(seq.key, None)
                 self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
