@@ -123,3 +123,34 @@ async def test_a_host_waits_for_final_reports_not_checkpoints(bus):
     assert await wait_for_reports(js, ["w0"], timeout_wall_s=0.3) == ["w0"]
     await report(final=True)
     assert await wait_for_reports(js, ["w0"], timeout_wall_s=5.0) == []
+
+
+async def test_a_live_actor_checkpoints_its_counters_then_reports_final(bus, tiny_config):
+    """A running actor publishes its counters as checkpoints (not final) when they change, and
+    its final report last, all under one incarnation: what the export adds up after a kill."""
+    import asyncio
+
+    from actors.base.runtime import Actor
+    from bus_schemas.codec import decode
+    from bus_schemas.status import ActorReport
+    from tests.actor_helpers import build
+
+    js = bus.jetstream()
+    actor = build(Actor, "ck0", tiny_config, bus)
+    actor.report_checkpoint_wall_s = 0.05
+    actor.counters["invalid_messages"] = 3
+    running = asyncio.create_task(actor.run())
+    try:
+        async with asyncio.timeout(20):
+            while True:  # barrier: the checkpoint is in the stream (a poll with a deadline)
+                try:
+                    last = decode(ActorReport, (await js.get_last_msg(streams.REPORTS.name, subjects.report("ck0"))).data)
+                    break
+                except Exception:  # not there yet
+                    await asyncio.sleep(0.05)  # barrier-ok: a bounded poll of the stream; no event marks a stored report
+    finally:
+        actor.request_stop("test over")
+        await asyncio.wait_for(running, 20)
+    assert not last.final and last.counters["invalid_messages"] == 3 and last.incarnation == actor.incarnation
+    final = decode(ActorReport, (await js.get_last_msg(streams.REPORTS.name, subjects.report("ck0"))).data)
+    assert final.final and final.incarnation == actor.incarnation and final.counters["invalid_messages"] == 3

@@ -37,6 +37,9 @@ from bus_schemas.streams import ensure_streams
 
 T = TypeVar("T")
 SERVE_STOP_WALL_S = 8.0  # a serve loop gets this long to end after a stop request
+# a live actor checkpoints its counters this often (when they changed), so a process killed
+# outright loses at most this much of its counts from the run's summary (ops/export.py)
+REPORT_CHECKPOINT_WALL_S = 2.0
 
 
 class Actor:
@@ -49,6 +52,8 @@ class Actor:
         self.js = nc.jetstream()
         self.clock = clock
         self.counters: Counter[str] = Counter()
+        self.incarnation = uuid.uuid4().hex  # this process's reports (a restart is a new incarnation)
+        self.report_checkpoint_wall_s = REPORT_CHECKPOINT_WALL_S
         self.log = logging.getLogger(f"prorsa.{self.kind}.{actor_id}")
         self.lifecycle = LifecyclePublisher(self.js, self.counters, self.log, clock)
         self.stopping = asyncio.Event()
@@ -81,6 +86,8 @@ class Actor:
         await self.nc.flush()  # the server has our subscriptions before anyone is told we are up
         self.ready.set()
         self.spawn(self._heartbeats(), "heartbeats")
+        if getattr(self.nc, "publish_now", None) is None:  # live (a simulation never restarts an actor)
+            self.spawn(self._checkpoints(), "report-checkpoints")
         watch_loop = getattr(self.clock, "watch_loop", None)  # a live clock watches its loop
         if watch_loop is not None:
             self.spawn(watch_loop(), "loop-watch")
@@ -286,9 +293,34 @@ class Actor:
             self.counters["loop_stalls"] = self.clock.loop_stalls
             self.counters["loop_stall_ms"] = round(self.clock.loop_stall_s * 1e3)  # model ms, summed
 
-    async def _publish_report(self) -> None:
+    def _report(self, final: bool) -> ActorReport:
         self.clock_counters()
-        report = ActorReport(actor_id=self.actor_id, kind=self.kind, at_s=self.clock.now_s(), counters=dict(self.counters))
+        return ActorReport(
+            actor_id=self.actor_id,
+            kind=self.kind,
+            at_s=self.clock.now_s(),
+            counters=dict(self.counters),
+            incarnation=self.incarnation,
+            final=final,
+        )
+
+    async def _checkpoints(self) -> None:
+        """Every `report_checkpoint_wall_s`, the counters so far as a checkpoint report (not
+        final), when they changed; a failed publish is counted and tried at the next period."""
+        last: dict[str, int] | None = None
+        while True:
+            await self.clock.sleep_wall(self.report_checkpoint_wall_s)
+            report = self._report(final=False)
+            if report.counters == last or not self.nc.is_connected:
+                continue
+            try:
+                await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=self.clock.loop_s(5.0))
+                last = report.counters
+            except BUS_ERRORS:
+                self.counters["report_checkpoint_failures"] += 1
+
+    async def _publish_report(self) -> None:
+        report = self._report(final=True)
         try:
             await self.js.publish(subjects.report(self.actor_id), encode(report), timeout=self.clock.loop_s(5.0))
         except BUS_ERRORS as err:  # the bus may be gone at shutdown; say so, do not hide it
