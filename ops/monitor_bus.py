@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from actors.base.connection import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles
+from actors.base.connection import TlsFiles
 from actors.base.tasks import cancel_and_wait
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
@@ -140,13 +140,12 @@ def target_from_url(url: str, environ: dict | None = None) -> BusTarget:
     """Any deployment: credentials from NATS_USER / NATS_PASSWORD or NATS_CREDS, and TLS files
     from PRORSA_NATS_TLS_CA / _CERT / _KEY, where set."""
     env = os.environ if environ is None else environ
-    ca = env.get(TLS_CA_ENV) or ""
     return BusTarget(
         url=url,
         user=env.get("NATS_USER") or None,
         password=env.get("NATS_PASSWORD") or None,
         creds=env.get("NATS_CREDS") or None,
-        tls=TlsFiles(ca, env.get(TLS_CERT_ENV) or "", env.get(TLS_KEY_ENV) or "") if ca else None,
+        tls=TlsFiles.from_env(env),
         source="--nats-url",
     )
 

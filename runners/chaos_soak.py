@@ -55,12 +55,12 @@ from pathlib import Path
 
 import polars as pl
 
-from actors.base.connection import BUS_ERRORS, TlsFiles, close, connect
+from actors.base.connection import BUS_ERRORS, close, connect
 from bus_schemas import subjects
 from bus_schemas.codec import decode
 from bus_schemas.run import ORIGIN_KEY, RUN_BUCKET, RunOrigin
 from ops.cluster import READY_STREAM, LocalCluster
-from runners.cluster_check import CONFIG, FIRST_FINISH_TIMEOUT_WALL_S, KILLED, passed, start_launcher, tail, wait_all
+from runners.cluster_check import FIRST_FINISH_TIMEOUT_WALL_S, KILLED, control_summary, passed, start_launcher, tail, wait_all, write_config
 
 LOG = logging.getLogger("prorsa.chaos_soak")
 KINDS = ("kill", "freeze", "kill-in-election")
@@ -359,10 +359,7 @@ def run_one(
     config = out / "chaos.toml"
     started = time.monotonic()
     with LocalCluster(out / "cluster", tls=tls) as cluster:
-        files: TlsFiles | None = cluster.client_tls
-        bus_tls = f'tls = "on"\ntls_ca = "{files.ca}"\ntls_cert = "{files.cert}"\ntls_key = "{files.key}"\n' if files else ""
-        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-chaos{seed}"
-        config.write_text(CONFIG.format(stamp=stamp, time_scale=time_scale, steps=steps, policy=policy, bus_tls=bus_tls))
+        write_config(config, cluster, time.strftime("%Y%m%d-%H%M%S") + f"-chaos{seed}", time_scale, steps, policy)
         launched = time.time()
         engines = start_launcher(config, out / "engines", cluster.urls[KILLED], ["engines"])
         control = start_launcher(config, out / "control", cluster.urls[0], ["control", "environments"])
@@ -375,10 +372,7 @@ def run_one(
             codes = wait_all({"control": control, "engines": engines}, time.monotonic() if stalled else started + run_timeout_wall_s)
             ended = time.time()
         changes = cluster.leader_changes(launched, ended)
-    summary_path = out / "control" / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
-    emitted = sum(c.get("lifecycle_events", 0) for c in summary.get("actors", {}).values())
-    summary |= {"launcher_exit_codes": codes, "lifecycle_events_missing": max(0, emitted - summary.get("events", 0))}
+    summary = control_summary(out) | {"launcher_exit_codes": codes}
     faults = injected["faults"]
     first_fault = launched + faults[0]["at_wall_s"] if faults else ended
     record = {

@@ -89,6 +89,22 @@ gen_scale = 0.3
 """
 
 
+def write_config(path: Path, cluster: LocalCluster, stamp: str, time_scale: float, steps: int, policy: str) -> None:
+    """The run's config (`CONFIG`) for `cluster`: with its TLS files where it speaks TLS."""
+    files = cluster.client_tls
+    bus_tls = f'tls = "on"\ntls_ca = "{files.ca}"\ntls_cert = "{files.cert}"\ntls_key = "{files.key}"\n' if files else ""
+    path.write_text(CONFIG.format(stamp=stamp, time_scale=time_scale, steps=steps, policy=policy, bus_tls=bus_tls))
+
+
+def control_summary(out: Path) -> dict:
+    """The control host's summary.json under `out`, with `lifecycle_events_emitted` (what the
+    actors acked) and `lifecycle_events_missing` (acked but absent from the exported log)."""
+    path = out / "control" / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {"status": "no summary"}
+    emitted = sum(c.get("lifecycle_events", 0) for c in summary.get("actors", {}).values())
+    return summary | {"lifecycle_events_emitted": emitted, "lifecycle_events_missing": max(0, emitted - summary.get("events", 0))}
+
+
 def start_launcher(config: Path, out: Path, url: str, groups: list[str]) -> subprocess.Popen:
     only = [arg for group in groups for arg in ("--only", group)]
     log = open(out.with_suffix(".log"), "wb")
@@ -164,9 +180,7 @@ def run_check(
     started = time.monotonic()
     with LocalCluster(out / "cluster", tls=tls) as cluster:
         files = cluster.client_tls
-        bus_tls = f'tls = "on"\ntls_ca = "{files.ca}"\ntls_cert = "{files.cert}"\ntls_key = "{files.key}"\n' if files else ""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        config.write_text(CONFIG.format(stamp=stamp, time_scale=time_scale, steps=steps, policy=policy, bus_tls=bus_tls))
+        write_config(config, cluster, time.strftime("%Y%m%d-%H%M%S"), time_scale, steps, policy)
         print(f"cluster: {cluster.seed_url}", flush=True)
         engines = start_launcher(config, out / "engines", cluster.urls[KILLED], ["engines"])
         control = start_launcher(config, out / "control", cluster.urls[0], ["control", "environments"])
@@ -184,17 +198,13 @@ def run_check(
         finally:
             deadline = time.monotonic() + (0.0 if stalled else run_timeout_wall_s)
             codes = wait_all({"control": control, "engines": engines}, deadline)
-    summary_path = out / "control" / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
+    summary = control_summary(out)
     engines_path = out / "engines" / "summary.json"
     engines_host = json.loads(engines_path.read_text()) if engines_path.exists() else {}
-    emitted = sum(c.get("lifecycle_events", 0) for c in summary.get("actors", {}).values())
     summary |= {
         "servers_killed": killed,
         "launcher_exit_codes": codes,
         "engines_host_restarts": engines_host.get("restarts", {}),  # the control host's are in "restarts"
-        "lifecycle_events_emitted": emitted,
-        "lifecycle_events_missing": max(0, emitted - summary.get("events", 0)),
         "check_wall_s": round(time.monotonic() - started, 2),
     }
     if stalled:

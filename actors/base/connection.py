@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -69,9 +70,11 @@ class TlsFiles:
         return {TLS_CA_ENV: self.ca, TLS_CERT_ENV: self.cert, TLS_KEY_ENV: self.key}
 
     @staticmethod
-    def from_env() -> TlsFiles | None:
-        ca = os.environ.get(TLS_CA_ENV, "")
-        return TlsFiles(ca, os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")) if ca else None
+    def from_env(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
+        """The files named in `environ` (default: this process's environment), or None."""
+        env = os.environ if environ is None else environ
+        ca = env.get(TLS_CA_ENV) or ""
+        return TlsFiles(ca, env.get(TLS_CERT_ENV) or "", env.get(TLS_KEY_ENV) or "") if ca else None
 
     def context(self) -> ssl.SSLContext:
         """A client context that trusts only `ca` and checks the server's name; OSError (one
