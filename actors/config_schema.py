@@ -131,11 +131,25 @@ class EngineSection(_Section):
     # "vllm" — whatever fits now starts, and the newest sequence is preempted when KV runs out
     admission: Literal["sglang", "vllm"] = "sglang"
     kv_store_link: str = "remote-store"  # link between engines and the store tier
+    # A host-memory KV tier on every engine, whatever its role (SGLang's hierarchical cache,
+    # vLLM's CPU offload): KV that no longer fits on the GPU (a decode retracted for room, a
+    # prefix the LRU evicts) is copied to host memory over the GPU's PCIe link and copied back
+    # when it is needed, instead of being computed again. False: it is dropped and recomputed.
+    host_kv_tier: bool = True
+    host_kv_ratio: float = 2.0  # host tier capacity / the GPU KV pool (SGLang hicache_ratio's default)
+    # Under DP attention SGLang divides the chunked-prefill budget by the DP size
+    # (`max_batch_tokens` / dp per rank); "full": every rank gets all of it (vLLM's DP engines)
+    dp_chunk: Literal["divided", "full"] = "divided"
+    # SGLang's PrefillDelayer (colocated DP-attention engines only): a rank's prefill waits, for
+    # a bounded number of passes, until every rank of the group has prefill to run
+    prefill_delayer: bool = False
     kv_store_capacity_tokens: int = 50_000_000  # store tier capacity (LRU eviction beyond it)
 
     def __post_init__(self) -> None:
         if self.kv_store_capacity_tokens < 0:
             raise ValueError("engines.kv_store_capacity_tokens must be >= 0")
+        if self.host_kv_ratio < 0:
+            raise ValueError("engines.host_kv_ratio must be >= 0")
         if self.count < 1 or self.prefill_engines < 1:
             raise ValueError("engines.count and engines.prefill_engines must be >= 1")
 
@@ -204,6 +218,9 @@ class WorkloadSection(_Section):
     # a recorded trace (JSONL, one trajectory a line) the environments replay instead of sampling
     # the families; mix, phases and overrides then pick nothing (docs/workloads.md, "Recorded traces")
     trace: str = ""
+    # GRPO siblings (the G samples of a task) share their first turn's prompt, which a prefix
+    # cache can reuse across them (as on the torch and vLLM backends); False: each draws its own
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         for mix in self.mixes():

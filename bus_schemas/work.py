@@ -38,6 +38,9 @@ class PrefillWork(msgspec.Struct, frozen=True, kw_only=True):
     # real backends: the trajectory's whole history before this turn (len == context_tokens), so an
     # engine whose prefix cache misses recomputes it; the full sequence is context_token_ids + token_ids
     context_token_ids: list[int] = []
+    # turn 0 with shared prompts (workload.share_prompts): the task's prompt identity — a prefix
+    # cache may serve the prompt's KV from a sibling's; empty otherwise
+    prompt_key: str = ""
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):

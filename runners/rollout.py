@@ -7,7 +7,9 @@ Each fleet x workload x mode x policy is one run of the same actors — in virtu
 the true demand from the `prorsa` run's log of the same fleet, workload and mode, so it runs
 after it. Async runs (run.mode = "async", docs/async.md) train the same number of batches
 of the same shape as the sync run, with max_staleness = ASYNC_MAX_STALENESS and
-stale_policy = ASYNC_STALE_POLICY. Writes DIR/results.json (one record per run), DIR/results.md (the table) and a
+stale_policy = ASYNC_STALE_POLICY. colocated-sticky also runs with SGLang's PrefillDelayer
+(`colocated-sticky+delayer[@i]`) where the layout has DP attention; the tables' colocated-best is
+the fastest of a row's colocated-sticky runs (runners/rollout_tables.py). Writes DIR/results.json (one record per run), DIR/results.md (the table) and a
 timeline PNG per workload; every run's folder (events, summary) is kept under DIR/runs.
 """
 
@@ -79,6 +81,8 @@ class Case:
     variant: str = "default"
     mode: str = "sync"  # run.mode: "sync" or "async"
     seed: int | None = None  # run.seed (the workload's draws); None: the suite's
+    # other sections' overrides, {section: {key: value}} (e.g. {"workload": {"share_prompts": False}})
+    sections: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -98,34 +102,42 @@ class Suite:
     dynamic: tuple[str, ...] = ("reactive", "prorsa")
     # concurrency sweep: (fleet names, workload names, trajectories per GPU)
     sweep: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], ...] = ()
-    # ablation / sensitivity rows: (fleet, workload, trajectories per GPU, variant, engine overrides)
-    ablations: tuple[tuple[str, str, int, str, dict], ...] = ()
-    sensitivity: tuple[tuple[str, str, int, str, dict], ...] = ()
+    # ablation / sensitivity rows: (fleet, workload, trajectories per GPU, variant, engine
+    # overrides[, other sections' overrides {section: {key: value}}]); `_rows` builds them
+    ablations: tuple[tuple, ...] = ()
+    sensitivity: tuple[tuple, ...] = ()
 
     def tasks_per_step(self, fleet: Fleet, trajectories_per_gpu: int | None = None) -> int:
         per_gpu = self.trajectories_per_gpu if trajectories_per_gpu is None else trajectories_per_gpu
         return max(1, fleet.gpus * per_gpu // self.samples_per_task)
 
-    def policies(self, fleet: Fleet, table: str = "main") -> list[str]:
+    def policies(self, fleet: Fleet, table: str = "main", engines: dict | None = None) -> list[str]:
         """Every policy on the main table; the other tables (ratios against colocated-sticky,
         the best static split and oracle) skip plain colocated, reactive and the least
-        likely static splits, to stay within the bench's time."""
+        likely static splits, to stay within the bench's time. colocated-sticky also runs with
+        SGLang's PrefillDelayer (`+delayer`) in each layout where it can act: DP attention
+        (dp > 1), and the case's engines (`engines`, its overrides) not already running it."""
+        merged = {**fleet.engines, **(engines or {})}
         count = fleet.engines["count"]
         main = table == "main"
         splits = fleet.static_splits if main or fleet.side_static_splits is None else fleet.side_static_splits
         statics = [f"static-{p}:{count - p}" for p in splits]
         families = ["colocated", "colocated-sticky"] if main else ["colocated-sticky"]
-        colocated = list(families)
-        for i in range(len(fleet.colocated_layouts)):
-            colocated += [f"{family}@{i + 1}" for family in families]
+        colocated = []
+        for i, layout in enumerate((merged.get("layout"), *fleet.colocated_layouts)):
+            at = f"@{i}" if i else ""
+            colocated += [f"{family}{at}" for family in families]
+            if delayer_acts(layout) and not merged.get("prefill_delayer"):
+                colocated.append(f"colocated-sticky{DELAYER}{at}")
         dynamic = list(self.dynamic) if main else [p for p in self.dynamic if p != "reactive"]
         return [*colocated, *statics, *dynamic, "oracle"]
 
-    def case_policies(self, fleet: Fleet, table: str, asked: tuple[str, ...] = ()) -> list[str]:
-        """The policies a case runs: the table's (`policies`), only those `asked` where given,
-        plus any static split `asked` names that fits the fleet (`static-P:D`, P + D engines,
-        each at least 1), though the table does not run it by default."""
-        own = self.policies(fleet, table)
+    def case_policies(self, fleet: Fleet, table: str, asked: tuple[str, ...] = (), engines: dict | None = None) -> list[str]:
+        """The policies a case runs: the table's (`policies`, for the case's `engines`
+        overrides), only those `asked` where given, plus any static split `asked` names that
+        fits the fleet (`static-P:D`, P + D engines, each at least 1), though the table does not
+        run it by default."""
+        own = self.policies(fleet, table, engines)
         if not asked:
             return own
         count = fleet.engines["count"]
@@ -159,8 +171,28 @@ class Suite:
                 ]
         for table, rows in (("ablation", self.ablations), ("sensitivity", self.sensitivity)):
             if table in tables:
-                out += [Case(table, fleets[f], workloads[w], n, dict(engines), variant) for f, w, n, variant, engines in rows]
+                out += [
+                    Case(table, fleets[f], workloads[w], n, dict(engines), variant, sections=dict(sections[0]) if sections else {})
+                    for f, w, n, variant, engines, *sections in rows
+                ]
         return out
+
+
+DELAYER = "+delayer"  # a colocated-sticky policy with engines.prefill_delayer on: colocated-sticky+delayer[@i]
+
+
+def delayer_acts(layout: dict | None) -> bool:
+    """Whether SGLang's PrefillDelayer can act on colocated engines of `layout`: DP attention (dp > 1)."""
+    return bool(layout) and layout.get("dp", 1) > 1
+
+
+def _rows(
+    fleets: tuple[str, ...], variant: str, engines: dict | None = None, workload: dict | None = None, on: tuple[str, int] = ("swe", 64)
+) -> tuple[tuple, ...]:
+    """One ablation / sensitivity row per fleet in `fleets`, on workload `on` (name, trajectories
+    per GPU): `variant` names the `engines` overrides and the `workload` section's overrides."""
+    sections = {"workload": dict(workload)} if workload else {}
+    return tuple((f, *on, variant, dict(engines or {}), sections) for f in fleets)
 
 
 _SWE_SHORT = {"swe": {"turns_max": 16}}  # SWE episodes capped at 16 turns: keeps a step in minutes
@@ -179,7 +211,26 @@ _WORKLOADS = (
     Workload("math", {"math": 1.0}),
     Workload("shift", {"math": 0.8, "swe": 0.2}, ({"from_step": 1, "mix": {"swe": 0.8, "search": 0.2}},), _SWE_SHORT, steps=2),
 )
-_ABLATE = ("moe-stage", "swe", 64)
+# Each mechanism's rows where it acts: lockstep and the DP chunk on the DP-attention fleets
+# (deepseek, moe; on moe-stage colocated engines run TP4), the host KV tier on every MoE fleet,
+# the write-back modes on the 8-engine MoE fleets, stage layouts and admission on moe-stage.
+_LOCKSTEP = ("deepseek", "moe")
+_MOE_FLEETS = ("moe", "moe-stage", "deepseek")
+_ABLATIONS = (
+    *_rows(_LOCKSTEP, "dp_sync=ideal", {"dp_sync": "ideal"}),
+    *_rows(_LOCKSTEP, "prefill_delayer=on", {"prefill_delayer": True}),
+    *_rows(_MOE_FLEETS, "host_kv_tier=off", {"host_kv_tier": False}),
+    *_rows(("moe", "moe-stage"), "kv_writeback=none", {"kv_writeback": "none"}),
+    *_rows(("moe", "moe-stage"), "kv_writeback=store", {"kv_writeback": "store"}),
+    *_rows(_LOCKSTEP, "dp_chunk=full", {"dp_chunk": "full"}),
+    *_rows(_LOCKSTEP, "share_prompts=off", workload={"share_prompts": False}),
+    *_rows(("moe-stage",), "stage layouts off", {"layout": _DP4_EP4, "prefill_layout": None, "decode_layout": None}),
+    *_rows(("moe-stage",), "admission=vllm", {"admission": "vllm"}),
+)
+_SENSITIVITY = (
+    *_rows(_LOCKSTEP, "lockstep constants low", {"lockstep_constants": "low"}),
+    *_rows(_LOCKSTEP, "lockstep constants high", {"lockstep_constants": "high"}),
+)
 SUITES = {
     # The docs' suite (docs/allocation.md): MoE fleets with DP attention inside each engine
     # (where the paper reports its gains; one with stage-specific layouts), a DeepSeek-V3
@@ -197,17 +248,8 @@ SUITES = {
         samples_per_task=8,
         environments=4,
         sweep=((("moe-stage", "deepseek"), ("swe", "shift"), (16, 32, 64, 128)),),
-        ablations=(
-            (*_ABLATE, "dp_sync=ideal", {"dp_sync": "ideal"}),
-            (*_ABLATE, "kv_writeback=none", {"kv_writeback": "none"}),
-            (*_ABLATE, "kv_writeback=store", {"kv_writeback": "store"}),
-            (*_ABLATE, "stage layouts off", {"layout": _DP4_EP4, "prefill_layout": None, "decode_layout": None}),
-            (*_ABLATE, "admission=vllm", {"admission": "vllm"}),
-        ),
-        sensitivity=(
-            (*_ABLATE, "lockstep constants low", {"lockstep_constants": "low"}),
-            (*_ABLATE, "lockstep constants high", {"lockstep_constants": "high"}),
-        ),
+        ablations=_ABLATIONS,
+        sensitivity=_SENSITIVITY,
     ),
     # A seconds-long check of the machinery (tests and smoke runs); two batches, so an async
     # run has a batch to overlap with training.
@@ -231,6 +273,9 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
     if "@" in policy:  # a colocated baseline in another of the fleet's layouts
         policy, which = policy.split("@")
         engines["layout"] = fleet.colocated_layouts[int(which) - 1]
+    if policy.endswith(DELAYER):  # colocated-sticky with SGLang's PrefillDelayer
+        policy = policy.removesuffix(DELAYER)
+        engines["prefill_delayer"] = True
     raw = {
         "run": {
             "name": f"{suite.name}-{case.key}",
@@ -250,7 +295,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else ""},
     }
-    for section, values in (overrides or {}).items():
+    for section, values in [*case.sections.items(), *(overrides or {}).items()]:  # the row's, then --set's
         raw[section] = {**raw.get(section, {}), **values}
     config = msgspec.convert(raw, Config)
     return with_policy(config, policy)
@@ -361,6 +406,10 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "kv_writeback": config.engines.kv_writeback,
         "admission": config.engines.admission,
         "lockstep_constants": config.engines.lockstep_constants,
+        "prefill_delayer": config.engines.prefill_delayer,
+        "host_kv_tier": config.engines.host_kv_tier,
+        "dp_chunk": config.engines.dp_chunk,
+        "share_prompts": config.workload.share_prompts,
         "stage_layouts": config.engines.prefill_layout is not None or config.engines.decode_layout is not None,
         "saturated_regime": config.allocator.saturated_regime,
         "max_staleness": config.trainer.max_staleness if config.run.mode == "async" else None,
@@ -425,7 +474,7 @@ def run_suite(
         and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
     ]
-    plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies)]
+    plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies, case.engines)]
     missing = [
         c.key
         for c, p in plan

@@ -2,6 +2,11 @@
 each baseline family per row and mode, async throughput against sync, and the markdown the
 bench writes (runners/rollout.py).
 
+The baselines: `colocated` (naive: the seed's baseline), `colocated-sticky` (its better layout),
+and `colocated-best`, the strongest colocated baseline and the headline's: the fastest of the
+row's colocated-sticky runs over every layout (`@i`) and PrefillDelayer setting (`+delayer`),
+named by the run that won (records from before the delayer runs: the best colocated-sticky).
+
 Times are model seconds. `rollout_s` (per mode, runners.rollout.rollout_s): sync, the sum over
 steps of first assignment to last finished trajectory; async, first assignment to the forming
 of the last batch. `run_s`: first assignment to the last policy published, in both modes;
@@ -27,19 +32,42 @@ def _case_key(r: dict) -> tuple:
     return (*_row_key(r), r.get("mode", "sync"))
 
 
+COLOCATED_BEST = "colocated-best"
+DELAYER = "+delayer"  # a colocated-sticky run with SGLang's PrefillDelayer (runners.rollout)
+
+
+def _ratio(base: float | None, run_s: float) -> float | None:
+    return round(base / run_s, 3) if base and run_s > 0 else None
+
+
+def colocated_best_s(results: list[dict]) -> dict[tuple, float]:
+    """Per case (row and mode): colocated-best's rollout time (`best_of`)."""
+    out = {}
+    for key in dict.fromkeys(_case_key(r) for r in results):
+        best = best_of([r for r in results if _case_key(r) == key], COLOCATED_BEST)
+        if best:
+            out[key] = best["rollout_s"]
+    return out
+
+
 def add_speedups(results: list[dict]) -> None:
-    """`speedup_vs_colocated`: colocated's rollout time over the run's, in the same mode."""
+    """`speedup_vs_colocated`: colocated's (naive) rollout time over the run's, in the same mode;
+    `speedup_vs_colocated_best`: colocated-best's."""
     base = {_case_key(r): r["rollout_s"] for r in results if r["policy"] == "colocated"}
+    best = colocated_best_s(results)
     for r in results:
-        b = base.get(_case_key(r))
-        r["speedup_vs_colocated"] = round(b / r["rollout_s"], 3) if b and r["rollout_s"] > 0 else None
+        r["speedup_vs_colocated"] = _ratio(base.get(_case_key(r)), r["rollout_s"])
+        r["speedup_vs_colocated_best"] = _ratio(best.get(_case_key(r)), r["rollout_s"])
 
 
 def best_of(rows: list[dict], family: str, key: str = "rollout_s") -> dict | None:
-    """The fastest run of a policy family by `key` (lower is better): `static` (any split) or a
-    colocated baseline in any layout."""
+    """The fastest run of a policy family by `key` (lower is better): `static` (any split),
+    `colocated-best` (colocated-sticky in any layout, with or without the PrefillDelayer) or a
+    colocated baseline in any layout (without the delayer)."""
     if family == "static":
         pick = [r for r in rows if r["policy"].startswith("static-")]
+    elif family == COLOCATED_BEST:
+        pick = [r for r in rows if r["policy"].split("@")[0].removesuffix(DELAYER) == "colocated-sticky"]
     else:
         pick = [r for r in rows if r["policy"].split("@")[0] == family]
     return min(pick, key=lambda r: r[key], default=None)
@@ -47,8 +75,8 @@ def best_of(rows: list[dict], family: str, key: str = "rollout_s") -> dict | Non
 
 def comparisons(results: list[dict]) -> list[dict]:
     """Per case (row and mode): prorsa against the best colocated, colocated-sticky (either
-    layout), the best static split (hindsight) and oracle, by rollout_s; ratios > 1 mean prorsa
-    is faster."""
+    layout), colocated-best (which run won: `best_colocated-best`), the best static split
+    (hindsight) and oracle, by rollout_s; ratios > 1 mean prorsa is faster."""
     out = []
     for key in dict.fromkeys(_case_key(r) for r in results):
         rows = [r for r in results if _case_key(r) == key]
@@ -58,7 +86,7 @@ def comparisons(results: list[dict]) -> list[dict]:
         p = by["prorsa"]["rollout_s"]
         row = dict(zip((*ROW, "seed", "mode"), key))
         row["prorsa_s"] = p
-        for family in ("colocated", "colocated-sticky", "static"):
+        for family in ("colocated", "colocated-sticky", COLOCATED_BEST, "static"):
             best = best_of(rows, family)
             row[f"vs_{family}"] = round(best["rollout_s"] / p, 3) if best else None
             row[f"best_{family}"] = best["policy"] if best else None
@@ -68,6 +96,8 @@ def comparisons(results: list[dict]) -> list[dict]:
         row["of_oracle"] = round(by["oracle"]["rollout_s"] / p, 3) if "oracle" in by else None
         sticky, static = best_of(rows, "colocated-sticky"), best_of(rows, "static")
         row["static_vs_sticky"] = round(sticky["rollout_s"] / static["rollout_s"], 3) if sticky and static else None
+        best = best_of(rows, COLOCATED_BEST)
+        row["static_vs_colocated_best"] = round(best["rollout_s"] / static["rollout_s"], 3) if best and static else None
         row["prorsa_switches"] = by["prorsa"]["role_switches"]
         out.append(row)
     return out
@@ -76,7 +106,7 @@ def comparisons(results: list[dict]) -> list[dict]:
 def mode_comparisons(results: list[dict]) -> list[dict]:
     """Per row and policy run in both modes: throughput (trained trajectories per model second
     of the whole loop) async against sync; ratios > 1 mean async is faster. The families
-    (colocated, colocated-sticky, static) are each the best of their runs in that mode.
+    (colocated, colocated-sticky, colocated-best, static) are each the best of their runs in that mode.
     `same_tasks` says whether both modes started the same trajectories per task family."""
     out = []
     for key in dict.fromkeys(_row_key(r) for r in results):
@@ -85,7 +115,7 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
         async_ = [r for r in rows if r.get("mode") == "async"]
         if not sync or not async_:
             continue
-        for name in ("colocated", "colocated-sticky", "static", "prorsa"):
+        for name in ("colocated", "colocated-sticky", COLOCATED_BEST, "static", "prorsa"):
             s = best_of(sync, name, "run_s") if name != "prorsa" else next((r for r in sync if r["policy"] == "prorsa"), None)
             a = best_of(async_, name, "run_s") if name != "prorsa" else next((r for r in async_ if r["policy"] == "prorsa"), None)
             if s is None or a is None:
@@ -108,7 +138,13 @@ def mode_comparisons(results: list[dict]) -> list[dict]:
     return out
 
 
-SPREAD = {"vs_colocated": "colocated_s", "vs_colocated-sticky": "colocated-sticky_s", "vs_static": "static_s", "of_oracle": "oracle_s"}
+SPREAD = {
+    "vs_colocated-best": "colocated-best_s",
+    "vs_colocated": "colocated_s",
+    "vs_colocated-sticky": "colocated-sticky_s",
+    "vs_static": "static_s",
+    "of_oracle": "oracle_s",
+}
 
 
 def _median_range(ratios: list[float]) -> tuple[float, float, float]:
@@ -121,7 +157,7 @@ def _ratio_spreads(runs: list[dict]) -> dict:
     seconds rather than the rounded ratios; None where any run lacks that baseline."""
     out = {}
     for name, other in SPREAD.items():
-        ratios = [c[other] / c["prorsa_s"] for c in runs if c[other] and c["prorsa_s"] > 0]
+        ratios = [c[other] / c["prorsa_s"] for c in runs if c.get(other) and c["prorsa_s"] > 0]
         out[name] = _median_range(ratios) if ratios and len(ratios) == len(runs) else None
     return out
 
@@ -148,13 +184,25 @@ def seed_spread(compared: list[dict]) -> list[dict]:
 def fleet_summary(compared: list[dict], table: str = "main") -> list[dict]:
     """Per fleet and mode of `table`: each of prorsa's ratios over every workload and seed of
     that fleet (one ratio per row and seed) as (median, lowest, highest), with the workloads
-    and seeds it covers. The README's results table."""
+    and seeds it covers, and which colocated-sticky runs were its colocated-best. The README's
+    results table."""
     out = []
     runs_of = [c for c in compared if c["table"] == table]
     for fleet, mode in dict.fromkeys((c["fleet"], c["mode"]) for c in runs_of):
         runs = [c for c in runs_of if (c["fleet"], c["mode"]) == (fleet, mode)]
         workloads, seeds = list(dict.fromkeys(c["workload"] for c in runs)), list(dict.fromkeys(c["seed"] for c in runs))
-        out.append({"table": table, "fleet": fleet, "mode": mode, "workloads": workloads, "seeds": seeds, **_ratio_spreads(runs)})
+        won = list(dict.fromkeys(c[f"best_{COLOCATED_BEST}"] for c in runs if c.get(f"best_{COLOCATED_BEST}")))
+        out.append(
+            {
+                "table": table,
+                "fleet": fleet,
+                "mode": mode,
+                "workloads": workloads,
+                "seeds": seeds,
+                **_ratio_spreads(runs),
+                "colocated_best": won,
+            }
+        )
     return out
 
 
@@ -208,15 +256,17 @@ def fleet_lines(compared: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "prorsa per fleet (main table): each ratio's median over every workload and seed [lowest-highest] (ratio > 1: prorsa faster):",
+        "prorsa per fleet (main table), headline vs colocated-best (the fastest colocated-sticky run of each row: any layout, PrefillDelayer on or off; "
+        "colocated (naive): the seed's baseline): each ratio's median over every workload and seed [lowest-highest] (ratio > 1: prorsa faster):",
         "",
-        "| fleet | mode | workloads | seeds | vs colocated | vs colocated-sticky | vs best static | of oracle |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| fleet | mode | workloads | seeds | vs colocated-best | colocated-best runs | vs colocated (naive) | vs colocated-sticky | vs best static | of oracle |",
+        "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for f in summary:
         lines.append(
             f"| {f['fleet']} | {f['mode']} | {', '.join(f['workloads'])} | {', '.join(map(str, f['seeds']))} | "
-            f"{_spread(f['vs_colocated'])} | {_spread(f['vs_colocated-sticky'])} | {_spread(f['vs_static'])} | {_spread(f['of_oracle'])} |"
+            f"{_spread(f['vs_colocated-best'])} | {', '.join(f['colocated_best']) or '-'} | {_spread(f['vs_colocated'])} | "
+            f"{_spread(f['vs_colocated-sticky'])} | {_spread(f['vs_static'])} | {_spread(f['of_oracle'])} |"
         )
     return lines
 
@@ -227,44 +277,52 @@ def results_markdown(results: list[dict]) -> str:
     def mode(r: dict) -> str:
         return f"{r.get('mode', 'sync')}, seed {r.get('seed')}" if seeded else r.get("mode", "sync")
 
+    best = colocated_best_s(results)  # from the runs themselves: records from before it have no field for it
     lines = [
         ROW_HEADER
-        + "mode | policy | rollout s | run s | traj | traj / s | vs colocated | switches | p50 traj s | p99 traj s | rollout / bound |",
-        ROW_ALIGN + "--- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        + "mode | policy | rollout s | run s | traj | traj / s | vs colocated (naive) | vs colocated-best | switches | p50 traj s | p99 traj s | rollout / bound |",
+        ROW_ALIGN + "--- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         bound = r["rollout_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
         lines.append(
             _row(r) + f"{mode(r)} | "
             f"{r['policy']} | {r['rollout_s']:.1f} | {_s(r.get('run_s'))} | {r.get('trajectories', '-')} | "
-            f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | {r['role_switches']} | "
+            f"{r['throughput_per_s'] if r.get('throughput_per_s') else '-'} | {_x(r['speedup_vs_colocated'])} | "
+            f"{_x(_ratio(best.get(_case_key(r)), r['rollout_s']))} | {r['role_switches']} | "
             f"{r['p50_traj_s']:.1f} | {r['p99_traj_s']:.1f} | {bound:.2f} |"
         )
     lines += _section(
-        "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated baselines: the better layout):",
-        "mode | colocated | colocated-sticky | best static | prorsa | oracle | vs colocated | vs colocated-sticky | vs best static | best static vs sticky | vs reactive | of oracle | prorsa switches |",
-        "--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "prorsa against the others, per mode, by rollout s (ratio > 1: prorsa faster; colocated (naive) and colocated-sticky: the better layout; "
+        "colocated-best: the fastest colocated-sticky run, any layout, PrefillDelayer on or off, the headline baseline):",
+        "mode | colocated (naive) | colocated-sticky | colocated-best | best static | prorsa | oracle | vs colocated-best | vs colocated (naive) | "
+        "vs colocated-sticky | vs best static | best static vs sticky | best static vs colocated-best | vs reactive | of oracle | prorsa switches |",
+        "--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     )
     compared = comparisons(results)
     for c in compared:
+        won = f" ({c['best_colocated-best']})" if c["best_colocated-best"] else ""
         lines.append(
             _row(c) + f"{mode(c)} | "
-            f"{_s(c['colocated_s'])} | {_s(c['colocated-sticky_s'])} | {_s(c['static_s'])} ({c['best_static']}) | {_s(c['prorsa_s'])} | "
-            f"{_s(c['oracle_s'])} | {_x(c['vs_colocated'])} | {_x(c['vs_colocated-sticky'])} | {_x(c['vs_static'])} | "
-            f"{_x(c['static_vs_sticky'])} | {_x(c['vs_reactive'])} | {_x(c['of_oracle'])} | {c['prorsa_switches']} |"
+            f"{_s(c['colocated_s'])} | {_s(c['colocated-sticky_s'])} | {_s(c['colocated-best_s'])}{won} | "
+            f"{_s(c['static_s'])} ({c['best_static']}) | {_s(c['prorsa_s'])} | {_s(c['oracle_s'])} | "
+            f"{_x(c['vs_colocated-best'])} | {_x(c['vs_colocated'])} | {_x(c['vs_colocated-sticky'])} | {_x(c['vs_static'])} | "
+            f"{_x(c['static_vs_sticky'])} | {_x(c['static_vs_colocated_best'])} | {_x(c['vs_reactive'])} | {_x(c['of_oracle'])} | "
+            f"{c['prorsa_switches']} |"
         )
     spread = seed_spread(compared)
     if spread:
         lines += _section(
             "prorsa across workload seeds: each ratio's median over the seeds [lowest-highest]; best static: each seed's own, in hindsight:",
-            "mode | seeds | vs colocated | vs colocated-sticky | vs best static | at least best static | of oracle |",
-            "--- | --- | ---: | ---: | ---: | ---: | ---: |",
+            "mode | seeds | vs colocated-best | vs colocated (naive) | vs colocated-sticky | vs best static | at least best static | of oracle |",
+            "--- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         )
         for c in spread:
             at_least = f"{c['static_at_least']} of {len(c['seeds'])}" if c["static_at_least"] is not None else "-"
             lines.append(
                 _row(c) + f"{c['mode']} | "
-                f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated'])} | {_spread(c['vs_colocated-sticky'])} | "
+                f"{', '.join(map(str, c['seeds']))} | {_spread(c['vs_colocated-best'])} | {_spread(c['vs_colocated'])} | "
+                f"{_spread(c['vs_colocated-sticky'])} | "
                 f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
             )
     lines += fleet_lines(compared)

@@ -12,6 +12,7 @@ from actors.allocator.demand import RecordedDemand, from_forecast
 from actors.allocator.loads import colocated_load, stage_loads
 from actors.allocator.state import Demand, EngineState, Fleet
 from actors.config import EngineSection, LayoutSection
+from actors.engine.admission import rank_chunk_tokens
 from bus_schemas.control import Role
 from bus_schemas.eventlog import events_frame
 from bus_schemas.forecast import DemandForecast, TargetForecast
@@ -25,7 +26,7 @@ COST = TokenCost.prefill_of(ENGINES.cost_preset(Role.PREFILL))
 
 def test_a_prefill_token_costs_what_the_cost_model_gives_at_its_context():
     cap = CapacityModel(ENGINES, 2.0).at(12_000)  # priced at the 8,192-token bucket
-    chunk = ENGINES.max_batch_tokens
+    chunk = rank_chunk_tokens(ENGINES.max_batch_tokens, 8, divided=True)  # each of the 8 ranks' share
     assert cap.prefill_s_at(0.0) == cap.prefill_s_per_token  # unknown: the reference
     assert cap.prefill_s_at(cap.prefill_attention_tokens) == cap.prefill_s_per_token
     for attention in (3_000.0, 20_000.0, 60_000.0):  # linear in the context, as the cost model is

@@ -287,8 +287,9 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
     turns over 1.32x colocation and was bought; its two prefill engines then missed most
     histories and the row lost 2.9%. With the turns counted, 2:6 is rated at the histories
     its prefill pools cannot keep (all but what its six decode engines hold while they
-    decode) and falls below colocation; without them, one q for all, as before."""
-    engines = moe_dp4()
+    decode) and falls below colocation; without them, one q for all, as before. (That
+    row gave every DP rank the whole prefill chunk.)"""
+    engines = moe_dp4(dp_chunk="full")
     demand = Demand(
         50_979.0,
         1_474.0,

@@ -64,8 +64,9 @@ def test_the_range_ends_order_the_penalty():
 
 
 def test_vllm_eager_above_capture_size_piecewise_and_padded_below():
-    preset = with_lockstep(BASE, "vllm")
-    ideal = with_lockstep(BASE, "ideal")
+    base = replace(BASE, routed_share=0.0)  # the padding alone (the routed experts' spread: tests/test_costmodel_ep.py)
+    preset = with_lockstep(base, "vllm")
+    ideal = with_lockstep(base, "ideal")
     decode_only = [decode_rank()] * 4
     assert group_iteration_s(preset, decode_only) == group_iteration_s(ideal, decode_only)  # full graphs
     rank_graph_s = group_iteration_s(preset, decode_only) - preset.c0_s - graph_a2a_s(preset, decode_only)
@@ -74,11 +75,11 @@ def test_vllm_eager_above_capture_size_piecewise_and_padded_below():
     # below the capture size: the decode ranks run piecewise, their GEMMs padded to the chunk
     chunk = 256
     small = [RankLoad(((chunk, 0),), 0, 0)] + [decode_rank()] * 3
-    weight_s = BASE.weight_s(chunk + 24)
-    decode_rest_s = BASE.c_kv_s * 8 * CONTEXT + BASE.c_seq_s * 8
-    padded = max(weight_s, BASE.t_dec_s * 8 + BASE.t_tok_s * (chunk - 8)) + decode_rest_s
-    piecewise_extra = (preset.piecewise_factor - 1) * (max(weight_s, BASE.t_dec_s * 8) + decode_rest_s)
-    prefill_rank = max(weight_s, BASE.t_tok_s * chunk) + BASE.c_attn_s * chunk * chunk / 2
+    weight_s = base.weight_s(chunk + 24)
+    decode_rest_s = base.c_kv_s * 8 * CONTEXT + base.c_seq_s * 8
+    padded = max(weight_s, base.t_dec_s * 8 + base.t_tok_s * (chunk - 8)) + decode_rest_s
+    piecewise_extra = (preset.piecewise_factor - 1) * (max(weight_s, base.t_dec_s * 8) + decode_rest_s)
+    prefill_rank = max(weight_s, base.t_tok_s * chunk) + base.c_attn_s * chunk * chunk / 2
     expected = preset.c0_s + graph_a2a_s(preset, small) + max(padded + piecewise_extra, prefill_rank)
     assert group_iteration_s(preset, small) == pytest.approx(expected, rel=1e-9)
     assert group_iteration_s(preset, small) > group_iteration_s(ideal, small)

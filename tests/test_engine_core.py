@@ -158,16 +158,17 @@ def decode_work(traj: str, context: int, out: int) -> DecodeWork:
     )
 
 
+@pytest.mark.parametrize("role", [Role.DECODE, Role.COLOCATED])
 @pytest.mark.parametrize("capacity", [2_600, 3_300, 5_000])
-def test_a_pd_decode_engine_out_of_kv_parks_kv_in_host_memory_and_never_recomputes(capacity):
-    """SGLang's PD decode server retracts to host memory: a retracted decode keeps its tokens
-    and KV, takes no prefill step, and costs a host copy each way; no new request is taken
-    while one is parked."""
+def test_an_engine_with_a_host_tier_out_of_kv_parks_kv_in_host_memory_and_never_recomputes(capacity, role):
+    """With a host KV tier (SGLang's PD decode server; a colocated one with the hierarchical
+    cache), a retracted decode keeps its tokens and KV, takes no prefill step, and costs a
+    host copy each way; no new request is taken while one is parked."""
     from dataclasses import replace
 
     from actors.engine.emulated.costmodel import host_copy_s
 
-    c = EngineCore("e0", Role.DECODE, replace(PRESET, kv_capacity_tokens=capacity), 8192, 16, 8, admission="sglang")
+    c = EngineCore("e0", role, replace(PRESET, kv_capacity_tokens=capacity), 8192, 16, 8, admission="sglang", host_kv_ratio=2.0)
     for i in range(4):
         c.admit_decode(decode_work(f"t{i}", context=500, out=400 + 50 * i))
     decoded, copied, parked_seen = {}, [], False
@@ -202,7 +203,7 @@ def test_parked_decodes_leave_with_a_switch_and_are_recomputed_after_a_weight_up
     from dataclasses import replace
 
     def parked_engine() -> EngineCore:
-        c = EngineCore("e0", Role.DECODE, replace(PRESET, kv_capacity_tokens=2_600), 8192, 16, 8, admission="sglang")
+        c = EngineCore("e0", Role.DECODE, replace(PRESET, kv_capacity_tokens=2_600), 8192, 16, 8, admission="sglang", host_kv_ratio=2.0)
         for i in range(4):
             c.admit_decode(decode_work(f"t{i}", context=500, out=600))
         while not c.retracted:

@@ -4,6 +4,7 @@ records carry what the README's table needs, and the figures are consistent."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
@@ -34,7 +35,7 @@ FIELDS = {
     "p99_traj_s",
     "lower_bound_s",
 }
-POLICIES = ["colocated", "colocated-sticky", "static-1:3", "reactive", "prorsa"]
+POLICIES = ["colocated", "colocated-sticky", "colocated-sticky+delayer", "static-1:3", "reactive", "prorsa"]
 
 
 def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a_timeline(tmp_path: Path):
@@ -56,6 +57,7 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
     assert batches >= 2  # an async run has a batch to overlap with training
     for r in results:
         assert FIELDS <= set(r)
+        assert r["prefill_delayer"] is r["policy"].endswith("+delayer")  # the smoke fleet runs DP attention: the delayer can act
         assert r["status"] == "completed" and r["trajectories_lost"] == 0 and r["incomplete_trajectories"] == 0
         # every assigned trajectory finished and was trained, none dropped: the same work in both modes
         assert r["trajectories"] == r["trajectories_trained"] == r["trajectories_expected"] == batches * per_batch
@@ -69,11 +71,12 @@ def test_smoke_suite_runs_every_policy_in_both_modes_and_writes_the_tables_and_a
         if r["mode"] == "sync":  # steps: rollout, then training with rollout paused
             assert r["staleness"] == [] and r["max_staleness"] is None
             assert r["rollout_s"] == round(sum(r["step_rollout_s"]), 2)
-            assert r["run_s"] >= r["rollout_s"] + batches * train_s
+            assert r["run_s"] + 0.01 >= r["rollout_s"] + batches * train_s  # each rounded to 0.01 s
         else:  # training overlaps rollout: only the last batch's training is outside rollout_s
             assert (r["max_staleness"], r["stale_policy"]) == (1, "hold")
             assert sum(r["staleness"]) == r["trajectories_trained"] and len(r["staleness"]) <= 2  # staleness <= 1
-            assert r["rollout_s"] + train_s <= r["run_s"] < r["rollout_s"] + 2 * train_s
+            # (each rounded to 0.01 s: the last batch's training can end the run exactly)
+            assert r["rollout_s"] + train_s <= r["run_s"] + 0.01 and r["run_s"] < r["rollout_s"] + 2 * train_s
     for mode in ("sync", "async"):
         runs = [r for r in results if r["mode"] == mode]
         colocated_s = next(r["rollout_s"] for r in runs if r["policy"] == "colocated")  # each mode's own colocated run
@@ -230,15 +233,15 @@ def test_paper_suite_plans_the_pd_tables_with_their_settings():
     for fleet in ("moe-stage", "deepseek"):
         for workload in ("swe", "shift"):
             assert {n for f, w, n in sweep if (f, w) == (fleet, workload)} == {16, 32, 64, 128}
-    by_variant = {c.variant: c for c in cases if c.table in ("ablation", "sensitivity")}
-    ideal = run_config(suite, by_variant["dp_sync=ideal"], "prorsa")
+    by_variant = {(c.fleet.name, c.variant): c for c in cases if c.table in ("ablation", "sensitivity")}
+    ideal = run_config(suite, by_variant["deepseek", "dp_sync=ideal"], "prorsa")
     assert ideal.engines.dp_sync == "ideal"
-    assert run_config(suite, by_variant["kv_writeback=none"], "prorsa").engines.kv_writeback == "none"
-    assert run_config(suite, by_variant["admission=vllm"], "prorsa").engines.admission == "vllm"
+    assert run_config(suite, by_variant["moe", "kv_writeback=none"], "prorsa").engines.kv_writeback == "none"
+    assert run_config(suite, by_variant["moe-stage", "admission=vllm"], "prorsa").engines.admission == "vllm"
     assert ideal.engines.admission == "sglang"  # the other rows keep the default
-    off = run_config(suite, by_variant["stage layouts off"], "prorsa").engines
+    off = run_config(suite, by_variant["moe-stage", "stage layouts off"], "prorsa").engines
     assert off.prefill_layout is None and off.decode_layout is None and off.layout.dp == 4
-    assert run_config(suite, by_variant["lockstep constants high"], "prorsa").engines.lockstep_constants == "high"
+    assert run_config(suite, by_variant["moe", "lockstep constants high"], "prorsa").engines.lockstep_constants == "high"
     stage = next(c for c in cases if c.table == "main" and c.fleet.name == "moe-stage")
     assert "colocated-sticky@1" in suite.policies(stage.fleet)  # colocated baselines in the prefill layout too
     other_layout = run_config(suite, stage, "colocated-sticky@1")
@@ -350,6 +353,7 @@ def _compared(fleet: str, workload: str, seed: int, prorsa_s: float, colocated_s
         "prorsa_s": prorsa_s,
         "colocated_s": colocated_s,
         "colocated-sticky_s": colocated_s,
+        "colocated-best_s": colocated_s,
         "static_s": 2 * prorsa_s,
         "oracle_s": prorsa_s,
     }
@@ -369,6 +373,7 @@ def test_the_fleet_summary_gives_each_ratio_as_its_median_and_range_over_workloa
     moe, dense = fleet_summary(rows)
     assert (moe["fleet"], moe["workloads"], moe["seeds"]) == ("moe", ["swe", "math"], [1, 2])
     assert moe["vs_colocated"] == (1.5, 1.1, 3.0) and moe["vs_static"] == (2.0, 2.0, 2.0)
+    assert moe["vs_colocated-best"] == moe["vs_colocated"]
     assert dense["vs_colocated"] == (1.05, 0.9, 1.2) and dense["of_oracle"] is None
 
 
@@ -388,3 +393,161 @@ def test_rollout_tables_merges_bench_folders_into_one_table(tmp_path: Path):
     assert sorted({r["seed"] for r in merged}) == [7, 8] and len(merged) == 2 * len(policies)
     table = (tmp_path / "both" / "results.md").read_text()
     assert "across workload seeds" in table and "prorsa per fleet" in table
+
+
+def test_delayer_variants_set_the_prefill_delayer_keep_the_layout_and_run_only_where_it_can_act():
+    """`colocated-sticky+delayer[@i]`: colocated-sticky with engines.prefill_delayer on, in the
+    fleet's layout or its i-th colocated layout; planned only where the layout has DP attention
+    (dp > 1), and not on rows whose engines already run the delayer."""
+    suite = SUITES["paper"]
+    fleets = {f.name: f for f in suite.fleets}
+    main = {c.fleet.name: c for c in suite.cases(("main",)) if c.workload.name == "swe"}
+    config = run_config(suite, main["moe-stage"], "colocated-sticky+delayer@1")
+    assert config.run.policy == "colocated-sticky" and config.engines.prefill_delayer and config.engines.layout.dp == 4
+    assert not run_config(suite, main["moe-stage"], "colocated-sticky@1").engines.prefill_delayer
+    config = run_config(suite, main["deepseek"], "colocated-sticky+delayer")
+    assert config.run.policy == "colocated-sticky" and config.engines.prefill_delayer and config.engines.layout.dp == 8
+    assert not run_config(suite, main["deepseek"], "colocated-sticky").engines.prefill_delayer
+    for table in ("main", "sweep", "ablation"):
+        assert "colocated-sticky+delayer" in suite.policies(fleets["moe"], table)
+        assert "colocated-sticky+delayer" in suite.policies(fleets["deepseek"], table)
+        stage = [p for p in suite.policies(fleets["moe-stage"], table) if "+delayer" in p]
+        assert stage == ["colocated-sticky+delayer@1"]  # its own layout is TP4: only the DP layout's
+        assert not [p for p in suite.policies(fleets["dense"], table) if "+delayer" in p]  # dp 1: a no-op
+    assert "colocated+delayer" not in suite.policies(fleets["moe"])  # naive colocated stays as it is
+    rows = {(c.fleet.name, c.variant): c for c in suite.cases(("ablation",))}
+    off = rows["moe-stage", "stage layouts off"]  # the DP layout: the delayer can act in the fleet's own layout
+    assert "colocated-sticky+delayer" in suite.case_policies(off.fleet, off.table, (), off.engines)
+    on = rows["moe", "prefill_delayer=on"]  # every run has it already: no duplicate runs
+    assert not [p for p in suite.case_policies(on.fleet, on.table, (), on.engines) if "+delayer" in p]
+    assert run_config(suite, on, "colocated-sticky").engines.prefill_delayer and run_config(suite, on, "prorsa").engines.prefill_delayer
+
+
+def test_ablation_rows_act_where_each_mechanism_does():
+    """Lockstep, the DP chunk and sibling prompt sharing on the DP-attention fleets (deepseek,
+    moe), the host KV tier on every MoE fleet, the write-back modes on moe and moe-stage;
+    stage layouts and admission on moe-stage. share_prompts is a workload override."""
+    suite = SUITES["paper"]
+    cases = suite.cases(("ablation", "sensitivity"))
+    rows = {(c.table, c.fleet.name, c.variant): c for c in cases}
+    assert len(rows) == len(cases)  # no row twice
+    assert {(c.workload.name, c.trajectories_per_gpu) for c in cases} == {("swe", 64)}
+    for fleet in ("deepseek", "moe"):
+        engines = {
+            "dp_sync=ideal": ("dp_sync", "ideal"),
+            "prefill_delayer=on": ("prefill_delayer", True),
+            "dp_chunk=full": ("dp_chunk", "full"),
+            "host_kv_tier=off": ("host_kv_tier", False),
+        }
+        for variant, (key, value) in engines.items():
+            config = run_config(suite, rows["ablation", fleet, variant], "prorsa")
+            assert getattr(config.engines, key) == value, (fleet, variant)
+            assert config.workload.share_prompts
+        for level in ("low", "high"):
+            assert (
+                run_config(suite, rows["sensitivity", fleet, f"lockstep constants {level}"], "prorsa").engines.lockstep_constants == level
+            )
+        shared = rows["ablation", fleet, "share_prompts=off"]
+        for policy in ("colocated-sticky", "prorsa"):
+            config = run_config(suite, shared, policy)
+            assert not config.workload.share_prompts and config.workload.overrides["swe"].turns_max == 16  # the SWE cap kept
+            plain = run_config(suite, replace(shared, sections={}), policy)  # the row without its workload override
+            assert plain.workload.share_prompts and config.engines == plain.engines  # only the workload differs
+    assert {f for t, f, v in rows if v == "host_kv_tier=off"} == {"moe", "moe-stage", "deepseek"}
+    for mode in ("none", "store"):
+        assert {f for t, f, v in rows if v == f"kv_writeback={mode}"} == {"moe", "moe-stage"}
+        assert run_config(suite, rows["ablation", "moe-stage", f"kv_writeback={mode}"], "prorsa").engines.kv_writeback == mode
+    assert {f for t, f, v in rows if v in ("stage layouts off", "admission=vllm")} == {"moe-stage"}
+    assert not [c for c in cases if c.fleet.name == "dense"]
+    assert not SUITES["smoke"].ablations and not SUITES["smoke"].sensitivity
+    # --set still wins over a row's own overrides
+    config = run_config(suite, rows["ablation", "moe", "share_prompts=off"], "prorsa", overrides={"workload": {"share_prompts": True}})
+    assert config.workload.share_prompts
+
+
+def _run(policy: str, rollout_s: float, mode: str = "sync", **kw) -> dict:
+    """One results.json record (the fields the tables read)."""
+    return {
+        "table": "main",
+        "fleet": "moe",
+        "workload": "swe",
+        "trajectories_per_gpu": 32,
+        "variant": "default",
+        "seed": 2026,
+        "mode": mode,
+        "policy": policy,
+        "rollout_s": rollout_s,
+        "run_s": rollout_s + 60,
+        "throughput_per_s": 100 / (rollout_s + 60),
+        "families": {"swe": 100},
+        "role_switches": 0,
+        "p50_traj_s": 1.0,
+        "p99_traj_s": 2.0,
+        "lower_bound_s": 1.0,
+        **kw,
+    }
+
+
+def test_colocated_best_is_the_fastest_colocated_sticky_run_and_names_it():
+    """colocated-best: the fastest of a row's colocated-sticky runs over every layout and delayer
+    setting, named by the run that won; colocated-sticky keeps its meaning (no delayer) and the
+    naive colocated stays the per-run speedup's baseline."""
+    from runners.rollout_tables import add_speedups, best_of
+
+    runs = [
+        _run("colocated", 200.0),
+        _run("colocated-sticky", 150.0),
+        _run("colocated-sticky+delayer", 140.0),
+        _run("colocated@1", 190.0),
+        _run("colocated-sticky@1", 130.0),
+        _run("colocated-sticky+delayer@1", 120.0),
+        _run("static-2:6", 110.0),
+        _run("prorsa", 100.0),
+    ]
+    assert best_of(runs, "colocated-best")["policy"] == "colocated-sticky+delayer@1"
+    assert best_of(runs, "colocated-sticky")["policy"] == "colocated-sticky@1"
+    add_speedups(runs)
+    by = {r["policy"]: r for r in runs}
+    assert by["prorsa"]["speedup_vs_colocated"] == 2.0 and by["prorsa"]["speedup_vs_colocated_best"] == 1.2
+    (c,) = comparisons(runs)
+    assert (c["best_colocated-best"], c["colocated-best_s"], c["vs_colocated-best"]) == ("colocated-sticky+delayer@1", 120.0, 1.2)
+    assert (c["vs_colocated"], c["vs_colocated-sticky"], c["static_vs_colocated_best"]) == (1.9, 1.3, round(120 / 110, 3))
+    (f,) = fleet_summary([c])
+    assert f["vs_colocated-best"] == (1.2, 1.2, 1.2) and f["colocated_best"] == ["colocated-sticky+delayer@1"]
+    table = results_markdown(runs)
+    assert "| 120.0 (colocated-sticky+delayer@1) |" in table and "vs colocated-best" in table and "colocated (naive)" in table
+    assert "| colocated-sticky+delayer@1 |" in table.split("prorsa per fleet")[1]
+    both = runs + [
+        _run(p, s / 2, "async") for p, s in (("colocated-sticky", 150.0), ("colocated-sticky+delayer", 140.0), ("prorsa", 100.0))
+    ]
+    by_mode = {m["policy"]: m for m in mode_comparisons(both)}
+    assert (by_mode["colocated-best"]["sync_policy"], by_mode["colocated-best"]["async_policy"]) == (
+        "colocated-sticky+delayer@1",
+        "colocated-sticky+delayer",
+    )
+
+
+def test_old_records_without_delayer_runs_still_render_with_colocated_best_the_best_sticky(tmp_path: Path):
+    """results.json from before the delayer runs (and before speedup_vs_colocated_best):
+    colocated-best falls back to the best colocated-sticky run; a row with no sticky run at all
+    has none; both the tables and the merge command still render."""
+    from runners.rollout_tables import main
+
+    old = [
+        _run("colocated", 200.0, speedup_vs_colocated=1.0),
+        _run("colocated-sticky", 150.0, speedup_vs_colocated=1.333),
+        _run("colocated-sticky@1", 160.0, speedup_vs_colocated=1.25),
+        _run("prorsa", 100.0, speedup_vs_colocated=2.0),
+        _run("colocated", 50.0, workload="math", speedup_vs_colocated=1.0),
+        _run("prorsa", 40.0, workload="math", speedup_vs_colocated=1.25),
+    ]
+    swe, math = comparisons(old)
+    assert (swe["best_colocated-best"], swe["vs_colocated-best"]) == ("colocated-sticky", 1.5)
+    assert (math["best_colocated-best"], math["vs_colocated-best"], math["static_vs_colocated_best"]) == (None, None, None)
+    (f,) = fleet_summary([swe, math])
+    assert f["vs_colocated-best"] is None and f["colocated_best"] == ["colocated-sticky"]  # a row lacks it: no partial figure
+    table = results_markdown(old)
+    assert "| main | moe | swe | 32 | default | sync | prorsa | 100.0 |" in table and "| 150.0 (colocated-sticky) |" in table
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps(old))
+    assert main([str(tmp_path / "old"), "--out", str(tmp_path / "merged")]) == 0

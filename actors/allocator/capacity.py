@@ -1,6 +1,6 @@
 """What one engine can serve, from the cost model (pure): the allocator's unit of capacity.
 
-* prefill: engine-seconds per prefill token, for full chunks (`max_batch_tokens` on every
+* prefill: engine-seconds per prefill token, for full chunks (each DP rank's chunk, on every
   DP rank) on top of a typical prefix;
 * decode: the batch at which a decode step takes `slack` times its fastest (one sequence per
   rank) — beyond it, adding sequences mostly slows every one of them — and the KV pool.
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import EngineSection
+from actors.engine.admission import rank_chunk_tokens
 from actors.engine.core import KV_HIGH_WATERMARK
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_iteration_s, switch_reconfig_s
 from bus_schemas.control import Role
@@ -157,13 +158,17 @@ class CapacityModel:
             max(colocated.dp_ranks, int(KV_HIGH_WATERMARK * colocated.kv_capacity_tokens / context_tokens)),
         )
         lockstep = colocated.dp_ranks > 1 and colocated.dp_sync != "ideal"
+
+        def chunk(preset: CostPreset) -> int:  # each rank's prefill chunk
+            return rank_chunk_tokens(engines.max_batch_tokens, preset.dp_ranks, engines.dp_chunk == "divided")
+
         return Capacity(
-            prefill_s_per_token=prefill_s_per_token(prefill, engines.max_batch_tokens, context_tokens),
+            prefill_s_per_token=prefill_s_per_token(prefill, chunk(prefill), context_tokens),
             decode_full_seqs=decode_full_seqs(decode, context_tokens, self.slack, cap),
             decode_kv_tokens=decode.kv_capacity_tokens,
             min_tpot_s=decode_step_s(decode, decode.dp_ranks, context_tokens),
             switch_s=switch_reconfig_s(engines, Role.PREFILL, Role.DECODE),
-            colocated_prefill_s_per_token=prefill_s_per_token(colocated, engines.max_batch_tokens, context_tokens),
+            colocated_prefill_s_per_token=prefill_s_per_token(colocated, chunk(colocated), context_tokens),
             # held to the decode engines' TPOT limit, so the two are compared at one token latency
             colocated_decode_full_seqs=decode_full_seqs(
                 colocated, context_tokens, self.slack, colocated_cap, self.slack * decode_step_s(decode, decode.dp_ranks, context_tokens)
@@ -180,12 +185,12 @@ class CapacityModel:
             decode_kv_step_s=decode_step_s(decode, cap, context_tokens),
             colocated_step_s_per_seq=step_s_per_seq(colocated, colocated_cap, context_tokens),
             decode_step_s_per_seq=step_s_per_seq(decode, cap, context_tokens),
-            decode_prefill_s_per_token=prefill_s_per_token(decode, engines.max_batch_tokens, context_tokens),
+            decode_prefill_s_per_token=prefill_s_per_token(decode, chunk(decode), context_tokens),
             decode_lockstep_ranks=decode.dp_ranks if engines.decode_lockstep else 1,
             admission_queues=engines.admission == "sglang",
-            prefill_attention_tokens=context_tokens + engines.max_batch_tokens / 2.0,
-            prefill_s_per_token_per_context=prefill_s_per_token_per_context(prefill, engines.max_batch_tokens, context_tokens),
-            colocated_prefill_s_per_token_per_context=prefill_s_per_token_per_context(colocated, engines.max_batch_tokens, context_tokens),
+            prefill_attention_tokens=context_tokens + chunk(prefill) / 2.0,
+            prefill_s_per_token_per_context=prefill_s_per_token_per_context(prefill, chunk(prefill), context_tokens),
+            colocated_prefill_s_per_token_per_context=prefill_s_per_token_per_context(colocated, chunk(colocated), context_tokens),
             colocated_switch_s=max(
                 switch_reconfig_s(engines, Role.COLOCATED, Role.PREFILL), switch_reconfig_s(engines, Role.COLOCATED, Role.DECODE)
             ),

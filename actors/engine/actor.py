@@ -47,7 +47,18 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         super().__init__(actor_id, config, nc, clock)
         ec = config.engines
         self.link = LINKS[ec.link]
-        self.core = EngineCore(actor_id, role, ec.cost_preset(role), ec.max_batch_tokens, ec.max_decode_seqs, ec.max_waiting, ec.admission)
+        self.core = EngineCore(
+            actor_id,
+            role,
+            ec.cost_preset(role),
+            ec.max_batch_tokens,
+            ec.max_decode_seqs,
+            ec.max_waiting,
+            ec.admission,
+            host_kv_ratio=ec.host_kv_ratio if ec.host_kv_tier else 0.0,
+            divide_chunk=ec.dp_chunk == "divided",
+            prefill_delayer=ec.prefill_delayer,
+        )
         self._wake = Flag()  # new work admitted (or a stop requested)
         self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it
         self.epoch = 0
@@ -337,13 +348,27 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             self.decoded_tokens_total += batch.decode_tokens
             for kind, seq in self.core.complete(batch):
                 self._finish(kind, seq, cursor_s)
-            if self.core.preemptions or self.core.retractions:  # the final report: KV recomputed, or parked in host memory
-                self.counters["preemptions"] = self.core.preemptions
-                self.counters["preempted_kv_tokens"] = self.core.preempted_kv_tokens
-                self.counters["retractions"] = self.core.retractions
-                self.counters["retracted_kv_tokens"] = self.core.retracted_kv_tokens
+            self._count_core()
             self._room.set()
             self._progress.set()
+
+    def _count_core(self) -> None:
+        """The core's KV counters for the actor's reports: KV recomputed, parked in or loaded
+        back from host memory, first prompts served from a sibling's KV, passes the
+        PrefillDelayer held new prefills (each counter once it is non-zero)."""
+        core = self.core
+        for name in (
+            "preemptions",
+            "preempted_kv_tokens",
+            "retractions",
+            "retracted_kv_tokens",
+            "host_loaded_kv_tokens",
+            "prompt_cached_tokens",
+            "delayed_passes",
+        ):
+            value = getattr(core, name)
+            if value:
+                self.counters[name] = value
 
     def _idle_wait_wall_s(self, burst: bool) -> float:
         """How long an idle scheduler sleeps unless new work wakes it: until the next held KV

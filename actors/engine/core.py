@@ -13,7 +13,12 @@ One `plan` / `complete` pair is one scheduler step of continuous batching:
 Roles: `prefill` holds the KV of a prefilled turn for a decode engine (`hold` / `release`);
 `decode` admits prefilled turns whose KV arrived (`admit_decode`); `colocated` does both
 on one engine. A prefix cache (LRU, in the free part of the KV pool) keyed by trajectory
-and policy version turns a returning trajectory's history into cached-prefix tokens.
+and policy version turns a returning trajectory's history into cached-prefix tokens; a
+task's first prompt is cached once for its GRPO siblings (`prompt_key`). It is one cache
+per engine, and a turn may land on any DP rank: SGLang keeps a radix cache per rank, and a
+router that pins each trajectory to the rank holding its prefix (SGLang's dp-aware
+routing) gets the hits modelled here. With a host tier, KV that leaves the GPU moves to
+host memory and is copied back over the host link when needed (`host_copy_s`).
 """
 
 from __future__ import annotations
@@ -22,19 +27,34 @@ from collections import deque
 
 import msgspec
 
-from actors.engine.admission import RESERVED_DECODE_TOKENS, RETRACT_DECODE_STEPS, NewTokenRatio, growth_tokens
+from actors.engine.admission import (
+    RESERVED_DECODE_TOKENS,
+    RETRACT_DECODE_STEPS,
+    NewTokenRatio,
+    growth_tokens,
+    init_ratio,
+    rank_chunk_tokens,
+)
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
-from actors.engine.prefix_lru import PrefixLru
+from actors.engine.prefix_lru import PrefixLru, key
 from actors.engine.sequence import Batch, Held, Seq
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
 KV_HIGH_WATERMARK = 0.9  # stop admitting work above this share of the KV pool
+# SGLang's --prefill-delayer-max-delay-passes default (server_args.py): new prefills wait at
+# most this many passes less one in a row
+PREFILL_DELAYER_MAX_DELAY_PASSES = 30
 # Seq's token properties as plain functions: `sum(map(_KV_TOKENS, seqs))` adds up a batch
 # without a generator frame per sequence (these sums run several times per step)
 _KV_TOKENS = Seq.kv_tokens.fget
 _KV_RESERVED_TOKENS = Seq.kv_reserved_tokens.fget
 _DECODE_LEFT = Seq.decode_left.fget
+
+
+def prompt_key(work: PrefillWork) -> str:
+    """The prefix cache's key for a task's first prompt, shared by its GRPO siblings."""
+    return key("prompt:" + work.prompt_key, work.policy_version)
 
 
 class EngineCore:
@@ -47,30 +67,64 @@ class EngineCore:
         max_decode_seqs: int,
         max_waiting: int,
         admission: str = "sglang",
+        host_kv_ratio: float = 0.0,
+        divide_chunk: bool = False,
+        prefill_delayer: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.admission = admission  # "sglang": reserve KV for decode growth (actors/engine/admission.py); "vllm": greedy
         self.new_token_ratio = NewTokenRatio()
         self.hold_new_handoffs = False  # sglang PD: the decode side takes no work now, start no new hand-off prefill (the actor sets it)
         self.role = role
-        self.preset = preset
         self.max_batch_tokens = max_batch_tokens
+        self.divide_chunk = divide_chunk  # SGLang under DP attention: each rank's chunk is max_batch_tokens / dp
+        # host KV tier (`engines.host_kv_tier`), `host_kv_ratio` times the GPU pool: out of room,
+        # a decode's KV is parked in host memory (`_retract_to_host`) and an evicted prefix moves
+        # there, both copied back when needed; without it (0), KV that does not fit is dropped
+        # and computed again
+        self.prefill_delayer = prefill_delayer  # SGLang's PrefillDelayer (`_delays_new_prefills`)
+        self._delayed_passes = 0  # consecutive passes it held new prefills back
+        self.delayed_passes = 0  # in all, for the run's counters
+        self.host_kv_ratio = host_kv_ratio
+        self.host_tier = host_kv_ratio > 0
+        self.prefixes = PrefixLru()  # in the free part of the KV pool, then in host memory
+        self._host_copy_tokens = [0]  # per rank: KV to copy to or from host before the next step
+        self.preset = preset
         self.max_decode_seqs = max_decode_seqs
         self.max_waiting = max_waiting
         self.waiting: deque[Seq] = deque()
         self.running: dict[str, Seq] = {}
         self.retracted: deque[Seq] = deque()  # decodes whose KV waits in host memory (`_retract_to_host`)
-        self._host_copy_tokens = [0] * preset.dp_ranks  # per rank: KV to copy to or from host before the next step
         self.held: dict[str, Held] = {}
-        self.prefixes = PrefixLru()  # in the free part of the KV pool
         self.busy_s = 0.0  # modelled time spent in steps, for utilisation
         self.preemptions = 0
         self.preempted_kv_tokens = 0  # KV dropped by preemptions, to be computed again
         self.retractions = 0  # decodes whose KV went to host memory (`_retract_to_host`)
         self.retracted_kv_tokens = 0  # ... and its tokens
+        self.host_loaded_kv_tokens = 0  # cached prefixes loaded back from the host tier
+        self.prompt_cached_tokens = 0  # first prompts served from a sibling's KV
         self.allow_preemption = True  # backends without recompute support turn it off
         self._admitted = 0  # admission counter: newest sequences are preempted first
         self._order: dict[str, int] = {}
+
+    @property
+    def preset(self) -> CostPreset:
+        return self._preset
+
+    @preset.setter
+    def preset(self, preset: CostPreset) -> None:
+        """The cost model of the engine's layout (a role switch may change it, and with it the pools)."""
+        self._preset = preset
+        self.prefixes.host_capacity_tokens = int(self.host_kv_ratio * preset.kv_capacity_tokens)
+        if self.new_token_ratio.init != init_ratio(preset.dp_ranks):
+            self.new_token_ratio.start_from(init_ratio(preset.dp_ranks))
+        if len(self._host_copy_tokens) != preset.dp_ranks:  # copies still due go to the first rank of the new layout
+            self._host_copy_tokens = [sum(self._host_copy_tokens)] + [0] * (preset.dp_ranks - 1)
+
+    @property
+    def rank_chunk_tokens(self) -> int:
+        """Each DP rank's chunked-prefill budget per iteration."""
+        return rank_chunk_tokens(self.max_batch_tokens, self.preset.dp_ranks, self.divide_chunk)
 
     @property
     def _prefill_first(self) -> bool:
@@ -107,9 +161,9 @@ class EngineCore:
         max_decode = self.max_decode_seqs * self.preset.dp_ranks
         if self.role is Role.PREFILL:
             return max_waiting - len(self.waiting) - pending
+        if self.retracted:  # SGLang: no new request while a retracted one waits for room
+            return 0
         if self.role is Role.DECODE:  # prefills here are short local appends (per-turn placement)
-            if self.retracted:  # SGLang: no new request while a retracted one waits for room
-                return 0
             if self.admission == "sglang" and self._decode_reserve_full(pending):
                 return 0
             return min(max_decode - len(self.running) - len(self.waiting), max_waiting - len(self.waiting)) - pending
@@ -135,15 +189,25 @@ class EngineCore:
 
     # --- admission -----------------------------------------------------------------------
     def admit_prefill(self, work: PrefillWork) -> Seq:
-        cached = min(self.prefixes.take(work.trajectory_id, work.policy_version), work.context_tokens)
+        on_gpu, in_host = self.prefixes.take_split(work.trajectory_id, work.policy_version)
+        cached = min(on_gpu + in_host, work.context_tokens)
+        rank = self._least_loaded_rank()
+        prompt_tokens = 0
+        if work.context_tokens == 0 and work.prompt_key:  # a first turn whose prompt a sibling may have left here
+            on_gpu, in_host = self.prefixes.peek(prompt_key(work))
+            prompt_tokens = min(on_gpu + in_host, work.new_tokens - 1)  # the last token is computed for its logits
+            cached = prompt_tokens
+        self._host_copy_tokens[rank] += min(in_host, cached)  # a prefix from the host tier is loaded back first
+        self.host_loaded_kv_tokens += min(in_host, cached)
+        self.prompt_cached_tokens += prompt_tokens
         seq = Seq(
             work=work,
             target_tokens=max(1, work.target_output_tokens),
             cached_prefix_tokens=cached,
-            prefill_tokens=work.context_tokens - cached + work.new_tokens,
+            prefill_tokens=work.context_tokens + work.new_tokens - cached,
             handoff=self.role is Role.PREFILL,
             prefill_engine_id=self.engine_id,
-            rank=self._least_loaded_rank(),
+            rank=rank,
         )
         self._note_admission(seq)
         self.waiting.append(seq)
@@ -193,18 +257,21 @@ class EngineCore:
             resident = self.kv_resident_tokens
         decode = list(self.running.values())
         ranks = self.preset.dp_ranks
-        budget = [self.max_batch_tokens] * ranks
+        budget = [self.rank_chunk_tokens] * ranks
         for seq in decode:
             budget[seq.rank] -= 1
         free = self.kv_capacity_tokens - resident - len(decode)  # prefill only into free KV
         free_before_chunks = free
         room_for_new = None  # SGLang: worked out at the first new request (it needs the whole batch's growth)
+        delay = bool(decode) and self._delays_new_prefills()
         chunks: list[tuple[Seq, int]] = []
         for seq in self.waiting:
             if seq.preempted and seq.prefill_done_tokens == 0 and seq.prefill_left > free:
                 continue  # recompute a preempted sequence only once all of it fits again
             if seq.handoff and seq.prefill_done_tokens == 0 and self.hold_new_handoffs:
                 continue  # no decode engine could take its KV yet
+            if (self.retracted or delay) and seq.prefill_done_tokens == 0 and not seq.preempted:
+                continue  # a retracted request waits at the queue's head (SGLang); or the PrefillDelayer holds new work
             if seq.prefill_done_tokens == 0 and self.admission == "sglang":  # SGLang: a new request fits with its growth
                 if room_for_new is None:
                     room_for_new = self._room_for_new(free_before_chunks)
@@ -246,9 +313,12 @@ class EngineCore:
             loads = self._loads([], decoding)
             one_s = group_iteration_s(self.preset, loads)
             fit = int(max_advance_s // one_s) if one_s > 0 else 1
+            if delay:  # each pass is the delayer's to count: stop where it would let prefill through
+                fit = min(fit, PREFILL_DELAYER_MAX_DELAY_PASSES - 1 - self._delayed_passes)
             free = self.kv_capacity_tokens - resident  # nothing changed since it was counted
             iterations = max(1, min(fit, free // len(decode), min(map(_DECODE_LEFT, decode))))
             duration_s = group_decode_run_s(self.preset, loads, iterations)
+        self._count_delay(delay, iterations)
         copy_s = self._take_host_copy_s()
         if ends_s is not None:
             ends_s = [e + copy_s for e in ends_s]
@@ -262,6 +332,28 @@ class EngineCore:
                 seq.decode_started = True
                 started.append(("decode_started", seq))
         return Batch(chunks, decode, iterations, duration_s + copy_s, started, ends_s, copy_s)
+
+    def _delays_new_prefills(self) -> bool:
+        """SGLang's PrefillDelayer (`engines.prefill_delayer`; prefill_delayer.py, not on PD
+        decode servers): each pass the DP ranks share whether each has a new request to
+        prefill. When some do and some do not ("mixed"), new prefills wait, at most
+        PREFILL_DELAYER_MAX_DELAY_PASSES − 1 passes in a row, so that the ranks prefill in the
+        same step rather than one rank's prefill stalling every rank's decode; when all or none
+        do, nothing waits. Prefills already under way (chunked) continue either way. The
+        token-usage watermark that would let a nearly empty rank through is off by default, as
+        here. An engine with nothing else to run does not wait (its passes take no time)."""
+        ranks = self.preset.dp_ranks
+        if not self.prefill_delayer or ranks == 1 or self.role is Role.DECODE:
+            return False
+        new = {seq.rank for seq in self.waiting if seq.prefill_done_tokens == 0}
+        return 0 < len(new) < ranks and self._delayed_passes < PREFILL_DELAYER_MAX_DELAY_PASSES - 1
+
+    def _count_delay(self, delayed: bool, passes: int) -> None:
+        if delayed:
+            self._delayed_passes += passes
+            self.delayed_passes += passes
+        else:
+            self._delayed_passes = 0
 
     def _growth(self, seq: Seq) -> float:
         """KV a sequence is expected to still need for its output (none: it hands off)."""
@@ -318,7 +410,7 @@ class EngineCore:
             resident = self.kv_resident_tokens
             if resident + len(self.running) * iterations <= self.kv_capacity_tokens:
                 return resident
-            if self.role is Role.DECODE and self.admission == "sglang":
+            if self.host_tier:
                 self._retract_to_host()
                 return self.kv_resident_tokens
             holders = [*self.running.values(), *(s for s in self.waiting if s.prefill_done_tokens > 0)]
@@ -328,8 +420,9 @@ class EngineCore:
         return self.kv_resident_tokens
 
     def _retract_to_host(self) -> None:
-        """SGLang's PD decode server out of KV (`retract_decode`, disaggregation_mode "decode"):
-        it retracts requests until the rest have room for RETRACT_DECODE_STEPS more tokens each,
+        """An engine with a host KV tier out of KV, as SGLang's PD decode server does
+        (`retract_decode`, disaggregation_mode "decode"; a colocated server with the
+        hierarchical cache keeps a retracted request's KV in host memory likewise): it retracts requests until the rest have room for RETRACT_DECODE_STEPS more tokens each,
         the fewest tokens generated first (longest input among equals); each one's KV is copied
         to host memory (`Req.offload_kv_cache`) and copied back once it fits again with its
         reservation (`resume_retracted_reqs`), never recomputed. sglang python/sglang/srt/
@@ -416,6 +509,8 @@ class EngineCore:
                 self.running[seq.key] = seq
                 continue
             seq.generated = 1  # first token sampled at the end of prefill
+            if seq.work.prompt_key and seq.work.context_tokens == 0:  # its siblings may reuse the prompt's KV here
+                self.prefixes.put_key(prompt_key(seq.work), seq.work.new_tokens, self.kv_capacity_tokens - self.kv_used_tokens)
             done.append(("prefill_done", seq))
             if not seq.handoff:
                 self.running[seq.key] = seq

@@ -4,7 +4,9 @@ Per trajectory: submit the prompt for prefill → receive the turn's result → 
 (a modelled latency) → submit the observation as the next turn … → compute the reward and
 hand the finished trajectory to the trainer. A trajectory's shape (turns, lengths, tool
 latencies, reward) is drawn from its task family's profile (`workloads.plan_trajectory`) or,
-with `workload.trace` set, read from a recorded trace (`trace.ReplaySchedule`). The task
+with `workload.trace` set, read from a recorded trace (`trace.ReplaySchedule`). With
+`workload.share_prompts` a sampled task's G siblings share their prompt, and each first turn
+carries the task id as `prompt_key` for the router and the engines' prefix caches. The task
 assignment stays un-acked (kept alive with in-progress acks) until the finished trajectory
 is stored, so an environment that dies mid-trajectory has the trajectory redelivered and
 rerun elsewhere — never silently lost.
@@ -21,7 +23,7 @@ from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
 from actors.environment.router import Router, store_miss_share
 from actors.environment.trace import ReplaySchedule, TracePlan
-from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory
+from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory, task_prompt_seed
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
@@ -171,6 +173,8 @@ class EnvironmentActor(Actor):
                 tool_latency_scale=override.tool_latency_scale,
             )
         )
+        if self.config.workload.share_prompts:  # the task's G siblings share one prompt
+            kwargs["prompt_seed"] = task_prompt_seed(a.task_id)
         return plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
 
     async def _on_dead_letter(self, msg: Msg) -> None:
@@ -211,8 +215,15 @@ class EnvironmentActor(Actor):
             target_output_tokens=t.plan.gen_tokens(t.turn),
         )
 
+    def _prompt_key(self, t: Trajectory) -> str:
+        """The task's prompt identity on a first turn whose prompt its siblings share (a sampled
+        plan with `workload.share_prompts`); empty otherwise (later turns, recorded traces)."""
+        shared = t.turn == 0 and self.config.workload.share_prompts and isinstance(t.plan, TrajectoryPlan)
+        return t.assignment.task_id if shared else ""
+
     async def _submit(self, t: Trajectory) -> None:
         a = t.assignment
+        prompt_key = self._prompt_key(t)
         work = PrefillWork(
             work_id=make_work_id(a.trajectory_id, t.nonce, t.turn, 0),
             trajectory_id=a.trajectory_id,
@@ -221,12 +232,15 @@ class EnvironmentActor(Actor):
             task_family=t.family,
             policy_version=self._turn_version(t),
             queued_at_s=self.clock.now_s(),
+            prompt_key=prompt_key,
             **self._turn_fields(t),
         )
         t.awaiting_result = True
         engine_id = None
         if self.router is not None:
-            engine_id = self.router.route(t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens, self.clock.now_s())
+            engine_id = self.router.route(
+                t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens, self.clock.now_s(), prompt_key
+            )
         subject = subjects.work_prefill(engine_id)
         await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping, self.clock)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)

@@ -36,10 +36,21 @@ prefix it has to recompute elsewhere (after a PD phase, say, which gathers every
 trajectory's KV on the decode engines). Before the first heartbeats every engine counts as an idle colocated
 one (an engine that does not prefill forwards what it gets to the shared queue). An engine
 silent for longer than its lease (`run.lease_wall_s`) gets no turns until it reports again.
+
+A first turn whose prompt its GRPO siblings share (`prompt_key`, with `workload.share_prompts`)
+goes where a sibling's first turn went, the engine likeliest to hold the prompt's KV in its
+prefix cache, as SGLang's cache-aware router does by prefix matching: that engine is the
+turn's home, and a miss elsewhere recomputes the prompt, so it keeps the turn unless its load
+exceeds the least loaded's by more than the prompt's tokens (the rules above). A turn kept
+there adds nothing to its load (the prompt is expected from the cache; the next heartbeat
+says what it really queued); the prompt's home is the engine its last sibling went to,
+remembered for the last `PROMPT_HOMES` prompts. Each environment has its own router, so
+siblings pulled by different environments do not share a home.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from bus_schemas.control import Role
@@ -49,6 +60,7 @@ SEQ_LOAD_TOKENS = 1024  # a decoding sequence weighs like this many queued prefi
 # a decode engine this full of KV decodes all the batch it can hold (the 90% occupancy the
 # allocator sizes pools to) [A]
 KV_FULL_SHARE = 0.9
+PROMPT_HOMES = 4096  # prompts whose engine a router remembers (least recently routed forgotten first)
 
 
 @dataclass(slots=True)
@@ -110,6 +122,8 @@ class Router:
         self.routed_local = 0
         self.routed_home = 0
         self.routed_balance = 0
+        self.routed_prompt_home = 0  # first turns sent where a sibling's prompt went
+        self.prompt_homes: OrderedDict[str, str] = OrderedDict()  # prompt key -> engine its last first turn went to
         self.turns = 0  # turns routed (every call of `route`)
 
     def observe(self, status: EngineStatus, seen_at_s: float | None = None) -> None:
@@ -125,15 +139,24 @@ class Router:
         )
 
     def route(
-        self, kv_engine_id: str, prefix_engine_id: str, context_tokens: int, new_tokens: int, now_s: float | None = None
+        self,
+        kv_engine_id: str,
+        prefix_engine_id: str,
+        context_tokens: int,
+        new_tokens: int,
+        now_s: float | None = None,
+        prompt_key: str = "",
     ) -> str | None:
         """The engine whose own queue gets this turn; None: the shared prefill queue.
 
         `kv_engine_id` decoded the trajectory's last turn (it holds all of its context),
         `prefix_engine_id` prefilled it (it holds the context up to that turn's output; with
         write-back, all of it). With `now_s`, an engine whose last heartbeat is older than the
-        lease is not a candidate until it reports again."""
+        lease is not a candidate until it reports again. `prompt_key`: a first turn's prompt
+        identity, shared by its siblings (empty: none shared)."""
         self.turns += 1
+        prompt_key = prompt_key if context_tokens == 0 else ""
+        prompt_home = self.prompt_homes.get(prompt_key, "") if prompt_key else ""
         ready = {e: s for e, s in self.engines.items() if not s.switching and not self._expired(s, now_s)}
         local = self.local_prefill_max_tokens > 0 and not self._stalls_lockstep(ready.get(kv_engine_id))
         # without write-back, a prefill engine would recompute the last output: an append small
@@ -153,18 +176,31 @@ class Router:
         least = min(candidates, key=lambda e: (candidates[e].load_tokens, e))
         homes = (kv_engine_id, prefix_engine_id) if short else (prefix_engine_id, kv_engine_id)
         miss_tokens = context_tokens * self.miss_share  # what sending it elsewhere costs (recompute or store load)
+        home_tokens, away_tokens = new_tokens, round(miss_tokens) + new_tokens  # what each adds to the engine's load
+        if prompt_home:  # a sibling's prompt: its KV is likely cached where that sibling went
+            homes, miss_tokens, home_tokens, away_tokens = (prompt_home,), new_tokens, 0, new_tokens
         home_id = next((e for e in homes if e in candidates and self._stays_home(candidates[e], candidates[least], miss_tokens)), "")
         if home_id:
             chosen = home_id
-            if short and home_id == kv_engine_id:
+            if prompt_home:
+                self.routed_prompt_home += 1
+            elif short and home_id == kv_engine_id:
                 self.routed_local += 1
             else:
                 self.routed_home += 1
-            candidates[chosen].routed_tokens += new_tokens
+            candidates[chosen].routed_tokens += home_tokens
         else:
             chosen, self.routed_balance = least, self.routed_balance + 1
-            candidates[chosen].routed_tokens += round(miss_tokens) + new_tokens
+            candidates[chosen].routed_tokens += away_tokens
+        if prompt_key:
+            self._remember_prompt(prompt_key, chosen)
         return chosen
+
+    def _remember_prompt(self, prompt_key: str, engine_id: str) -> None:
+        self.prompt_homes[prompt_key] = engine_id
+        self.prompt_homes.move_to_end(prompt_key)
+        while len(self.prompt_homes) > PROMPT_HOMES:
+            self.prompt_homes.popitem(last=False)
 
     def _stalls_lockstep(self, engine: _Engine | None) -> bool:
         """Whether an append on `engine` would hold a full batch of decodes: a decode engine
@@ -201,5 +237,6 @@ class Router:
             "routed_local": self.routed_local,
             "routed_home": self.routed_home,
             "routed_balance": self.routed_balance,
+            "routed_prompt_home": self.routed_prompt_home,
             "routed_around_expired": self.routed_around_expired,
         }

@@ -4,11 +4,20 @@ Parameters and their sources: ``docs/workloads.md``; LN(m, s) is a lognormal wit
 and log-sd s, truncated at the stated caps. Every trajectory gets its own numpy Generator
 seeded from (run seed, trajectory seed), so a run is reproducible whatever the order in
 which environments pick up trajectories.
+
+With shared prompts (`workload.share_prompts`; `plan_trajectory`'s `prompt_seed`) the G
+siblings of a GRPO task get one prompt, as on the real backends: its length is drawn from a
+Generator seeded from (run seed, the task's prompt seed, `PROMPT_TAG`), where the prompt seed
+is a digest of the task id (`task_prompt_seed`), so every sibling draws the same. Each trajectory
+still draws its turn count and a prompt length of its own from its own Generator (the latter
+discarded), so everything after the prompt (per-turn lengths, tool latencies, reward) is the
+draw it gets with prompts not shared: only the prompt length differs between the two.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,6 +217,14 @@ class TrajectoryPlan:
         return float(self.rng.random() < self.profile.solve_rate)
 
 
+PROMPT_TAG = 11  # separates a task's prompt stream from the streams seeded by (run seed, trajectory seed)
+
+
+def task_prompt_seed(task_id: str) -> int:
+    """The prompt seed every sibling of a task shares: a stable digest of its task id."""
+    return zlib.crc32(task_id.encode())
+
+
 def plan_trajectory(
     profile: Profile,
     run_seed: int,
@@ -216,12 +233,18 @@ def plan_trajectory(
     gen_scale: float = 1.0,
     obs_scale: float = 1.0,
     tool_latency_scale: float = 1.0,
+    prompt_seed: int | None = None,
 ) -> TrajectoryPlan:
+    """`prompt_seed` (`task_prompt_seed`): the prompt length is the task's, shared by its
+    siblings; None: the trajectory draws its own."""
     rng = np.random.default_rng([run_seed, trajectory_seed])
     turns = max(1, round(profile.turns.sample(rng)))  # type: ignore[attr-defined]
     if turns_max is not None:
         turns = min(turns, turns_max)
     prompt = max(1, round(profile.prompt_tokens.sample(rng)))  # type: ignore[attr-defined]
+    if prompt_seed is not None:  # the trajectory's own draw above keeps its later draws as they are
+        task_rng = np.random.default_rng([run_seed, prompt_seed, PROMPT_TAG])
+        prompt = max(1, round(profile.prompt_tokens.sample(task_rng)))  # type: ignore[attr-defined]
     return TrajectoryPlan(profile, rng, turns, prompt, gen_scale, obs_scale, tool_latency_scale)
 
 

@@ -83,6 +83,9 @@ class CostPreset:
     a2a_ll_s: float = 0.0  # low-latency all-to-all of a graph step that normal mode replaces (DeepSeek: inside c0)
     a2a_normal_fixed_s: float = 0.0  # normal-mode all-to-all: fixed cost per step, all MoE layers
     a2a_normal_s_per_token: float = 0.0  # ... per token of the busiest rank
+    # DP attention + EP: share of t_tok / t_dec that is routed-expert work, run by the GPUs that
+    # host the experts a token is sent to, so spread over the group (`_rank_s`); 0 otherwise
+    routed_share: float = 0.0
 
     def weight_s(self, new_tokens: int) -> float:
         if self.t_w_moe_s == 0.0:
@@ -190,6 +193,7 @@ def derive(gpu_name: str, model_name: str, fp8: bool = False, layout: Layout = L
         gpus=layout.gpus,
         model=model_name,
         ep=layout.ep,
+        routed_share=model.routed_share if moe and layout.ep > 1 and layout.dp > 1 else 0.0,
     )
 
 
@@ -223,6 +227,9 @@ def _deepseek_ep(gpu: hw.GpuSpec, name: str, layout: Layout) -> CostPreset:
         gpus=layout.gpus,
         model="deepseek-v3",
         ep=layout.ep,
+        # the measured t_tok is a per-GPU figure with every rank prefilling alike, so it already
+        # holds the spread: equal loads price as measured, a lone rank's prefill less (`_rank_s`)
+        routed_share=model.routed_share if layout.dp > 1 else 0.0,
     )
 
 
@@ -288,18 +295,40 @@ def with_lockstep(preset: CostPreset, dp_sync: str, mixed_chunk: bool = False, e
     )
 
 
-def _rank_s(preset: CostPreset, load: RankLoad, weight_s: float, decode_factor: float = 1.0, gemm_tokens: int = 0) -> float:
+def _rank_s(
+    preset: CostPreset,
+    load: RankLoad,
+    weight_s: float,
+    decode_factor: float = 1.0,
+    gemm_tokens: int = 0,
+    spread: float = 0.0,
+    mean_tok: float = 0.0,
+    mean_dec: float = 0.0,
+) -> float:
     """One rank's forward. `decode_factor` scales its decode work (eager or piecewise instead of
-    a replayed graph); `gemm_tokens` pads its GEMMs to that many tokens (vLLM DP padding)."""
+    a replayed graph); `gemm_tokens` pads its GEMMs to that many tokens (vLLM DP padding).
+
+    `spread` (the preset's routed share under DP attention + EP, else 0): that share of the GEMM
+    work is routed-expert work, which runs where the experts are, evenly over the ranks; the rank
+    pays it for the group's mean GEMM tokens (`mean_tok` prefill and padding tokens, `mean_dec`
+    decode sequences per rank) and the rest for its own. Equal loads give the unspread cost."""
     prefill_tokens = sum(n for n, _ in load.prefill_chunks)
-    gemm = preset.t_tok_s * prefill_tokens + preset.t_dec_s * load.decode_seqs
-    if gemm_tokens > load.new_tokens:
-        gemm += preset.t_tok_s * (gemm_tokens - load.new_tokens)
+    pad = gemm_tokens - load.new_tokens if gemm_tokens > load.new_tokens else 0
+    if spread:
+        tok = prefill_tokens + pad
+        tok += spread * (mean_tok - tok)
+        dec = load.decode_seqs + spread * (mean_dec - load.decode_seqs)
+        gemm = preset.t_tok_s * tok + preset.t_dec_s * dec
+    else:
+        dec = load.decode_seqs
+        gemm = preset.t_tok_s * prefill_tokens + preset.t_dec_s * dec
+        if pad:
+            gemm += preset.t_tok_s * pad
     attn = sum(n * (p + n / 2.0) for n, p in load.prefill_chunks)
     decode_s = preset.c_kv_s * load.decode_context_tokens + preset.c_seq_s * load.decode_seqs
     t = max(weight_s, gemm) + preset.c_attn_s * attn + decode_s
     if decode_factor != 1.0 and load.decode_seqs:  # the decode-only forward this rank would run, slowed
-        t += (decode_factor - 1.0) * (max(weight_s, preset.t_dec_s * load.decode_seqs) + decode_s)
+        t += (decode_factor - 1.0) * (max(weight_s, preset.t_dec_s * dec) + decode_s)
     return t
 
 
@@ -313,26 +342,43 @@ def group_iteration_s(preset: CostPreset, ranks: Sequence[RankLoad]) -> float:
     * "vllm": if any rank's batch exceeds the graph capture size every rank runs eager, else a
       mixed step runs every rank piecewise, padded to the largest rank's tokens;
     * "ideal": ranks only wait for the slowest.
+
+    Under DP attention + EP the routed-expert share of every rank's GEMM work is spread over
+    the group (`_rank_s`): ranks absent from `ranks` count as idle.
     """
     new_tokens = sum(r.new_tokens for r in ranks)
     if new_tokens == 0:
         return 0.0
     weight_s = preset.weight_s(new_tokens)
-    a2a_s = preset.a2a_latency_s + preset.a2a_s_per_token * new_tokens if preset.dp_ranks > 1 else 0.0
-    mode = preset.dp_sync if preset.dp_ranks > 1 else "ideal"
+    dp = preset.dp_ranks
+    a2a_s = preset.a2a_latency_s + preset.a2a_s_per_token * new_tokens if dp > 1 else 0.0
+    mode = preset.dp_sync if dp > 1 else "ideal"
     mixed = mode != "ideal" and any(r.prefill_chunks for r in ranks)
+    # Routed experts: a token's top-k experts sit on the EP GPUs (ep = dp x tp in every preset),
+    # each rank's tp GPUs hosting ep / dp of them, so the group's routed work lands evenly on
+    # the dp ranks. Were ep < dp x tp, replicated experts would spread it the same way.
+    spread = preset.routed_share if dp > 1 else 0.0
+    mean_tok = mean_dec = 0.0
+    if spread:
+        decode_seqs = sum(r.decode_seqs for r in ranks)
+        mean_tok, mean_dec = (new_tokens - decode_seqs) / dp, decode_seqs / dp
     if mode == "ideal" or not mixed and mode == "sglang":
-        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, 1.0, 0, spread, mean_tok, mean_dec) for r in ranks)
     if mode == "sglang":  # some rank extends: all eager, normal-mode all-to-all
         busiest = max(r.new_tokens for r in ranks)
         a2a_s = preset.a2a_normal_fixed_s + preset.a2a_normal_s_per_token * busiest - preset.a2a_ll_s
-        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.eager_factor) for r in ranks)
+        f = preset.eager_factor
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, f, 0, spread, mean_tok, mean_dec) for r in ranks)
     busiest = max(r.new_tokens for r in ranks)  # vllm
     if busiest > preset.graph_capture_tokens:
-        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.eager_factor) for r in ranks)
+        f = preset.eager_factor
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, f, 0, spread, mean_tok, mean_dec) for r in ranks)
     if not mixed:
-        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s) for r in ranks)
-    return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, preset.piecewise_factor, busiest) for r in ranks)
+        return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, 1.0, 0, spread, mean_tok, mean_dec) for r in ranks)
+    if spread:  # every listed rank is padded to the busiest: the padding tokens are routed too
+        mean_tok += (len(ranks) * busiest - new_tokens) / dp
+    f = preset.piecewise_factor
+    return preset.c0_s + a2a_s + max(_rank_s(preset, r, weight_s, f, busiest, spread, mean_tok, mean_dec) for r in ranks)
 
 
 def iteration_s(

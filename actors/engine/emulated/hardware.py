@@ -83,6 +83,15 @@ class ModelSpec:
     moe_touch_share: float = 0.0  # top_k / n_experts
     lm_head_bytes_bf16: float = 0.0  # stays BF16 in FP8 checkpoints (quantisation config "ignore": lm_head)
     moe_layers: int = 0  # layers with a fused-MoE kernel
+    # MoE: routed-expert params touched per token (layers x top_k x 3 x hidden x moe_intermediate);
+    # the rest of active_nonembed_params (attention, shared expert, dense layers, router) is "dense".
+    routed_active_params: float = 0.0
+
+    @property
+    def routed_share(self) -> float:
+        """Routed experts' share of the per-token GEMM work (docs/calibration.md, "Routed experts
+        under expert parallelism"): what expert parallelism spreads over the EP group."""
+        return self.routed_active_params / self.active_nonembed_params
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -95,6 +104,8 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen3-30B-A3B: 48 layers, 32 q heads x 128, 4 KV heads -> 98,304 B/token; 128 experts of
     # 3 x 2048 x 768, top-8, every layer MoE. Always-read bytes 2.41 GB (attention 0.91e9 params,
     # LM head, router, norms), expert bytes 57.96 GB; active 2.73e9 non-embedding params per token.
+    # Routed active per token: 48 layers x top-8 x 3 x 2048 x 768 (moe_intermediate_size, no shared
+    # expert) = 1.812e9; the rest is attention 0.906e9 + router 0.013e9 -> routed share 0.664.
     "qwen3-30b-a3b": ModelSpec(
         "qwen3-30b-a3b",
         48,
@@ -109,11 +120,19 @@ MODELS: dict[str, ModelSpec] = {
         moe_touch_share=8 / 128,
         lm_head_bytes_bf16=0.622e9,
         moe_layers=48,
+        routed_active_params=1.812e9,
     ),
     # DeepSeek-V3 (MLA): 61 layers, latent 512 + rope 64 -> 70,272 B/token BF16; 128 heads, q/k head
     # dim 192 (128 nope + 64 rope). 671 B params, FP8 weights. Served with DP attention + EP: its
     # per-GPU throughput constants are measured figures (see DEEPSEEK_V3_EP below).
-    "deepseek-v3": ModelSpec("deepseek-v3", 61, 128, 192, 7168, 70_272, 1342e9, 37e9),
+    # Active non-embedding params per token, hidden 7168: MLA attention 61 x (7168 x 1536 +
+    # 1536 x 128 x 192 + 7168 x 576 + 512 x 128 x 256 + 128 x 128 x 7168) = 11.41e9; 3 dense MLP
+    # layers 3 x 3 x 7168 x 18432 = 1.19e9; 58 MoE layers (first_k_dense_replace 3): shared expert
+    # 58 x 3 x 7168 x 2048 = 2.55e9, router 58 x 7168 x 256 = 0.11e9, routed top-8 of 256
+    # 58 x 8 x 3 x 7168 x 2048 (moe_intermediate_size) = 20.43e9 -> 35.70e9 (+ LM head 0.93e9 =
+    # 36.6e9, DeepSeek's README_WEIGHTS.md; + input embedding 0.93e9 = the model card's "37B
+    # activated"). Routed share 20.43 / 35.70 = 0.572.
+    "deepseek-v3": ModelSpec("deepseek-v3", 61, 128, 192, 7168, 70_272, 1342e9, 35.70e9, routed_active_params=20.43e9),
     # Validation-only models (runners/calibration.py VALIDATION), no preset:
     # Llama-3.1-8B: 32 layers, 32 q heads x 128, 8 KV heads -> 131,072 B/token; hidden 4096, FFN 14336,
     # vocab 128,256 untied: 6.98e9 non-embedding params, 15.01 GB read per step, LM head 1.05 GB.
@@ -123,7 +142,7 @@ MODELS: dict[str, ModelSpec] = {
     "llama-3-70b": ModelSpec("llama-3-70b", 80, 64, 128, 8192, 327_680, 139.0e9, 68.45e9, lm_head_bytes_bf16=2.10e9),
     # Mixtral-8x7B: 32 layers, 32 q heads x 128, 8 KV heads -> 131,072 B/token; 8 experts of
     # 3 x 4096 x 14336, top-2: always-read 2.95 GB (attention 1.34e9 params + LM head), experts 90.2 GB;
-    # active 12.62e9 non-embedding params per token.
+    # active 12.62e9 non-embedding params per token, of which routed 32 x 2 x 3 x 4096 x 14336 = 11.27e9.
     "mixtral-8x7b": ModelSpec(
         "mixtral-8x7b",
         32,
@@ -138,6 +157,7 @@ MODELS: dict[str, ModelSpec] = {
         moe_touch_share=2 / 8,
         lm_head_bytes_bf16=0.262e9,
         moe_layers=32,
+        routed_active_params=11.27e9,
     ),
 }
 
