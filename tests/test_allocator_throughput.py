@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.loads import relocation_s
 from actors.allocator.policy import Split
@@ -288,8 +290,8 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
     histories and the row lost 2.9%. With the turns counted, 2:6 is rated at the histories
     its prefill pools cannot keep (all but what its six decode engines hold while they
     decode) and falls below colocation; without them, one q for all, as before. (That
-    row gave every DP rank the whole prefill chunk.)"""
-    engines = moe_dp4(dp_chunk="full")
+    row gave every DP rank the whole prefill chunk and no engine a host KV tier.)"""
+    engines = moe_dp4(dp_chunk="full", host_kv_tier=False)
     demand = Demand(
         50_979.0,
         1_474.0,
@@ -339,3 +341,15 @@ def test_a_fleet_with_fewer_live_trajectories_than_its_pools_hold_decodes_them_a
     edge = max(split_rate(cap, 8, p, 0.73, 1.0) for p in (1, 2)) / colocated_rate(cap, 8, 0.73)
     tail_edge = max(split_rate(cap, 8, p, 0.73, 1.0, live=160.0) for p in (1, 2)) / tail
     assert 1.0 < tail_edge < edge - 0.04
+
+
+def test_a_host_tier_keeps_histories_in_host_memory_too():
+    """With a host KV tier every history pool is 1 + host_kv_ratio times its GPU pool, so a
+    split whose prefill side cannot keep every live history on the GPU misses fewer."""
+    with_tier = CapacityModel(moe_dp4(host_kv_ratio=2.0), 2.0).at(16_000)
+    without = CapacityModel(moe_dp4(host_kv_tier=False), 2.0).at(16_000)
+    assert with_tier.history_kv_scale == 3.0 and without.history_kv_scale == 1.0
+    for p in (0, 2):
+        assert history_pools_tokens(with_tier, 8, p) == pytest.approx(3.0 * history_pools_tokens(without, 8, p))
+    kept = 1.5 * history_pools_tokens(without, 8, 2)
+    assert history_miss_share(kept, history_pools_tokens(with_tier, 8, 2)) < history_miss_share(kept, history_pools_tokens(without, 8, 2))

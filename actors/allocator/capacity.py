@@ -28,6 +28,10 @@ class Capacity:
     colocated_prefill_s_per_token: float = 0.0
     colocated_decode_full_seqs: int = 1
     colocated_kv_tokens: int = 1
+    # where histories wait between turns: the GPU pool, and with a host tier
+    # (`engines.host_kv_tier`) host memory `host_kv_ratio` times its size, loaded back rather
+    # than recomputed
+    history_kv_scale: float = 1.0
     # extra decode time per unit of decode load while some rank of a colocated engine
     # prefills: a DP-attention group runs every mixed step eagerly (eager factor - 1); 0
     # where the colocated layout has one rank (no lockstep)
@@ -174,6 +178,7 @@ class CapacityModel:
                 colocated, context_tokens, self.slack, colocated_cap, self.slack * decode_step_s(decode, decode.dp_ranks, context_tokens)
             ),
             colocated_kv_tokens=colocated.kv_capacity_tokens,
+            history_kv_scale=1.0 + (engines.host_kv_ratio if engines.host_kv_tier else 0.0),
             colocated_mixed_penalty=colocated.eager_factor - 1.0 if lockstep else 0.0,
             colocated_lockstep_ranks=colocated.dp_ranks if lockstep and colocated.dp_sync == "sglang" else 1,
             decode_holds_histories=engines.kv_writeback == "none",

@@ -122,10 +122,10 @@ def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
     the pool occupancy loads are sized to): colocated, every engine's pool; a split with
     write-back to its prefill side, its prefill engines' pools; otherwise every engine's (no
     write-back: the decode engines keep the histories they decoded; a store tier keeps them
-    for any engine)."""
+    for any engine). A host tier scales each pool by `history_kv_scale`."""
     if prefill_engines < 1 or not cap.histories_on_prefill:
-        return KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens
-    return KV_HIGH_WATERMARK * prefill_engines * cap.prefill_kv_tokens
+        return KV_HIGH_WATERMARK * n * cap.colocated_kv_tokens * cap.history_kv_scale
+    return KV_HIGH_WATERMARK * prefill_engines * cap.prefill_kv_tokens * cap.history_kv_scale
 
 
 def kept_histories_tokens(cap: Capacity, n: int, prefill_engines: int, live_history_tokens: float, decoding_tokens: float) -> float:
