@@ -105,7 +105,7 @@ class EngineSection(_Section):
     # it loads at the next iteration boundary and recomputes its in-flight turns' KV (tokens so
     # far kept) on the new weights (docs/async.md)
     inflight_on_update: Literal["finish", "interrupt"] = "finish"
-    # Per-turn placement (policies reactive, prorsa, oracle): a turn appending at most this many
+    # Per-turn placement (every policy but plain colocated): a turn appending at most this many
     # uncached tokens is prefilled where its KV already lives, a decode engine included; a
     # longer one goes to a prefill engine. 0: every prefill on a prefill (or colocated) engine.
     local_prefill_max_tokens: int = 1024
@@ -431,8 +431,11 @@ class Config(_Section):
 
     @property
     def local_prefill_max_tokens(self) -> int:
-        """Per-turn placement's threshold under this policy (0: decode engines never prefill)."""
-        return self.engines.local_prefill_max_tokens if self.run.policy in DYNAMIC_POLICIES else 0
+        """Per-turn placement's threshold under this policy (0: decode engines never prefill):
+        every policy with decode engines, a fixed split's included (an operator of a static
+        PD deployment prefills a short append where its KV lives, as NVIDIA Dynamo's
+        conditional disaggregation does); plain `colocated` has one shared queue."""
+        return 0 if self.run.policy == "colocated" else self.engines.local_prefill_max_tokens
 
     @property
     def runs_allocator(self) -> bool:

@@ -67,4 +67,5 @@ def expects_pd_turns(config: Config) -> bool | None:
     """Which turns a run's log should show: PD (True), colocated (False) or either (None)."""
     if config.runs_allocator:  # roles change during the run
         return None
-    return Role.PREFILL in initial_roles(config).values()
+    split = Role.PREFILL in initial_roles(config).values()
+    return None if split and config.local_prefill_max_tokens > 0 else split  # a split's short appends stay local

@@ -217,6 +217,7 @@ _WORKLOADS = (
 _LOCKSTEP = ("deepseek", "moe")
 _MOE_FLEETS = ("moe", "moe-stage", "deepseek")
 _ABLATIONS = (
+    *_rows(("moe",), "default"),  # the defaults at the rows' concurrency (deepseek's and moe-stage's are in the sweep)
     *_rows(_LOCKSTEP, "dp_sync=ideal", {"dp_sync": "ideal"}),
     *_rows(_LOCKSTEP, "prefill_delayer=on", {"prefill_delayer": True}),
     *_rows(_MOE_FLEETS, "host_kv_tier=off", {"host_kv_tier": False}),

@@ -26,6 +26,7 @@ ack_wait_wall_s = {ack_wait}
 [engines]
 count = 2
 prefill_engines = 1
+local_prefill_max_tokens = 0  # under a split every turn crosses engines: the hand-off paths these tests check
 
 [environments]
 count = 1

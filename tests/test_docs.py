@@ -34,7 +34,7 @@ def _table_cells(text: str) -> list[str]:
 def test_the_readme_is_a_short_front_door_with_its_results():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 150, "README.md is over 150 lines: move detail into docs/"
-    assert "## Results" in text and "vs colocated-sticky" in text and "python -m runners.bench rollout" in text
+    assert "## Results" in text and "vs colocated-best" in text and "python -m runners.bench rollout" in text
     long = [
         c
         for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -91,7 +91,7 @@ def test_small_run_finishes_every_trajectory_and_logs_every_transition(tmp_path:
     assert events["event_id"].n_unique() == events.height
     finished = set(events.filter(pl.col("kind") == "finished")["trajectory_id"])
     assert len(finished) == summary["trajectories_finished"]
-    disaggregated = policy.startswith("static")
+    disaggregated = policy.startswith("static")  # the tiny config keeps every turn of a split crossing engines
     assert incomplete_trajectories(events, finished, disaggregated) == {}
     assert summary["incomplete_trajectories"] == 0
     per_kind = dict(events["kind"].value_counts().iter_rows())

@@ -230,6 +230,7 @@ count = 2
 backend = "vllm"
 prefill_engines = 1
 kv_writeback = "none"
+local_prefill_max_tokens = 0
 [environments]
 count = 1
 [model]

@@ -25,6 +25,7 @@ ack_wait_wall_s = 30.0
 count = 2
 backend = "torch"
 prefill_engines = 1
+local_prefill_max_tokens = 0  # under a split every turn crosses engines: the hand-off paths these tests check
 kv_ttl_s = {kv_ttl_s}
 kv_writeback = "{kv_writeback}"
 admission = "{admission}"

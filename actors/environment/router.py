@@ -2,7 +2,7 @@
 
 Every policy but plain `colocated` routes a turn to an engine's own queue:
 
-* a short append (dynamic policies only: at most `local_prefill_max_tokens` new tokens, or
+* a short append (every policy with decode engines: at most `local_prefill_max_tokens` new tokens, or
   any append smaller than half its context, which a prefill engine would have to recompute)
   is prefilled where the KV of the trajectory's whole context lives — the engine that
   decoded its last turn, a decode engine included — so only the append is computed and
