@@ -164,10 +164,21 @@ class EngineSection(_Section):
 class EnvironmentSection(_Section):
     count: int = 2
     max_live_trajectories: int = 256  # trajectories one environment runs at once
+    # real backends (docs/environments.md): the class that runs every trajectory,
+    # "package.module:Class"; empty: each family's built-in one (calc, code)
+    entrypoint: str = ""
+    options: dict[str, object] = msgspec.field(default_factory=dict)  # keyword arguments of its constructor
+    step_timeout_wall_s: float = 30.0  # a reset or step that takes longer ends its trajectory
+    max_turns: int = 16  # a trajectory still going after this many turns ends, truncated
+    max_output_tokens: int = 256  # per turn, where the class sets no `max_output_tokens`
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.max_live_trajectories < 1:
             raise ValueError("environments.count and max_live_trajectories must be >= 1")
+        if self.step_timeout_wall_s <= 0 or self.max_turns < 1 or self.max_output_tokens < 1:
+            raise ValueError("environments.step_timeout_wall_s must be > 0, max_turns and max_output_tokens >= 1")
+        if self.entrypoint and not re.fullmatch(r"[\w.]+:\w+", self.entrypoint):
+            raise ValueError(f"environments.entrypoint {self.entrypoint!r} is not 'package.module:Class'")
 
 
 class TrainerSection(_Section):

@@ -30,6 +30,7 @@ class EventKind(enum.StrEnum):
     FINISHED = "finished"
     REPREFILL = "reprefill"  # a turn sent back to prefill (lost or invalid KV, dead engine)
     DECODE_MIGRATED = "decode_migrated"  # a decode moved mid-turn to another engine (a role switch's hand-off)
+    ENV_ERROR = "env_error"  # the environment's code failed the trajectory (detail: reason: message); finished follows
     # KV write-back (engines.kv_writeback): a finished turn's KV landed on the prefill engine
     # that holds the trajectory's prefix, or in the shared store tier; kv_bytes, duration_s
     KV_WRITEBACK_DONE = "kv_writeback_done"

@@ -30,6 +30,7 @@ class FinishedTrajectory(msgspec.Struct, frozen=True, kw_only=True):
     turns: int
     reward: float
     truncated: bool = False  # ended by the context cap, not by the agent
+    error: str = ""  # real backends: why the environment's code ended it (reward 0), empty if it did not fail
     prompt_tokens: int
     generated_tokens: int  # summed over turns
     observation_tokens: int  # summed over turns

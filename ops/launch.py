@@ -129,10 +129,17 @@ def select_actors(specs: list[ActorSpec], groups: list[str]) -> list[ActorSpec]:
 
 
 def check_real_tasks(config: Config) -> None:
-    """The real-compute backends (torch, vllm) run real tasks only (actors/environment/tasks.py);
-    vllm's tiny model (built when no checkpoint is given) needs a head size vLLM's CPU attention
-    takes, and its [vllm] section what this host has (`check_config`: NIXL, TP)."""
+    """The real-compute backends (torch, vllm) run environments (actors/environment/envs/, or
+    `environments.entrypoint`, imported here so a bad one fails before anything starts); the
+    emulated backend runs modelled families only. vllm's tiny model (built when no checkpoint
+    is given) needs a head size vLLM's CPU attention takes, and its [vllm] section what this
+    host has (`check_config`: NIXL, TP)."""
+    entrypoint = config.environments.entrypoint
     if config.engines.backend not in ("torch", "vllm"):
+        if entrypoint:
+            raise ConfigError(
+                f"environments.entrypoint runs on real backends (torch, vllm), not engines.backend = '{config.engines.backend}'"
+            )
         return
     mc = config.model
     if config.engines.backend == "vllm" and not (mc.checkpoint or config.vllm.model) and mc.hidden_size // mc.heads < 32:
@@ -143,15 +150,22 @@ def check_real_tasks(config: Config) -> None:
         from actors.engine.vllm.engine import check_config
 
         check_config(config.vllm)
-    from actors.environment.tasks import TASKS
+    from actors.environment.envs import BUILTIN, entrypoint_for
+    from actors.environment.interface import EntrypointError, load_class
 
     wl = config.workload
     families = {f for mix in [wl.mix, *(p.mix for p in wl.phases)] for f, share in mix.items() if share > 0}
-    if families - set(TASKS):
+    unknown = sorted(f for f in families if entrypoint_for(f, entrypoint) is None)
+    if unknown:
         raise ConfigError(
-            f"engines.backend = '{config.engines.backend}' runs real tasks only: {', '.join(sorted(families - set(TASKS)))} "
-            f"in workload.mix is modelled (real tasks: {', '.join(sorted(TASKS))})"
+            f"engines.backend = '{config.engines.backend}' runs environments: {', '.join(unknown)} in workload.mix is modelled "
+            f"(built-in environments: {', '.join(sorted(BUILTIN))}; or set environments.entrypoint)"
         )
+    for target in sorted({entrypoint_for(f, entrypoint) for f in families}):
+        try:
+            load_class(target)
+        except EntrypointError as e:
+            raise ConfigError(str(e)) from None
 
 
 def prepare_model(config: Config, out: Path) -> Config:

@@ -23,7 +23,7 @@ from actors.engine.torch.model import (
     tune_allocator,
     weights_to_bytes,
 )
-from actors.environment.tasks import TASKS
+from actors.environment.envs.calc import CalcTask
 from actors.trainer.grpo import group_advantages, grpo_update, token_logprobs
 from bus_schemas.codec import decode, encode
 from bus_schemas.train import FinishedTrajectory
@@ -124,7 +124,7 @@ def test_weights_round_trip_through_bytes(checkpoint):
 
 
 def test_calc_task_rewards_digits_and_its_tool_sums_them():
-    task = TASKS["calc"]
+    task = CalcTask()
     assert task.tool("a1b2c3") == "\n= 1+2+3 = 6\n"
     assert task.reward(["12ab", "x9"]) == pytest.approx(3 / 48)
     assert task.prompt(0, 5) == task.prompt(0, 5) != task.prompt(0, 6)

@@ -161,7 +161,7 @@ PROFILES: dict[str, Profile] = {
         context_cap_tokens=65536,
         solve_rate=0.4,
     ),
-    # The learnable `calc` task of `tasks.py` (real backends run it for real); its modelled
+    # The learnable `calc` task of `envs/calc.py` (real backends run it for real); its modelled
     # shape for emulated runs: 2 turns of <= 24 tokens, a ~1 ms calculator tool.
     "calc": Profile(
         name="calc",
@@ -172,7 +172,21 @@ PROFILES: dict[str, Profile] = {
         tool_latency_s=LogNormal(0.001, 0.5, 0, 0.1),
         context_cap_tokens=4096,
         solve_rate=0.1,
-        source="actors/environment/tasks.py",
+        source="actors/environment/envs/calc.py",
+    ),
+    # The sandboxed `code` family of `envs/code.py` (real backends run the code); its modelled
+    # shape: 1-3 turns (the last passes every test or is the third), prompts of ~110 bytes,
+    # replies up to 256 tokens, test reports up to 400 bytes, a ~50 ms sandboxed run.
+    "code": Profile(
+        name="code",
+        turns=Categorical((1, 2, 3), (0.2, 0.2, 0.6)),
+        prompt_tokens=Uniform(90, 140),
+        gen_tokens=Uniform(1, 256),
+        obs_tokens=Uniform(40, 400),
+        tool_latency_s=LogNormal(0.05, 0.5, 0, 10),
+        context_cap_tokens=2048,
+        solve_rate=0.05,
+        source="actors/environment/envs/code.py",
     ),
 }
 

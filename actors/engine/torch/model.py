@@ -80,6 +80,25 @@ class HfTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def render_chat(self, messages: list[dict], continuation: bool) -> list[int]:
+        """Chat messages in the checkpoint's chat template, the assistant's turn opened after
+        them. `continuation`: as the next messages of a conversation already under way: what
+        the template adds to a two-message conversation, without that conversation (so no
+        second system preamble)."""
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("the checkpoint's tokenizer has no chat template")
+
+        def render(conversation: list[dict], open_turn: bool) -> str:
+            return self._tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=open_turn)
+
+        if not continuation:
+            return self.encode(render(messages, True))
+        before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        head, full = render(before, False), render(before + messages, True)
+        if not full.startswith(head):
+            raise ValueError("the chat template renders a conversation's next messages by rewriting its earlier ones")
+        return self.encode(full[len(head) :])
+
     def spec(self) -> dict[str, str]:
         vocab = json.dumps(sorted(self._tok.get_vocab().items()), separators=(",", ":"))
         return {
