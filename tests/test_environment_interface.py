@@ -135,3 +135,42 @@ def test_launch_checks_the_environments_before_anything_starts(tmp_path: Path):
         check_real_tasks(load_config(_torch_config(tmp_path, 'entrypoint = "tests.user_envs:Gone"')))
     with pytest.raises(ConfigError, match="runs on real backends"):
         check_real_tasks(load_config(_torch_config(tmp_path, 'entrypoint = "tests.user_envs:Misbehaving"', backend="emulated")))
+
+
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _hf_tokenizer(path: Path, template: str | None):
+    """A small byte-level BPE tokenizer saved as a checkpoint's tokenizer, with `template`."""
+    tokenizers = pytest.importorskip("tokenizers", reason="transformers' tokenizers come with the dev extra")
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.torch.model import HfTokenizer
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"], initial_alphabet=alphabet)
+    bpe.train_from_iterator(["hello tool result"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+    fast.chat_template = template
+    fast.save_pretrained(str(path))
+    return HfTokenizer(path)
+
+
+def test_chat_messages_render_with_the_checkpoints_template_and_a_later_turn_without_its_preamble(tmp_path: Path):
+    tok = _hf_tokenizer(tmp_path / "tok", CHATML)
+    first = tok.render_chat([{"role": "user", "content": "hello"}], continuation=False)
+    later = tok.render_chat([{"role": "tool", "content": "result"}], continuation=True)
+    assert tok._tok.decode(first) == (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok._tok.decode(later) == "<|im_start|>tool\nresult<|im_end|>\n<|im_start|>assistant\n"
+    bare = _hf_tokenizer(tmp_path / "bare", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.render_chat([{"role": "user", "content": "hello"}], continuation=False)
