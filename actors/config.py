@@ -136,9 +136,10 @@ class Config(schema.Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # every family has a modelled profile, but where a user's environment runs every
-        # trajectory (real backends, environments.entrypoint): there a family is only a name
-        user_families = self.environments.entrypoint and self.engines.backend != "emulated"
+        # every family has a modelled profile, but where a user's environment or an outside
+        # harness runs every trajectory (real backends, environments.entrypoint or the
+        # gateway): there a family is only a name
+        user_families = (self.environments.entrypoint or self.gateway.enabled) and self.engines.backend != "emulated"
         for family in () if user_families else self.workload.families():
             if family not in PROFILES:
                 raise ValueError(f"unknown task family {family!r} (known: {_known(PROFILES)})")

@@ -418,6 +418,27 @@ class BusSection(_Section):
             raise ValueError(f"bus.replicas must be 1 to 5 (JetStream's limit), not {self.replicas}")
 
 
+class GatewaySection(_Section):
+    """The OpenAI-compatible endpoint (docs/gateway.md): each environment actor serves it, the
+    i-th on `port` + i, and outside agent harnesses drive the trajectories the trainer assigns."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""  # what /v1/models lists; empty: the run's name
+    claim_wait_wall_s: float = 30.0  # longest a GET /v1/prorsa/sessions/next waits for a session
+    reply_timeout_wall_s: float = 600.0  # longest a chat request waits for the model's reply
+    # a session whose harness sends nothing (claim, next request or end) for this long ends,
+    # reward 0 (an env_timeouts error); environments.step_timeout_wall_s does not apply
+    session_idle_wall_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"gateway.port must be 0-65535, not {self.port}")
+        if min(self.claim_wait_wall_s, self.reply_timeout_wall_s, self.session_idle_wall_s) <= 0:
+            raise ValueError("gateway.claim_wait_wall_s, reply_timeout_wall_s and session_idle_wall_s must be > 0")
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
@@ -429,10 +450,13 @@ class Config(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     vllm: VllmSection = msgspec.field(default_factory=VllmSection)
     allocator: AllocatorSection = msgspec.field(default_factory=AllocatorSection)
+    gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
 
     def __post_init__(self) -> None:
         if self.run.policy == "oracle" and not self.allocator.oracle_log:
             raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
+        if self.gateway.enabled and self.engines.backend == "emulated":
+            raise ValueError("gateway.enabled serves real engines (engines.backend = 'torch' or 'vllm'), not emulated ones")
 
     @property
     def affinity_routing(self) -> bool:

@@ -246,13 +246,43 @@ def undecodable_line(record: RunRecord) -> str:
     return f"{sum(record.undecodable.values())} undecodable message(s) left out of the export ({by_subject})"
 
 
+def trajectories_frame(finished: list[FinishedTrajectory]) -> pl.DataFrame:
+    """Real backends: every finished trajectory as the trainer got it (its token ids, loss
+    mask, rollout logprobs, reward, and the environment's error where it failed); empty for
+    modelled trajectories, which carry no tokens."""
+    rows = [
+        {
+            "trajectory_id": f.trajectory_id,
+            "task_id": f.task_id,
+            "task_family": f.task_family,
+            "step": f.step,
+            "env_id": f.env_id,
+            "turns": f.turns,
+            "reward": f.reward,
+            "truncated": f.truncated,
+            "error": f.error,
+            "policy_versions": f.policy_versions,
+            "token_ids": f.token_ids,
+            "generated_mask": f.generated_mask,
+            "logprobs": f.logprobs,
+        }
+        for f in finished
+        if f.token_ids
+    ]
+    return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+
 def write_run(record: RunRecord, out: Path, config, status: str, wall_s: float, console=None) -> dict:
-    """Write DIR/events.parquet and DIR/summary.json for a finished (or stopped) run."""
+    """Write DIR/events.parquet and DIR/summary.json for a finished (or stopped) run, and on
+    real backends DIR/trajectories.parquet."""
     from actors.config import policy_label
     from ops.checks import expects_pd_turns, incomplete_trajectories
 
     events = events_frame(record.events)
     events.write_parquet(out / "events.parquet")
+    trajectories = trajectories_frame(record.finished)
+    if trajectories.height:
+        trajectories.write_parquet(out / "trajectories.parquet")
     summary = summarize(
         record,
         events,

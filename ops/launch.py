@@ -83,17 +83,23 @@ class ActorSpec:
     kind: str  # engine | environment | trainer
     actor_id: str
     extra: tuple[str, ...] = ()
+    module: str = ""  # the process's `python -m` module; empty: actors.<kind>
 
     @property
     def name(self) -> str:
         return f"{self.kind} {self.actor_id}"
+
+    @property
+    def main_module(self) -> str:
+        return self.module or f"actors.{self.kind}"
 
 
 def actor_specs(config: Config) -> list[ActorSpec]:
     roles = initial_roles(config)
     check_real_tasks(config)
     specs = [ActorSpec("engine", e, ("--role", roles[e].value)) for e in config.engine_ids()]
-    specs += [ActorSpec("environment", env) for env in config.env_ids()]
+    env_module = "ops.gateway" if config.gateway.enabled else ""  # each environment serves the OpenAI API
+    specs += [ActorSpec("environment", env, module=env_module) for env in config.env_ids()]
     if config.runs_forecaster:
         specs.append(ActorSpec("forecaster", "forecaster"))
     if config.runs_allocator:
@@ -135,6 +141,8 @@ def check_real_tasks(config: Config) -> None:
     is given) needs a head size vLLM's CPU attention takes, and its [vllm] section what this
     host has (`check_config`: NIXL, TP)."""
     entrypoint = config.environments.entrypoint
+    if config.gateway.enabled:  # outside harnesses drive every trajectory, whatever its family
+        return
     if config.engines.backend not in ("torch", "vllm"):
         if entrypoint:
             raise ConfigError(
@@ -210,7 +218,7 @@ async def spawn(spec: ActorSpec, config_path: Path, bus: Bus, logs: Path) -> asy
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            f"actors.{spec.kind}",
+            spec.main_module,
             "--config",
             str(config_path),
             "--id",

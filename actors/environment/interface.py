@@ -46,6 +46,7 @@ class Task:
     seed: int  # the task id, hashed (crc32): a task's G samples get one prompt
     sample_index: int  # 0..G-1
     step: int
+    trajectory_id: str = ""  # this rollout's id in the run ("s<step>-k<task>-g<sample>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class ModelOutput:
     text: str
     token_ids: list[int]
     turn: int
+    logprobs: list[float] = field(default_factory=list)  # the sampled tokens' log-probabilities
 
 
 @dataclass(frozen=True, slots=True)

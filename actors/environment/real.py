@@ -74,9 +74,11 @@ class RealEnvironmentActor(EnvironmentActor):
         self.live[a.trajectory_id] = t
         try:
             t.env = self._build(cls)
-            t.max_output_tokens = self._max_output_tokens(t.env)
-            task = Task(a.task_id, a.task_family, self.config.run.seed, zlib.crc32(a.task_id.encode()), a.sample_index, a.step)
+            task = Task(
+                a.task_id, a.task_family, self.config.run.seed, zlib.crc32(a.task_id.encode()), a.sample_index, a.step, a.trajectory_id
+            )
             first = await call_user("reset", self._timeout_s, t.env.reset, task)
+            t.max_output_tokens = self._max_output_tokens(t.env)
             t.new_ids = self._encode(first, first_turn=True)
             if not t.new_ids:
                 raise UserCodeError("env_bad_returns", "reset returned an empty prompt")
@@ -103,7 +105,8 @@ class RealEnvironmentActor(EnvironmentActor):
             raise UserCodeError("env_exceptions", f"{cls.__name__}(**environments.options) raised {type(e).__name__}: {e}") from e
 
     def _max_output_tokens(self, env: Any) -> int:
-        """The class's cap per turn (a positive int), else `environments.max_output_tokens`."""
+        """The class's cap for the next turn (a positive int, read before each turn), else
+        `environments.max_output_tokens`."""
         try:
             cap = getattr(env, "max_output_tokens", None)
         except Exception as e:  # user code (a property that raises)
@@ -121,11 +124,8 @@ class RealEnvironmentActor(EnvironmentActor):
         if isinstance(obs, str):
             return self.tokenizer.encode(obs)
         if obs and isinstance(obs[0], dict):
-            render = getattr(self.tokenizer, "render_chat", None)
-            if render is None:
-                raise UserCodeError("env_bad_returns", "chat messages need a checkpoint with a chat template (model.checkpoint)")
             try:
-                return render(list(obs), continuation=not first_turn)
+                return self.tokenizer.render_chat(list(obs), continuation=not first_turn)
             except ValueError as e:
                 raise UserCodeError("env_bad_returns", f"chat messages: {e}") from e
         return list(obs)
@@ -159,7 +159,7 @@ class RealEnvironmentActor(EnvironmentActor):
         t.logprobs += [0.0] * len(t.new_ids) + list(r.logprobs)
         t.generated_tokens += r.output_tokens
         t.context_tokens = len(t.ids)
-        output = ModelOutput(self.tokenizer.decode(list(r.token_ids)), list(r.token_ids), t.turn)
+        output = ModelOutput(self.tokenizer.decode(list(r.token_ids)), list(r.token_ids), t.turn, list(r.logprobs))
         self.spawn(self._env_step(t, output), f"step-{r.trajectory_id}-{t.turn}")
 
     async def _env_step(self, t: RealTrajectory, output: ModelOutput) -> None:  # the tool call of `actor.py`
@@ -168,6 +168,7 @@ class RealEnvironmentActor(EnvironmentActor):
             result = as_step_result(await call_user("step", self._timeout_s, t.env.step, output))
             t.reward += float(result.reward)
             new_ids = [] if result.done else self._encode(result.observation, first_turn=False)
+            t.max_output_tokens = t.max_output_tokens if result.done else self._max_output_tokens(t.env)
         except UserCodeError as e:
             await self._fail(t, e)
             return

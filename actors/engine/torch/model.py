@@ -52,6 +52,13 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def render_chat(self, messages: list[dict], continuation: bool) -> list[int]:
+        """The tiny model's plain chat format (it has no template of its own): a line
+        "role: content" per message, then "assistant: " opens the model's turn. A
+        continuation starts on a new line, after the model's last output."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.encode("\n" + text if continuation else text)
+
     def spec(self) -> dict[str, str]:
         return {
             "kind": "bytes",
