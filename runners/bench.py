@@ -114,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     bus.add_argument("--switches", type=int, default=200, help="role switches timed")
     bus.add_argument("--engines", type=int, default=64, help="engines whose heartbeats flow meanwhile")
     bus.add_argument("--heartbeat-wall-s", type=float, default=0.05, help="their heartbeat period (a 20x run's)")
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible gateway's time per turn, the turn itself left out")
+    gw.add_argument("--sessions", type=int, default=64)
+    gw.add_argument("--turns", type=int, default=10, help="turns per session (each request carries the whole conversation)")
+    gw.add_argument("--concurrent", type=int, default=1, help="sessions driven at once")
     args = parser.parse_args(argv)
+    if args.bench == "gateway":
+        import asyncio
+
+        from runners.bench_gateway import bench as gateway_bench
+
+        print(json.dumps(asyncio.run(gateway_bench(args.sessions, args.turns, args.concurrent))))
+        return 0
     if args.bench == "bus":
         import asyncio
 

