@@ -24,6 +24,8 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
     no `kv_transfer_done` follows, and the turn then runs on one engine.
     Other kinds are allowed beside them: a re-prefill, a migrated decode, an interrupted turn
     (`turn_interrupted`, async) and a `trajectory_dropped` (turn -1, async) change nothing here.
+    A trajectory whose environment failed (`env_error`) before its last turn was submitted
+    (a failed `reset`) ends with that turn unrun.
     """
     pd_kinds = {k.value for k in TURN_KINDS_PD}
     crossing = {EventKind.DECODE_QUEUED.value, EventKind.KV_TRANSFER_DONE.value}
@@ -52,7 +54,10 @@ def incomplete_trajectories(events: pl.DataFrame, trajectory_ids: set[str], disa
             finished_turn = max(turns, default=-1)
         if EventKind.STARTED.value not in turns.get(0, set()):
             missing.append("started")
-        for turn in range(finished_turn + 1):
+        last = turns.get(finished_turn, set())
+        # an environment that failed before the turn was submitted (env_error, reset included) ends it unrun
+        unrun = EventKind.ENV_ERROR.value in last and EventKind.PREFILL_QUEUED.value not in last
+        for turn in range(finished_turn + (0 if unrun else 1)):
             have = turns.get(turn, set())
             crossed = last_kinds.get((trajectory_id, turn), set()) & crossing
             turn_kinds = fixed_kinds or (pd_kinds if crossed else {k.value for k in TURN_KINDS_COLOCATED})

@@ -45,6 +45,7 @@ def test_a_user_environment_that_raises_hangs_or_returns_garbage_ends_only_its_o
     )
     assert summary["status"] == "completed"
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == 6 and summary["trajectories_lost"] == 0
+    assert summary["incomplete_trajectories"] == 0  # the one whose reset failed ran no turn, and its log says so
     env = summary["actors"]["env0"]
     assert env["env_errors"] == 4
     assert (env["env_exceptions"], env["env_timeouts"], env["env_bad_returns"]) == (2, 1, 1)  # step raised + reset raised
@@ -67,7 +68,7 @@ def test_a_user_environment_that_raises_hangs_or_returns_garbage_ends_only_its_o
 
 def test_the_sandboxed_code_family_runs_the_models_code_and_rewards_it_by_its_tests(tmp_path: Path):
     summary, events = launch(tmp_path, "", "mix = { code = 1.0 }", samples=2, tasks=2)
-    assert summary["status"] == "completed" and summary["trajectories_finished"] == 4
+    assert summary["status"] == "completed" and summary["trajectories_finished"] == 4 and summary["incomplete_trajectories"] == 0
     assert summary["actors"]["env0"].get("env_errors", 0) == 0
     finished = events.filter(pl.col("kind") == "finished")
     assert all(0.0 <= r <= 1.0 for r in finished["reward"])

@@ -132,6 +132,7 @@ def test_an_outside_harness_drives_a_grpo_step_through_the_gateway_and_the_train
     assert proc.returncode == 0, log.read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories_finished"] == summary["trajectories_expected"] == TASKS * SAMPLES
+    assert summary["incomplete_trajectories"] == 0 and summary["trajectories_lost"] == 0
     assert summary["actors"]["trainer"]["train_updates"] == 1
 
     trained = pl.read_parquet(out / "trajectories.parquet")
