@@ -187,6 +187,12 @@ class TrainerSection(_Section):
     samples_per_task: int = 4  # G
     train_s: float = 30.0  # modelled training time per step, model seconds
     policy_ack_timeout_wall_s: float = 60.0  # engines must ack a new policy within this
+    # real backends: "local" trains in the trainer actor (GRPO); "external" sends each step's
+    # trajectories to `update_module` (launched as the `updater` actor) and serves the weights it
+    # returns (docs/environments.md, "Your own trainer")
+    update: Literal["local", "external"] = "local"
+    update_module: str = ""  # python -m module of the external trainer
+    update_timeout_wall_s: float = 600.0
     # run.mode = "async" only (docs/async.md): how many policy versions a trained trajectory may
     # lag the version it is trained from, and what happens to one that would lag more
     max_staleness: int = 1
@@ -204,6 +210,10 @@ class TrainerSection(_Section):
             raise ValueError(f"trainer.max_staleness must be >= 0 (policy versions), not {self.max_staleness}")
         if self.is_cap < 1.0:
             raise ValueError("trainer.is_cap must be >= 1")
+        if (self.update == "external") != bool(self.update_module):
+            raise ValueError("trainer.update = 'external' and trainer.update_module go together (the external trainer's module)")
+        if self.update_timeout_wall_s <= 0:
+            raise ValueError("trainer.update_timeout_wall_s must be > 0")
 
 
 class FamilyOverride(_Section):
@@ -455,6 +465,8 @@ class Config(_Section):
     def __post_init__(self) -> None:
         if self.run.policy == "oracle" and not self.allocator.oracle_log:
             raise ValueError("policy oracle needs allocator.oracle_log (events.parquet of a recorded run)")
+        if self.trainer.update == "external" and self.engines.backend == "emulated":
+            raise ValueError("trainer.update = 'external' trains real models (engines.backend = 'torch' or 'vllm')")
         if self.gateway.enabled and self.engines.backend == "emulated":
             raise ValueError("gateway.enabled serves real engines (engines.backend = 'torch' or 'vllm'), not emulated ones")
 

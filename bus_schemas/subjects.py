@@ -169,6 +169,12 @@ def train_weights() -> str:
     return f"{PREFIX}.train.weights"
 
 
+def train_update() -> str:
+    """Request/reply: a step's finished trajectories to an external trainer (`trainer.update =
+    "external"`), the new policy's weights back."""
+    return f"{PREFIX}.train.update"
+
+
 def has_wildcard(subject: str) -> bool:
     """Does `subject` contain a `*` or `>` token (a pattern, not one subject)?"""
     return any(token in ("*", ">") for token in subject.split("."))

@@ -10,7 +10,8 @@ credentials may publish and subscribe only where its role needs:
 | --- | --- | --- |
 | engine `<id>` | work (prefill, decode), results, KV requests, weight requests | its own control and KV subjects, the prefill and decode queues |
 | environment | prefill work, finished trajectories | engine heartbeats, dead letters, the task queue, its own results |
-| trainer | task assignments, policy versions, step reports, policy loads to engines (`prorsa.ctl.policy.<id>`) | heartbeats, finished trajectories, weight and model requests |
+| trainer | task assignments, policy versions, step reports, policy loads to engines (`prorsa.ctl.policy.<id>`), update requests to an external trainer | heartbeats, finished trajectories, weight and model requests |
+| updater (an external trainer) | nothing | the trainer's update requests (`prorsa.train.update`) |
 | allocator | role commands to engines (`prorsa.ctl.engine.<id>`), its decisions (`prorsa.allocation`) | heartbeats, forecasts |
 | forecaster | forecasts | the lifecycle log |
 | monitor | nothing | everything (read-only) |
@@ -124,9 +125,17 @@ def role_permissions(kind: str, actor_id: str) -> tuple[list[str], list[str]]:
             publish += _consume(streams.TASKS) + _consume(streams.RESULTS)
             subscribe += [subjects.dead_letter_all()]
         case "trainer":
-            publish += [subjects.train_tasks(), subjects.train_policy(), subjects.train_step(), "prorsa.ctl.policy.*"]
+            publish += [
+                subjects.train_tasks(),
+                subjects.train_policy(),
+                subjects.train_step(),
+                "prorsa.ctl.policy.*",
+                subjects.train_update(),
+            ]
             publish += _consume(streams.TRAIN)
             subscribe += [subjects.train_model(), subjects.train_weights()]
+        case "updater":  # an external trainer: answers the trainer's update requests
+            subscribe += [subjects.train_update()]
         case "allocator":
             publish += ["prorsa.ctl.engine.*", subjects.allocation()]
             subscribe += [subjects.forecast()]

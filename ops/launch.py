@@ -105,10 +105,12 @@ def actor_specs(config: Config) -> list[ActorSpec]:
     if config.runs_allocator:
         specs.append(ActorSpec("allocator", "allocator"))
     specs.append(ActorSpec("trainer", "trainer"))
+    if config.trainer.update == "external":  # the user's trainer, beside ours
+        specs.append(ActorSpec("updater", "updater", module=config.trainer.update_module))
     return specs
 
 
-CONTROL_KINDS = ("trainer", "forecaster", "allocator")
+CONTROL_KINDS = ("trainer", "forecaster", "allocator", "updater")
 GROUP_KINDS = {"engines": "engine", "environments": "environment"}
 
 

@@ -6,6 +6,8 @@
   mask, rollout logprobs) in a worker thread; the model time it took on the clock is the step's train_s.
 * the new version's weights (safetensors bytes + blake2b checksum) are served in chunks on
   `subjects.train_weights()`; engines fetch and load them before confirming LoadPolicy(v).
+* `trainer.update = "external"`: the update is someone else's. The step's trajectories go to
+  an external trainer over `subjects.train_update()` and its weights are served instead.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import asyncio
 
 import torch
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
-from actors.engine.torch.model import checksum, load_model, load_tokenizer, model_spec, split_chunks, weights_to_bytes
+from actors.engine.torch.model import checksum, load_model, load_tokenizer, load_weights_bytes, model_spec, split_chunks, weights_to_bytes
 from actors.trainer.actor import TrainerActor
 from actors.trainer.grpo import grpo_update
 from bus_schemas import subjects
-from bus_schemas.codec import encode
-from bus_schemas.train import FinishedTrajectory, ModelSpecRequest, WeightsChunk, WeightsFetch
+from bus_schemas.codec import decode, encode
+from bus_schemas.train import FinishedTrajectory, ModelSpecRequest, TrainBatch, TrainedWeights, WeightsChunk, WeightsFetch
 
 KEEP_VERSIONS = 2  # weights kept for late fetchers
 
@@ -73,6 +76,8 @@ class TorchTrainerActor(TrainerActor):
             await msg.respond(encode(reply))
 
     async def _train(self, batch: list[FinishedTrajectory], new_version: int, min_version: int = -1) -> float:
+        if self.config.trainer.update == "external":
+            return await self._train_external(batch, new_version, min_version)
         mc, tc = self.config.model, self.config.trainer
         started_s = self.clock.now_s()
         stats = await asyncio.to_thread(
@@ -93,9 +98,7 @@ class TorchTrainerActor(TrainerActor):
             self.counters["trajectories_without_tokens"] += unusable
             self.log.error("%d finished trajectories carry no token ids: not trained on", unusable)
         payload = await asyncio.to_thread(weights_to_bytes, self.lm)
-        self._weights[new_version] = (split_chunks(payload, mc.kv_chunk_bytes), checksum(payload), len(payload))
-        for old in sorted(self._weights)[:-KEEP_VERSIONS]:
-            del self._weights[old]
+        self._serve(new_version, payload)
         train_s = self.clock.now_s() - started_s  # the model seconds the real update took
         self.train_stats.append(stats)
         self.counters["train_updates"] += 1
@@ -112,6 +115,43 @@ class TorchTrainerActor(TrainerActor):
             train_s,
         )
         return train_s
+
+    async def _train_external(self, batch: list[FinishedTrajectory], new_version: int, min_version: int) -> float:
+        """`trainer.update = "external"`: the step's trajectories go to the external trainer
+        (`subjects.train_update()`, request/reply); its weights become policy `new_version`,
+        checked against their checksum, loaded here (so the model spec engines check stays
+        this model's) and served to the engines as ours would be."""
+        started_s = self.clock.now_s()
+        request = encode(TrainBatch(version=new_version, min_version=min_version, trajectories=batch))
+        timeout_s = self.config.trainer.update_timeout_wall_s
+        try:
+            reply = decode(TrainedWeights, (await self.nc.request(subjects.train_update(), request, timeout=timeout_s)).data)
+        except (NoRespondersError, TimeoutError) as e:
+            what = "no external trainer answers" if isinstance(e, NoRespondersError) else f"no answer within {timeout_s:g} s"
+            raise RuntimeError(f"policy {new_version}: {what} on {subjects.train_update()} (trainer.update_module)") from None
+        if not reply.ok or reply.version != new_version:
+            raise RuntimeError(f"policy {new_version}: the external trainer answered version {reply.version}: {reply.error or 'not ok'}")
+        if checksum(reply.weights) != reply.checksum:
+            raise RuntimeError(f"policy {new_version}: the external trainer's weights do not match their checksum")
+        await asyncio.to_thread(load_weights_bytes, self.lm, reply.weights)  # refuses a state dict of another model
+        self._serve(new_version, reply.weights)
+        self.counters["external_updates"] += 1
+        self.counters["trained_tokens"] += reply.trained_tokens
+        train_s = self.clock.now_s() - started_s
+        self.log.info(
+            "policy %d from the external trainer: %d bytes, %d tokens, %.2f s",
+            new_version,
+            len(reply.weights),
+            reply.trained_tokens,
+            train_s,
+        )
+        return train_s
+
+    def _serve(self, version: int, payload: bytes) -> None:
+        """Serve `payload` as policy `version` in chunks; keep the newest KEEP_VERSIONS."""
+        self._weights[version] = (split_chunks(payload, self.config.model.kv_chunk_bytes), checksum(payload), len(payload))
+        for old in sorted(self._weights)[:-KEEP_VERSIONS]:
+            del self._weights[old]
 
     def _weights_ref(self) -> str:
         return subjects.train_weights()
