@@ -438,8 +438,9 @@ class GatewaySection(_Section):
     model_name: str = ""  # what /v1/models lists; empty: the run's name
     claim_wait_wall_s: float = 30.0  # longest a GET /v1/prorsa/sessions/next waits for a session
     reply_timeout_wall_s: float = 600.0  # longest a chat request waits for the model's reply
-    # a session whose harness sends nothing (claim, next request or end) for this long ends,
-    # reward 0 (an env_timeouts error); environments.step_timeout_wall_s does not apply
+    # a session that gets no request or end for this long (from its assignment, or from the
+    # model's last reply) ends, reward 0 (an env_timeouts error); in place of
+    # environments.step_timeout_wall_s
     session_idle_wall_s: float = 600.0
 
     def __post_init__(self) -> None:
