@@ -246,29 +246,28 @@ def undecodable_line(record: RunRecord) -> str:
     return f"{sum(record.undecodable.values())} undecodable message(s) left out of the export ({by_subject})"
 
 
+TRAJECTORY_COLUMNS = (
+    "trajectory_id",
+    "task_id",
+    "task_family",
+    "step",
+    "env_id",
+    "turns",
+    "reward",
+    "truncated",
+    "error",
+    "policy_versions",
+    "token_ids",
+    "generated_mask",
+    "logprobs",
+)
+
+
 def trajectories_frame(finished: list[FinishedTrajectory]) -> pl.DataFrame:
     """Real backends: every finished trajectory as the trainer got it (its token ids, loss
     mask, rollout logprobs, reward, and the environment's error where it failed); empty for
     modelled trajectories, which carry no tokens."""
-    rows = [
-        {
-            "trajectory_id": f.trajectory_id,
-            "task_id": f.task_id,
-            "task_family": f.task_family,
-            "step": f.step,
-            "env_id": f.env_id,
-            "turns": f.turns,
-            "reward": f.reward,
-            "truncated": f.truncated,
-            "error": f.error,
-            "policy_versions": f.policy_versions,
-            "token_ids": f.token_ids,
-            "generated_mask": f.generated_mask,
-            "logprobs": f.logprobs,
-        }
-        for f in finished
-        if f.token_ids
-    ]
+    rows = [{c: getattr(f, c) for c in TRAJECTORY_COLUMNS} for f in finished if f.token_ids]
     return pl.DataFrame(rows) if rows else pl.DataFrame()
 
 

@@ -148,6 +148,29 @@ async def _chunks(completion: dict):
     yield "data: [DONE]\n\n"
 
 
+class HttpServer:
+    """A uvicorn server in the running event loop (the caller owns the signals): `start`
+    returns once it listens, with its port (port 0: any free one); `stop` waits it out."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        self.server.install_signal_handlers = lambda: None
+        self._serving: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self._serving = asyncio.create_task(self.server.serve(), name="gateway-http")
+        while not self.server.started and not self._serving.done():  # uvicorn sets a flag, no event
+            await asyncio.sleep(0.01)
+        if self._serving.done():
+            self._serving.result()  # the server could not start (port taken): the error says why
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._serving is not None:
+            await self._serving
+
+
 class GatewayActor(RealEnvironmentActor):
     """An environment actor whose trajectories are sessions an outside harness drives over HTTP."""
 
@@ -156,31 +179,25 @@ class GatewayActor(RealEnvironmentActor):
         self.board = SessionBoard()
         self.port = gateway_port(config, actor_id)
         self._timeout_s = config.gateway.session_idle_wall_s  # reset and step wait on the harness
-        self._server: uvicorn.Server | None = None
-        self._serving: asyncio.Task | None = None
+        self._http: HttpServer | None = None
 
-    def _class_of(self, family: str) -> type | None:
-        return lambda **_: GatewaySession(self.board, self.config.environments.max_output_tokens)  # type: ignore[return-value]
+    def _class_of(self, family: str) -> type:
+        return GatewaySession  # every family: the harness decides what a trajectory does
+
+    def _build(self, cls: type) -> GatewaySession:
+        return GatewaySession(self.board, self.config.environments.max_output_tokens)
 
     async def setup(self) -> None:
         await super().setup()
         gc = self.config.gateway
-        app = make_app(self.board, gc.model_name or self.config.run.name, gc.claim_wait_wall_s, gc.reply_timeout_wall_s)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=gc.host, port=self.port, log_level="warning", lifespan="off"))
-        self._server.install_signal_handlers = lambda: None  # the actor runtime owns the signals
-        self._serving = asyncio.create_task(self._server.serve(), name="gateway-http")
-        while not self._server.started and not self._serving.done():
-            await asyncio.sleep(0.01)
-        if self._serving.done():
-            self._serving.result()  # the server could not start (port taken): the error says why
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.log.info("gateway on http://%s:%d/v1 (model %s)", gc.host, self.port, gc.model_name or self.config.run.name)
+        model_name = gc.model_name or self.config.run.name
+        self._http = HttpServer(make_app(self.board, model_name, gc.claim_wait_wall_s, gc.reply_timeout_wall_s), gc.host, self.port)
+        self.port = await self._http.start()
+        self.log.info("gateway on http://%s:%d/v1 (model %s)", gc.host, self.port, model_name)
 
     async def teardown(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            if self._serving is not None:
-                await self._serving
+        if self._http is not None:
+            await self._http.stop()
         await super().teardown()
 
 

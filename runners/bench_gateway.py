@@ -18,11 +18,10 @@ import statistics
 import time
 
 import openai
-import uvicorn
 
 from actors.environment.interface import ModelOutput, Task
 from actors.environment.sessions import GatewaySession, SessionBoard
-from ops.gateway import make_app
+from ops.gateway import HttpServer, make_app
 
 REPLY_TOKENS = 32
 
@@ -52,12 +51,8 @@ async def _harness(client: openai.AsyncOpenAI, trajectory_id: str, turns: int, o
 
 async def bench(sessions: int, turns: int, concurrent: int, observation_chars: int = 2000) -> dict:
     board = SessionBoard()
-    server = uvicorn.Server(uvicorn.Config(make_app(board, "m", 1.0, 30.0), host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    http = HttpServer(make_app(board, "m", 1.0, 30.0), "127.0.0.1", 0)
+    port = await http.start()
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     took_ms: list[float] = []
     started = time.perf_counter()
@@ -66,15 +61,15 @@ async def bench(sessions: int, turns: int, concurrent: int, observation_chars: i
             batch = range(first, min(sessions, first + concurrent))
             tasks = [Task(f"k{i}", "bench", 0, i, 0, 0, f"t{i}") for i in batch]
             engine = [asyncio.create_task(_engine_side(GatewaySession(board, REPLY_TOKENS), t, turns)) for t in tasks]
-            await asyncio.sleep(0)  # each session is on the board before its harness asks
+            for _ in tasks:  # each session is on the board, claimed, before its harness asks
+                assert await board.claim(5.0) is not None
             for result in await asyncio.gather(*(_harness(client, t.trajectory_id, turns, observation_chars) for t in tasks)):
                 took_ms += result
             for e in engine:
                 e.cancel()
     finally:
         wall_s = time.perf_counter() - started
-        server.should_exit = True
-        await serving
+        await http.stop()
     took_ms.sort()
     return {
         "turns": len(took_ms),

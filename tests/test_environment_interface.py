@@ -53,7 +53,7 @@ def test_user_calls_that_raise_or_hang_become_user_code_errors_and_a_hung_thread
             raise ValueError("bad")
 
         async def hangs(_):
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # barrier-ok: user code that hangs, for the timeout to end
 
         with pytest.raises(UserCodeError, match="step raised ValueError: bad") as e:
             await call_user("step", 1.0, raises, None)

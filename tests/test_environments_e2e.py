@@ -4,9 +4,6 @@ built-in sandboxed `code` family."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -14,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch backend is the optional [torch] extra; the dev extra CI installs includes it")
 
-from tests.conftest import REPO
+from tests.test_launch import launch_to_completion
 from tests.torch_helpers import write_torch_config
 
 pytestmark = pytest.mark.e2e
@@ -28,11 +25,8 @@ def launch(tmp_path: Path, environments: str, workload: str, samples: int, tasks
     text = text.replace("mix = { calc = 1.0 }", workload)
     config.write_text(text)
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ops.launch", str(config), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((out / "summary.json").read_text()), pl.read_parquet(out / "events.parquet")
+    summary = launch_to_completion(config, out, timeout_wall_s=300)
+    return summary, pl.read_parquet(out / "events.parquet")
 
 
 def test_a_user_environment_that_raises_hangs_or_returns_garbage_ends_only_its_own_trajectories(tmp_path: Path):

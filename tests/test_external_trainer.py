@@ -4,7 +4,6 @@ step's trajectories over NATS and serves the weights it returns to the engines."
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ pytest.importorskip("torch", reason="the torch backend is the optional [torch] e
 
 from actors.config import ConfigError, load_config
 from tests.conftest import REPO
+from tests.test_launch import launch_to_completion
 from tests.torch_helpers import write_torch_config
 
 
@@ -29,15 +29,7 @@ def external_config(tmp_path: Path, module: str = "runners.external_trainer") ->
 @pytest.mark.e2e
 def test_an_external_trainer_trains_every_step_and_the_engines_load_its_weights(tmp_path: Path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ops.launch", str(external_config(tmp_path)), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    summary = launch_to_completion(external_config(tmp_path), out, timeout_wall_s=300)
     assert summary["status"] == "completed" and summary["trajectories_finished"] == 16
     trainer = summary["actors"]["trainer"]
     assert trainer["external_updates"] == 2 and trainer.get("train_updates", 0) == 0  # none trained in Prorsa's trainer

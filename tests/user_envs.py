@@ -26,7 +26,7 @@ class Misbehaving:
         if self.sample == 1:
             raise RuntimeError("tool crashed")
         if self.sample == 2:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # barrier-ok: a step that hangs, for the timeout to end
         if self.sample == 3:
             return {"observation": "not a tuple"}
         return (list(output.token_ids[:3]), 0.5, output.turn >= 1)  # token ids as the observation
@@ -41,5 +41,5 @@ class SyncBlocking:
 
     def step(self, output: ModelOutput) -> StepResult:
         if self.sample == 1:
-            time.sleep(3600)
+            time.sleep(3600)  # barrier-ok: a blocked thread, for the timeout to abandon
         return StepResult(reward=1.0, done=True)

@@ -167,13 +167,13 @@ class RealEnvironmentActor(EnvironmentActor):
         try:
             result = as_step_result(await call_user("step", self._timeout_s, t.env.step, output))
             t.reward += float(result.reward)
-            new_ids = [] if result.done else self._encode(result.observation, first_turn=False)
-            t.max_output_tokens = t.max_output_tokens if result.done else self._max_output_tokens(t.env)
+            if result.done:
+                await self._finish(t, truncated=False)
+                return
+            new_ids = self._encode(result.observation, first_turn=False)
+            t.max_output_tokens = self._max_output_tokens(t.env)
         except UserCodeError as e:
             await self._fail(t, e)
-            return
-        if result.done:
-            await self._finish(t, truncated=False)
             return
         if t.turn + 1 >= self.config.environments.max_turns or not self._fits(t, new_ids):
             await self._finish(t, truncated=True)
