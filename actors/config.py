@@ -13,6 +13,7 @@ config imports ``actors.config_schema`` and none of these packages.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import msgspec
@@ -37,7 +38,7 @@ from actors.config_schema import (
     policy_label,
     with_policy,
 )
-from actors.engine.emulated.costmodel import LINKS, PRESETS, CostPreset, Layout, with_layout, with_lockstep
+from actors.engine.emulated.costmodel import LINKS, PRESETS, CostPreset, Layout, scaled, with_layout, with_lockstep
 from actors.environment.trace import ReplaySchedule
 from actors.environment.workloads import PROFILES  # profiles live with the environment
 from bus_schemas.control import Role
@@ -86,6 +87,13 @@ class EngineSection(schema.EngineSection):
             raise ValueError(f"unknown engines.link {self.link!r} (known: {_known(LINKS)})")
         for role in Role:
             self.cost_preset(role)  # a layout the model does not fit raises here, naming it
+        if not self.truth.exact:
+            if self.backend != "emulated":
+                raise ValueError(f"engines.truth applies to emulated engines only ({self.backend} engines run their own)")
+            if self.truth.preset and self.truth.preset not in PRESETS:
+                raise ValueError(f"unknown engines.truth.preset {self.truth.preset!r} (known: {_known(PRESETS)})")
+            for role in Role:
+                self.truth_preset(role)
 
     @property
     def decode_lockstep(self) -> bool:
@@ -93,6 +101,27 @@ class EngineSection(schema.EngineSection):
         one rank's prefill chunk holds every rank's decodes for its step."""
         decode = self.cost_preset(Role.DECODE)
         return decode.dp_ranks > 1 and decode.dp_sync == "sglang"
+
+    def truth_preset(self, role: Role, engine_id: str = "") -> CostPreset:
+        """The cost model an emulated engine in `role` runs (`engines.truth`): `cost_preset`
+        where the truth is exact; `engine_id` draws that engine's own spread."""
+        truth = self.truth
+        if truth.exact:
+            return self.cost_preset(role)
+        try:
+            base = msgspec.structs.replace(
+                self,
+                preset=truth.preset or self.preset,
+                lockstep_constants=truth.lockstep_constants or self.lockstep_constants,
+                truth=schema.EngineTruth(),
+            )
+            preset = base.cost_preset(role)
+        except ValueError as err:
+            raise ValueError(f"engines.truth: {err}") from None
+        own = 1.0
+        if truth.spread and engine_id:
+            own = random.Random(f"truth:{engine_id}").uniform(1.0 - truth.spread, 1.0 + truth.spread)
+        return scaled(preset, truth.prefill * own, truth.decode * own, truth.kv)
 
     def cost_preset(self, role: Role) -> CostPreset:
         """The cost-model preset an engine in `role` runs with (its layout and the DP-attention

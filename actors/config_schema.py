@@ -85,6 +85,33 @@ class LayoutSection(_Section):
             raise ValueError("layout tp, dp and ep must be >= 1")
 
 
+class EngineTruth(_Section):
+    """What emulated engines really run, where it differs from the cost model the allocator,
+    forecaster and routers are given (`engines.preset` and its constants): the rollout bench's
+    mismatch table (docs/allocation.md, "What the allocator knows"). Factors multiply model
+    time: prefill 1.3 makes every prefill token's compute (GEMM and attention) 30% slower,
+    decode 0.75 every decode step's weight reads, KV reads and per-sequence work 25% faster;
+    kv scales the KV pool. Empty and 1.0 everywhere: the engines run the priced model."""
+
+    preset: str = ""  # another preset (e.g. an H100 fleet priced as H200); "": engines.preset
+    prefill: float = 1.0
+    decode: float = 1.0
+    kv: float = 1.0
+    lockstep_constants: Literal["", "value", "low", "high"] = ""  # "": engines.lockstep_constants
+    # each engine's prefill and decode factors are further multiplied by one draw from
+    # U(1 - spread, 1 + spread), fixed per engine id (engines of one fleet differ)
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.kv) <= 0 or not 0 <= self.spread < 1:
+            raise ValueError("engines.truth: prefill, decode and kv must be > 0, spread in [0, 1)")
+
+    @property
+    def exact(self) -> bool:
+        """The engines run the model they are priced with."""
+        return not self.preset and not self.lockstep_constants and self.spread == 0 and (self.prefill, self.decode, self.kv) == (1, 1, 1)
+
+
 class EngineSection(_Section):
     count: int = 4
     backend: Literal["emulated", "torch", "vllm"] = "emulated"  # torch: real compute, see [model]; vllm: see [vllm]
@@ -144,6 +171,7 @@ class EngineSection(_Section):
     # a bounded number of passes, until every rank of the group has prefill to run
     prefill_delayer: bool = False
     kv_store_capacity_tokens: int = 50_000_000  # store tier capacity (LRU eviction beyond it)
+    truth: EngineTruth = msgspec.field(default_factory=EngineTruth)  # emulated engines only
 
     def __post_init__(self) -> None:
         if self.kv_store_capacity_tokens < 0:
@@ -380,6 +408,12 @@ class AllocatorSection(_Section):
     # (actors/allocator/throughput.py), and keep appends off full lockstep decode engines, which
     # that model assumes (docs/allocation.md; false restores the load rules alone)
     saturated_regime: bool = True
+    # Where prorsa's and reactive's capacities come from (docs/allocation.md, "What the
+    # allocator knows"): "measured", the cost model (`engines.preset`) as a prior that the
+    # engines' own step times overrule as they accumulate (actors/allocator/measured.py);
+    # "model", the cost model alone; "truth", the cost model the emulated engines really run
+    # (`engines.truth`; the oracle's, in the bench's mismatch table)
+    capacity: Literal["measured", "model", "truth"] = "measured"
 
     def __post_init__(self) -> None:
         if self.start_prefill_engines < 0:

@@ -85,3 +85,14 @@ class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
     remote_share: float = 1.0
     prefill_attention_tokens: float = 0.0  # context a missed prefill token attends over (0: unknown)
     prefill_backlog_tokens_per_s: float = 0.0  # the part of prefill_tokens_per_s queued now
+    # the capacities the policy priced this tick with (allocator.capacity = "measured": the cost
+    # model's figures times the engines' measured over prior step times, actors/allocator/measured.py):
+    # those factors, and at the demand's decode context a prefill engine's seconds per prefill
+    # token, a colocated engine's, and a decode engine's step of its KV-bound batch (0: no estimate)
+    capacity_prefill_scale: float = 1.0
+    capacity_decode_scale: float = 1.0
+    capacity_mixed_scale: float = 1.0
+    capacity_kv_scale: float = 1.0
+    prefill_s_per_token: float = 0.0
+    colocated_prefill_s_per_token: float = 0.0
+    decode_kv_step_s: float = 0.0

@@ -7,6 +7,28 @@ import msgspec
 from bus_schemas.control import Role
 
 
+class IterationTimes(msgspec.Struct, frozen=True, kw_only=True):
+    """One kind of scheduler step an engine ran since it started (cumulative;
+    actors/engine/timing.py)."""
+
+    iterations: int = 0
+    busy_s: float = 0.0  # measured (torch: wall clock; emulated: the model the engine runs)
+    prior_s: float = 0.0  # what the engine's prior cost model (engines.preset) gives the same steps
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class EngineTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's steps by kind: prefill only, decode only, and both in one step; a step whose
+    chunks fill less than half its prefilling ranks' budget counts as `_short`."""
+
+    prefill: IterationTimes = msgspec.field(default_factory=IterationTimes)
+    prefill_short: IterationTimes = msgspec.field(default_factory=IterationTimes)
+    decode: IterationTimes = msgspec.field(default_factory=IterationTimes)
+    mixed: IterationTimes = msgspec.field(default_factory=IterationTimes)
+    mixed_short: IterationTimes = msgspec.field(default_factory=IterationTimes)
+
+
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Published on subjects.status("engine", id) every heartbeat."""
 
@@ -34,6 +56,7 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     # this engine's registration: new at every start, and after a pause longer than its lease
     # (run.lease_wall_s), so observers tell a restarted or resumed engine from a live one
     incarnation: str = ""
+    timing: EngineTiming | None = None  # None: the backend does not measure its steps (vLLM)
 
 
 class ActorStatus(msgspec.Struct, frozen=True, kw_only=True):

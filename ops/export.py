@@ -23,7 +23,9 @@ from nats.js.errors import NotFoundError
 
 from bus_schemas import streams, subjects
 from bus_schemas.codec import decode
+from bus_schemas.control import AllocationDecision
 from bus_schemas.eventlog import EVENT_COLUMNS, EventLogError, check_events, events_frame, load_events  # noqa: F401 (re-exported)
+from bus_schemas.forecast import DemandForecast
 from bus_schemas.lifecycle import LifecycleEvent
 from bus_schemas.status import ActorReport
 from bus_schemas.train import FinishedTrajectory, StepReport
@@ -94,6 +96,33 @@ async def _read_by_sequence(js: JetStreamContext, stream: streams.StreamDef, sub
             return out
         out.append((raw.subject or subject, raw.data or b""))
         seq = raw.seq + 1
+
+
+class DecisionRecorder:
+    """The allocator's decisions and the forecaster's forecasts as a run goes (core NATS: what
+    this connection hears, from its subscription on), for allocations.parquet and
+    forecasts.parquet. The simulation and the launcher both record with it."""
+
+    def __init__(self) -> None:
+        self.decisions: list[AllocationDecision] = []
+        self.forecasts: list[DemandForecast] = []
+
+    async def start(self, nc) -> None:
+        async def on_forecast(msg) -> None:
+            self.forecasts.append(decode(DemandForecast, msg.data))
+
+        async def on_decision(msg) -> None:
+            self.decisions.append(decode(AllocationDecision, msg.data))
+
+        await nc.subscribe(subjects.forecast(), cb=on_forecast)
+        await nc.subscribe(subjects.allocation(), cb=on_decision)
+
+    def write(self, out: Path) -> None:
+        """forecasts.parquet and allocations.parquet in `out`, each where there was any."""
+        if self.forecasts:
+            forecasts_frame(self.forecasts).write_parquet(out / "forecasts.parquet")
+        if self.decisions:
+            decisions_frame(self.decisions).write_parquet(out / "allocations.parquet")
 
 
 def decisions_frame(decisions: list) -> pl.DataFrame:

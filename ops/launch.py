@@ -50,7 +50,7 @@ from bus_schemas import streams
 from ops import access
 from ops.bus_guard import read_dead_letters
 from ops.cluster import announce_end, wait_for_reports, wait_for_run, watch_end
-from ops.export import read_run, write_run
+from ops.export import DecisionRecorder, read_run, write_run
 from ops.natsserver import EmbeddedNats
 from ops.procs import Supervision, die_with_parent
 from ops.supervise import STOP_GRACE_WALL_S, stop_all, supervise
@@ -337,6 +337,8 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # `kill -USR1 <launcher>`: what is it waiting for?
     status = "interrupted"
     join = ender = None  # a host of a run over several hosts: its connection, the watch for the end
+    recording = None  # the control host's connection that records decisions and forecasts
+    recorder = DecisionRecorder()
     try:
         bus = Bus(nats_url or server.start(), users, tls)
         if server is not None:
@@ -356,6 +358,9 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
             ender = asyncio.create_task(watch_end(join.jetstream(), origin, stop))
             ender.add_done_callback(lambda _: stop.set())
         write_bus_file(out, bus)
+        if control:
+            recording = await bus.connect("launcher-record")
+            await recorder.start(recording)
         console.print(f"bus: {bus.url} (watch: python -m ops.monitor --run {out})", highlight=False)
         for spec in mine:
             if stop.is_set():
@@ -386,13 +391,15 @@ async def launch(config: Config, out: Path, nats_url: str | None, only: list[str
             if missing:
                 console.print(f"[red]error: no final report from {', '.join(missing)}", highlight=False)
             summary = await export(bus, out, config, status, time.monotonic() - started, killed, supervision, notes)
+            recorder.write(out)
             print_summary(summary, out)
     finally:
         if ender is not None:
             stop.set()
             await asyncio.gather(ender, return_exceptions=True)
-        if join is not None:
-            await close(join)
+        for nc in (join, recording):
+            if nc is not None:
+                await close(nc)
         await stop_all(procs)
         if server is not None:
             server.stop()

@@ -124,6 +124,13 @@ class Switches:
             "changes": len(d.changes),
             "reason": d.reason,
             "demand": d.demand_source,
+            # measured over the prior's capacities (allocator.capacity = "measured")
+            "capacity": {
+                "prefill": rounded(d.capacity_prefill_scale, 3),
+                "decode": rounded(d.capacity_decode_scale, 3),
+                "mixed": rounded(d.capacity_mixed_scale, 3),
+                "kv": rounded(d.capacity_kv_scale, 3),
+            },
         }
 
     # --- reading out -----------------------------------------------------------------------

@@ -204,6 +204,10 @@ def _switches(s: dict) -> Panel:
     )
     if (d := sw.get("allocator")) is not None:
         foot.append(f"\nallocator @ {d['at_s']:.0f} s ({d['policy']}, {d['split']}): {d['reason']}")
+        if (c := d.get("capacity")) is not None:
+            foot.append(
+                f"\ncapacity, measured over the prior: prefill {c['prefill']}x, decode {c['decode']}x, mixed {c['mixed']}x, KV {c['kv']}x"
+            )
     return Panel(Group(table, foot), title="Role switches", title_align="left")
 
 

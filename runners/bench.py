@@ -80,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument(
         "--tables",
         default="main,sweep,ablation,sensitivity",
-        help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity)",
+        help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity, mismatch)",
     )
     roll.add_argument("--mode", choices=("sync", "async", "both"), default="both", help="RL mode(s) to run every policy in (default both)")
     roll.add_argument("--fleets", default="", help="only these fleets (comma-separated; default every fleet of the suite)")
     roll.add_argument("--workloads", default="", help="only these workloads (comma-separated; default every workload)")
     roll.add_argument("--per-gpu", default="", help="only the cases at these trajectories per GPU (comma-separated)")
+    roll.add_argument(
+        "--variants", default="", help="only these rows of the ablation, sensitivity and mismatch tables (comma-separated variant names)"
+    )
     roll.add_argument(
         "--policies",
         default="",
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path("runs") / f"rollout-{args.suite}"
         per_gpu = tuple(int(n) for n in args.per_gpu.split(",") if n.strip())
         modes = ("sync", "async") if args.mode == "both" else (args.mode,)
-        only = (tuple(f for f in args.fleets.split(",") if f), tuple(w for w in args.workloads.split(",") if w))
+        only = tuple(tuple(x for x in arg.split(",") if x) for arg in (args.fleets, args.workloads, args.variants))
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         overrides = parse_sets(args.set)
         if overrides is None:
@@ -187,24 +190,32 @@ def rollout(
     tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = ("sync", "async"),
-    only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    only: tuple[tuple[str, ...], ...] = ((), (), ()),
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
     seeds: tuple[int, ...] = (),
 ) -> int:
-    from runners.rollout import SUITES, run_suite
+    from runners.rollout import SUITES, TABLES, run_suite
 
     if suite_name not in SUITES:
         print(f"error: unknown suite {suite_name!r} (known: {', '.join(SUITES)})", file=sys.stderr)
         return 2
-    unknown = set(tables) - {"main", "sweep", "ablation", "sensitivity"}
+    unknown = set(tables) - set(TABLES)
     if unknown:
-        print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: main, sweep, ablation, sensitivity)", file=sys.stderr)
+        print(f"error: unknown table(s) {', '.join(sorted(unknown))} (known: {', '.join(TABLES)})", file=sys.stderr)
         return 2
     suite = SUITES[suite_name]
-    unknown = {*only[0]} - {f.name for f in suite.fleets} | {*only[1]} - {w.name for w in suite.workloads}
+    variants = {c.variant for c in suite.cases(tables)}
+    fleets, workloads, *rest = only
+    unknown = (
+        {*fleets} - {f.name for f in suite.fleets}
+        | {*workloads} - {w.name for w in suite.workloads}
+        | {*(rest[0] if rest else ())} - variants
+    )
     if unknown:
-        print(f"error: suite {suite_name!r} has no fleet or workload {', '.join(sorted(unknown))}", file=sys.stderr)
+        print(
+            f"error: suite {suite_name!r} has no fleet, workload or variant {', '.join(sorted(unknown))} in those tables", file=sys.stderr
+        )
         return 2
     known = {p for case in suite.cases(tables) for p in suite.case_policies(case.fleet, case.table, policies)}
     if set(policies) - known:

@@ -26,8 +26,8 @@ import polars as pl
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from actors.allocator.capacity import decode_step_s
-from actors.config import Config, initial_roles, with_policy
+from actors.allocator.capacity import CapacityModel, decode_step_s
+from actors.config import Config, EngineSection, initial_roles, with_policy
 from actors.engine.emulated.costmodel import prefill_s
 from bus_schemas.control import Role
 from ops.critical_path import critical_paths, summed
@@ -64,6 +64,7 @@ class Workload:
 
 
 MODES = ("sync", "async")
+TABLES = ("main", "sweep", "ablation", "sensitivity", "mismatch")
 ASYNC_MAX_STALENESS = 1  # policy versions (trainer.max_staleness) in the bench's async runs
 ASYNC_STALE_POLICY = "hold"  # every assigned group is trained: the same trajectories as sync
 
@@ -73,7 +74,7 @@ class Case:
     """One row of a table: a fleet, a workload and a concurrency, with engine settings that
     differ from the fleet's (`engines`, named by `variant`), in one RL mode, run under every policy."""
 
-    table: str  # "main", "sweep", "ablation" or "sensitivity"
+    table: str  # "main", "sweep", "ablation", "sensitivity" or "mismatch"
     fleet: Fleet
     workload: Workload
     trajectories_per_gpu: int
@@ -106,6 +107,9 @@ class Suite:
     # overrides[, other sections' overrides {section: {key: value}}]); `_rows` builds them
     ablations: tuple[tuple, ...] = ()
     sensitivity: tuple[tuple, ...] = ()
+    # engines whose truth differs from the model they are priced with (`engines.truth`): rows
+    # as ablations' (`mismatch_rows`)
+    mismatch: tuple[tuple, ...] = ()
 
     def tasks_per_step(self, fleet: Fleet, trajectories_per_gpu: int | None = None) -> int:
         per_gpu = self.trajectories_per_gpu if trajectories_per_gpu is None else trajectories_per_gpu
@@ -130,6 +134,8 @@ class Suite:
             if delayer_acts(layout) and not merged.get("prefill_delayer"):
                 colocated.append(f"colocated-sticky{DELAYER}{at}")
         dynamic = list(self.dynamic) if main else [p for p in self.dynamic if p != "reactive"]
+        if table == "mismatch":  # what learning buys: prorsa priced by the cost model alone beside it
+            dynamic.append(f"prorsa{MODEL_CAPACITY}")
         return [*colocated, *statics, *dynamic, "oracle"]
 
     def case_policies(self, fleet: Fleet, table: str, asked: tuple[str, ...] = (), engines: dict | None = None) -> list[str]:
@@ -169,7 +175,7 @@ class Suite:
                     for n in per_gpu
                     if n != self.trajectories_per_gpu
                 ]
-        for table, rows in (("ablation", self.ablations), ("sensitivity", self.sensitivity)):
+        for table, rows in (("ablation", self.ablations), ("sensitivity", self.sensitivity), ("mismatch", self.mismatch)):
             if table in tables:
                 out += [
                     Case(table, fleets[f], workloads[w], n, dict(engines), variant, sections=dict(sections[0]) if sections else {})
@@ -179,6 +185,7 @@ class Suite:
 
 
 DELAYER = "+delayer"  # a colocated-sticky policy with engines.prefill_delayer on: colocated-sticky+delayer[@i]
+MODEL_CAPACITY = "+model"  # prorsa priced by the cost model alone (allocator.capacity = "model"): prorsa+model
 
 
 def delayer_acts(layout: dict | None) -> bool:
@@ -228,22 +235,58 @@ _ABLATIONS = (
     *_rows(("moe-stage",), "stage layouts off", {"layout": _DP4_EP4, "prefill_layout": None, "decode_layout": None}),
     *_rows(("moe-stage",), "admission=vllm", {"admission": "vllm"}),
 )
+_PAPER_FLEETS = (
+    Fleet("moe", _MOE, 4, (1, 2, 3, 4)),
+    Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=(_DP4_EP4,), side_static_splits=(2, 3, 4)),
+    Fleet("deepseek", _DEEPSEEK, 8, (1, 2, 3), side_static_splits=(1, 2, 3)),
+    Fleet("dense", {"count": 8, "preset": "h200-qwen3-8b"}, 1, (1, 2, 3, 4)),
+)
 _SENSITIVITY = (
     *_rows(_LOCKSTEP, "lockstep constants low", {"lockstep_constants": "low"}),
     *_rows(_LOCKSTEP, "lockstep constants high", {"lockstep_constants": "high"}),
 )
+# Engines whose truth differs from the cost model the allocator is given (`engines.truth`):
+# each constant family at the ends of its range and beyond, a different GPU, and in every
+# case engines that differ from each other by up to 10% (docs/allocation.md, "What the
+# allocator knows"). Factors multiply model time: prefill x1.3 is 30% less prefill throughput.
+TRUTH_SPREAD = 0.1
+MISMATCH_CASES = (
+    ("truth prefill x1.3", {"prefill": 1.3}),
+    ("truth prefill x0.7", {"prefill": 0.7}),
+    ("truth decode x1.25", {"decode": 1.25}),
+    ("truth decode x0.75", {"decode": 0.75}),
+    ("truth lockstep high", {"lockstep_constants": "high"}),
+    ("truth lockstep low", {"lockstep_constants": "low"}),
+    ("truth kv x0.8", {"kv": 0.8}),
+    ("truth kv x1.2", {"kv": 1.2}),
+    ("truth h100", {"preset": "h100"}),  # an H100 fleet priced as the H200 preset
+)
+
+
+def mismatch_rows(fleets: tuple[Fleet, ...], workloads: tuple[str, ...], per_gpu: int) -> tuple[tuple, ...]:
+    """One mismatch row per fleet, workload and case of MISMATCH_CASES; the H100 case only
+    where the fleet's layouts fit H100s (DeepSeek-V3's DP8 + EP8 does not: 8 x 80 GB)."""
+    rows = []
+    for fleet in fleets:
+        for variant, truth in MISMATCH_CASES:
+            truth = {**truth, "spread": TRUTH_SPREAD}
+            if "preset" in truth:
+                truth["preset"] = fleet.engines["preset"].replace("h200-", "h100-", 1)
+                try:
+                    msgspec.convert({**fleet.engines, "truth": truth}, EngineSection)
+                except (msgspec.ValidationError, ValueError):
+                    continue
+            rows += [(fleet.name, w, per_gpu, variant, {"truth": truth}) for w in workloads]
+    return tuple(rows)
+
+
 SUITES = {
     # The docs' suite (docs/allocation.md): MoE fleets with DP attention inside each engine
     # (where the paper reports its gains; one with stage-specific layouts), a DeepSeek-V3
     # fleet (DP attention + EP, where the interference is strongest) and a dense 8B fleet.
     "paper": Suite(
         name="paper",
-        fleets=(
-            Fleet("moe", _MOE, 4, (1, 2, 3, 4)),
-            Fleet("moe-stage", _MOE_STAGE, 4, (1, 2, 3, 4), colocated_layouts=(_DP4_EP4,), side_static_splits=(2, 3, 4)),
-            Fleet("deepseek", _DEEPSEEK, 8, (1, 2, 3), side_static_splits=(1, 2, 3)),
-            Fleet("dense", {"count": 8, "preset": "h200-qwen3-8b"}, 1, (1, 2, 3, 4)),
-        ),
+        fleets=_PAPER_FLEETS,
         workloads=_WORKLOADS,
         trajectories_per_gpu=32,
         samples_per_task=8,
@@ -251,6 +294,7 @@ SUITES = {
         sweep=((("moe-stage", "deepseek"), ("swe", "shift"), (16, 32, 64, 128)),),
         ablations=_ABLATIONS,
         sensitivity=_SENSITIVITY,
+        mismatch=mismatch_rows(_PAPER_FLEETS, ("swe", "shift"), 32),
     ),
     # A seconds-long check of the machinery (tests and smoke runs); two batches, so an async
     # run has a batch to overlap with training.
@@ -274,6 +318,11 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
     if "@" in policy:  # a colocated baseline in another of the fleet's layouts
         policy, which = policy.split("@")
         engines["layout"] = fleet.colocated_layouts[int(which) - 1]
+    capacity = {}
+    if policy.endswith(MODEL_CAPACITY):  # prorsa priced by the cost model alone
+        policy, capacity = policy.removesuffix(MODEL_CAPACITY), {"capacity": "model"}
+    elif policy == "oracle" and case.table == "mismatch":  # the oracle is given the truth
+        capacity = {"capacity": "truth"}
     if policy.endswith(DELAYER):  # colocated-sticky with SGLang's PrefillDelayer
         policy = policy.removesuffix(DELAYER)
         engines["prefill_delayer"] = True
@@ -294,7 +343,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
             **({"max_staleness": ASYNC_MAX_STALENESS, "stale_policy": ASYNC_STALE_POLICY} if case.mode == "async" else {}),
         },
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
-        "allocator": {"oracle_log": str(oracle_log) if oracle_log else ""},
+        "allocator": {"oracle_log": str(oracle_log) if oracle_log else "", **capacity},
     }
     for section, values in [*case.sections.items(), *(overrides or {}).items()]:  # the row's, then --set's
         raw[section] = {**raw.get(section, {}), **values}
@@ -437,7 +486,32 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
         "wall_s": summary["wall_s"],
         "run_dir": str(out),
         "initial_roles": {e: r.value for e, r in initial_roles(config).items()},
+        "truth": None if config.engines.truth.exact else msgspec.to_builtins(config.engines.truth),
+        "capacity": config.allocator.capacity if config.runs_allocator else None,
+        "learned": learned_capacity(config, events, out),
     }
+
+
+LEARNED_FIGURES = ("prefill_s_per_token", "colocated_prefill_s_per_token", "decode_kv_step_s")
+
+
+def learned_capacity(config: Config, events: pl.DataFrame, out: Path) -> dict | None:
+    """What a dynamic policy priced with at the end of the first step (its allocations.parquet
+    row then), against the figures of the cost model the engines really run (`engines.truth`,
+    without the per-engine spread) at the same decode context: {figure: [learned, truth]}, and
+    the factors it applied. None for a fixed policy."""
+    path = out / "allocations.parquet"
+    if not config.runs_allocator or not path.exists():
+        return None
+    decisions = pl.read_parquet(path)
+    finished = events.filter((pl.col("kind") == "finished") & (pl.col("step") == events["step"].min()))
+    end_s = float(finished["at_s"].max()) if finished.height else float(decisions["at_s"].max())
+    row = decisions.filter(pl.col("at_s") <= end_s).tail(1).to_dicts() or decisions.tail(1).to_dicts()
+    row = row[0]
+    truth = CapacityModel(config.engines, config.allocator.decode_tpot_slack, truth=True).at(row["decode_context_tokens"])
+    out_figures = {f: [row[f], getattr(truth, f)] for f in LEARNED_FIGURES if f in row}
+    scales = {k: row[f"capacity_{k}_scale"] for k in ("prefill", "decode", "mixed", "kv") if f"capacity_{k}_scale" in row}
+    return {"at_s": row["at_s"], "figures": out_figures, "scales": scales}
 
 
 # --- the suite ---------------------------------------------------------------------------
@@ -454,26 +528,28 @@ def run_suite(
     tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
     per_gpu: tuple[int, ...] = (),
     modes: tuple[str, ...] = MODES,
-    only: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    only: tuple[tuple[str, ...], ...] = ((), (), ()),
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
     seeds: tuple[int, ...] = (),
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
-    GPU, of the fleets and workloads in `only`, and the `policies`, where given), each once per
+    GPU, of the fleets, workloads and variants in `only`, and the `policies`, where given), each once per
     workload seed in `seeds` (default: the suite's seed). `oracle` replays `prorsa`'s log of
     the same case: run without `prorsa`, it needs that log in `out` from an earlier run
     (ValueError, before anything runs, where one is missing)."""
     if seeds and "seed" in (overrides or {}).get("run", {}):
         raise ValueError("give the workload seeds once: --seeds or --set run.seed, not both")
     out.mkdir(parents=True, exist_ok=True)
-    fleets, workloads = only
+    fleets, workloads, *rest = only
+    variants = rest[0] if rest else ()
     cases = [
         c
         for c in suite.cases(tables, modes, seeds)
         if (not per_gpu or c.trajectories_per_gpu in per_gpu)
         and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)
+        and (not variants or c.variant in variants)
     ]
     plan = [(case, p) for case in cases for p in suite.case_policies(case.fleet, case.table, policies, case.engines)]
     missing = [

@@ -35,10 +35,7 @@ from actors.environment.actor import EnvironmentActor
 from actors.forecaster.actor import ForecasterActor
 from actors.trainer.actor import TrainerActor
 from bus_schemas import streams, subjects
-from bus_schemas.codec import decode
-from bus_schemas.control import AllocationDecision
-from bus_schemas.forecast import DemandForecast
-from ops.export import decisions_frame, forecasts_frame, read_run, write_run
+from ops.export import DecisionRecorder, read_run, write_run
 
 console = Console(stderr=True)
 STOP_TIMEOUT_S = 60.0  # model seconds the other actors get to stop once the trainer is done
@@ -83,18 +80,8 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
             progress.update(bar, advance=1, description=f"model {asyncio.get_running_loop().time():,.0f} s")
 
     await control.subscribe(subjects.lifecycle("finished"), cb=on_finished)
-    forecasts: list[DemandForecast] = []
-
-    async def on_forecast(msg) -> None:
-        forecasts.append(decode(DemandForecast, msg.data))
-
-    await control.subscribe(subjects.forecast(), cb=on_forecast)
-    decisions: list[AllocationDecision] = []
-
-    async def on_decision(msg) -> None:
-        decisions.append(decode(AllocationDecision, msg.data))
-
-    await control.subscribe(subjects.allocation(), cb=on_decision)
+    recorder = DecisionRecorder()
+    await recorder.start(control)
     trainer_task = next(t for t, a in tasks.items() if a is trainer)
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     failed = [tasks[t].actor_id for t in done if t is not trainer_task or t.exception() is not None]
@@ -111,10 +98,7 @@ async def simulate(config: Config, out: Path, progress: Progress | None = None) 
         record = await read_run(control.jetstream())
         server.drop_messages()  # all in `record` now
         summary = write_run(record, out, config, status, time.monotonic() - started_wall, console)
-        if forecasts:
-            forecasts_frame(forecasts).write_parquet(out / "forecasts.parquet")
-        if decisions:
-            decisions_frame(decisions).write_parquet(out / "allocations.parquet")
+        recorder.write(out)
     summary_model_s = asyncio.get_running_loop().time()
     console.print(
         f"[bold]{status}[/bold]: simulated {summary_model_s:,.0f} model s in {summary['wall_s']} s wall; "

@@ -195,3 +195,7 @@ def test_prorsa_switches_roles_on_a_real_bus_and_loses_nothing(tmp_path: Path):
     assert all("->" in why for why in switched["detail"])  # each switch logs the allocator's decision ("1:1 -> ..." here)
     assert events.filter(pl.col("kind") == "kv_transfer_done").height > 0  # turns crossed engines after the split
     assert summary["actors"]["forecaster"]["ticks"] > 0
+    # the launcher records the allocator's decisions with the capacities each was priced with
+    decisions = pl.read_parquet(out / "allocations.parquet")
+    assert decisions.height > 0 and decisions["changes"].str.contains("prefill").any()
+    assert (decisions["capacity_decode_scale"] > 0).all() and (out / "forecasts.parquet").exists()

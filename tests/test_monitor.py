@@ -212,6 +212,7 @@ def test_the_allocators_latest_decision_shows_why_the_fleet_holds():
                 roles={"e0": "prefill", "e1": "decode", "e2": "decode"},
                 reason=reason,
                 demand_source="forecast@9s",
+                capacity_decode_scale=0.8125,
             )
         )
 
@@ -219,9 +220,19 @@ def test_the_allocators_latest_decision_shows_why_the_fleet_holds():
     state.ingest(subjects.allocation(), tick(8.0, "an older tick, late"), wall_s=1.1)
     state.ingest(subjects.allocation(), b"junk", wall_s=1.2)
     d = state.snapshot(1.5)["switches"]["allocator"]
-    assert d == {"at_s": 10.0, "policy": "prorsa", "split": "1:2", "changes": 0, "reason": "hold 1:2", "demand": "forecast@9s"}
+    capacity = {"prefill": 1.0, "decode": 0.812, "mixed": 1.0, "kv": 1.0}
+    assert d == {
+        "at_s": 10.0,
+        "policy": "prorsa",
+        "split": "1:2",
+        "changes": 0,
+        "reason": "hold 1:2",
+        "demand": "forecast@9s",
+        "capacity": capacity,
+    }
     assert state.snapshot(1.5)["invalid"]  # the malformed one is counted, not taken
     assert "allocator @ 10 s (prorsa, 1:2): hold 1:2" in render_text(state.snapshot(1.5))
+    assert "decode 0.812x" in render_text(state.snapshot(1.5))
 
 
 def test_a_switch_not_acked_past_its_deadline_and_an_engine_silent_past_its_lease_are_alerts():

@@ -551,3 +551,29 @@ def test_old_records_without_delayer_runs_still_render_with_colocated_best_the_b
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "results.json").write_text(json.dumps(old))
     assert main([str(tmp_path / "old"), "--out", str(tmp_path / "merged")]) == 0
+
+
+def test_the_mismatch_table_runs_each_truth_against_prorsa_priced_both_ways_and_an_oracle_given_the_truth():
+    suite = SUITES["paper"]
+    cases = suite.cases(("mismatch",))
+    variants = {(c.fleet.name, c.variant) for c in cases}
+    assert {w for c in cases for w in [c.workload.name]} == {"swe", "shift"}
+    for fleet in ("moe", "moe-stage", "deepseek", "dense"):
+        assert {v for f, v in variants if f == fleet} >= {
+            "truth prefill x1.3",
+            "truth decode x0.75",
+            "truth lockstep high",
+            "truth kv x0.8",
+        }
+    assert ("moe", "truth h100") in variants and ("deepseek", "truth h100") not in variants  # DeepSeek-V3 does not fit 8 H100s
+    case = next(c for c in cases if (c.fleet.name, c.variant) == ("deepseek", "truth prefill x1.3"))
+    policies = suite.case_policies(case.fleet, case.table, (), case.engines)
+    assert {"prorsa", "prorsa+model", "oracle", "static-1:3", "colocated-sticky"} <= set(policies)
+    measured, model = run_config(suite, case, "prorsa"), run_config(suite, case, "prorsa+model")
+    assert (measured.allocator.capacity, model.allocator.capacity) == ("measured", "model")
+    assert model.run.policy == "prorsa" and measured.engines.truth.prefill == 1.3 and measured.engines.truth.spread == 0.1
+    assert run_config(suite, case, "oracle", Path("prorsa.parquet")).allocator.capacity == "truth"
+    main = next(c for c in suite.cases(("main",)) if c.fleet.name == "deepseek")
+    assert run_config(suite, main, "oracle", Path("prorsa.parquet")).allocator.capacity == "measured"
+    h100 = next(c for c in cases if (c.fleet.name, c.variant) == ("moe", "truth h100"))
+    assert run_config(suite, h100, "prorsa").engines.truth.preset == "h100-qwen3-30b-a3b"

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from actors.allocator.demand import RecordedDemand, from_forecast, from_queues
+from actors.allocator.measured import MeasuredSpeed
 from actors.allocator.policy import Fixed, Policy, Split
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
 from actors.base import Actor
@@ -86,6 +87,8 @@ class AllocatorActor(Actor):
         self.env_turns: dict[str, int] = {}  # environment -> turns it routed, cumulative
         self._seen_tokens = (0, 0)
         self.remote_share = 1.0  # share of prefill tokens that go to prefill engines (EWMA per tick)
+        self.speed = MeasuredSpeed()  # the engines' step times against the prior's (allocator.capacity = "measured")
+        self._prior_kv = {role: config.engines.cost_preset(role).kv_capacity_tokens for role in Role}
 
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.status_of_kind("engine"), cb=self._on_status)
@@ -99,6 +102,8 @@ class AllocatorActor(Actor):
             return
         self.statuses[status.engine_id] = status
         self.seen_at_s[status.engine_id] = self.clock.now_s()
+        if not status.switching:  # mid-switch, its pool may be of either layout
+            self.speed.observe(status.engine_id, status.incarnation, status.timing, status.kv_capacity_tokens, self._prior_kv[status.role])
         if status.engine_id in self.expired:
             self.expired.discard(status.engine_id)
             self.log.info("engine %s reports again after its lease ran out", status.engine_id)
@@ -212,6 +217,7 @@ class AllocatorActor(Actor):
         if demand is not None:
             demand = dataclasses.replace(demand, remote_share=share)
         self.last_demand = demand
+        self._learn_capacity()
         changes = self.policy.decide(demand, fleet)
         self.counters["decisions"] += 1
         if changes:
@@ -225,12 +231,32 @@ class AllocatorActor(Actor):
         await self._publish_decision(fleet, demand, changes)
         return changes
 
+    def _learn_capacity(self) -> None:
+        """allocator.capacity = "measured": the window of the engines' step times slides, and
+        the policy's capacities take the factors it gives (actors/allocator/measured.py)."""
+        self.speed.tick()
+        capacity = getattr(self.policy, "capacity", None)
+        if capacity is not None and self.config.allocator.capacity == "measured":
+            capacity.scales = self.speed.scales()
+
     async def _publish_decision(self, fleet: Fleet, demand: Demand | None, changes: list[RoleChange]) -> None:
         """This tick's AllocationDecision, for watchers and the simulation's record."""
         figures = {}
         if demand is not None:
             figures = {name: float(getattr(demand, name)) for name in DECISION_DEMAND_FIELDS}
             figures["demand_source"] = demand.source
+        capacity = getattr(self.policy, "capacity", None)
+        if capacity is not None:
+            scales, cap = capacity.scales, capacity.at(fleet.mean_decode_context_tokens if demand is None else demand.decode_context_tokens)
+            figures |= {
+                "capacity_prefill_scale": scales.prefill,
+                "capacity_decode_scale": scales.decode,
+                "capacity_mixed_scale": scales.mixed,
+                "capacity_kv_scale": scales.kv,
+                "prefill_s_per_token": cap.prefill_s_per_token,
+                "colocated_prefill_s_per_token": cap.colocated_prefill_s_per_token,
+                "decode_kv_step_s": cap.decode_kv_step_s,
+            }
         decision = AllocationDecision(
             at_s=fleet.now_s,
             policy=self.policy.name,

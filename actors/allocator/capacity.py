@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actors.config import EngineSection
 from actors.engine.admission import rank_chunk_tokens
@@ -93,6 +93,49 @@ class Capacity:
         return base + slope * (attention_tokens - self.prefill_attention_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Scales:
+    """Measured over prior, per capacity family (1.0: as the prior says)."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+    mixed: float = 1.0
+    kv: float = 1.0
+
+    @property
+    def unit(self) -> bool:
+        return (self.prefill, self.decode, self.mixed, self.kv) == (1.0, 1.0, 1.0, 1.0)
+
+
+def scaled_capacity(cap: Capacity, s: Scales) -> Capacity:
+    """`cap` (the prior's) with measured factors applied (`actors.allocator.measured`): the KV
+    pools and the batches they hold scaled by `s.kv`, each batch's step time read at its new
+    size along the prior's slope, then every step time scaled by `s.decode`; prefill costs by
+    `s.prefill` (a colocated engine's, whose prefill runs in mixed steps, by `s.mixed`)."""
+    if s.unit:
+        return cap
+    colocated_seqs = max(1, round(cap.colocated_kv_seqs * s.kv))
+    decode_seqs = max(1, round(cap.decode_kv_seqs * s.kv))
+    return replace(
+        cap,
+        prefill_s_per_token=cap.prefill_s_per_token * s.prefill,
+        prefill_s_per_token_per_context=cap.prefill_s_per_token_per_context * s.prefill,
+        decode_prefill_s_per_token=cap.decode_prefill_s_per_token * s.prefill,
+        colocated_prefill_s_per_token=cap.colocated_prefill_s_per_token * s.mixed,
+        colocated_prefill_s_per_token_per_context=cap.colocated_prefill_s_per_token_per_context * s.mixed,
+        min_tpot_s=cap.min_tpot_s * s.decode,
+        colocated_kv_seqs=colocated_seqs,
+        decode_kv_seqs=decode_seqs,
+        colocated_kv_step_s=(cap.colocated_kv_step_s + cap.colocated_step_s_per_seq * (colocated_seqs - cap.colocated_kv_seqs)) * s.decode,
+        decode_kv_step_s=(cap.decode_kv_step_s + cap.decode_step_s_per_seq * (decode_seqs - cap.decode_kv_seqs)) * s.decode,
+        colocated_step_s_per_seq=cap.colocated_step_s_per_seq * s.decode,
+        decode_step_s_per_seq=cap.decode_step_s_per_seq * s.decode,
+        decode_kv_tokens=max(1, round(cap.decode_kv_tokens * s.kv)),
+        colocated_kv_tokens=max(1, round(cap.colocated_kv_tokens * s.kv)),
+        prefill_kv_tokens=max(1, round(cap.prefill_kv_tokens * s.kv)),
+    )
+
+
 def prefill_s_per_token(preset: CostPreset, chunk_tokens: int, prefix_tokens: int) -> float:
     ranks = [RankLoad(((chunk_tokens, prefix_tokens),), 0, 0)] * preset.dp_ranks
     return group_iteration_s(preset, ranks) / (chunk_tokens * preset.dp_ranks)
@@ -140,23 +183,27 @@ class CapacityModel:
     """Capacity of the fleet's engines at a typical context, computed once per context bucket
     (a power of two, so the figure is stable while contexts drift a little)."""
 
-    def __init__(self, engines: EngineSection, slack: float) -> None:
+    def __init__(self, engines: EngineSection, slack: float, truth: bool = False) -> None:
         self.engines = engines
         self.slack = slack
+        # the engines' own cost model (`engines.truth`, its mean: no per-engine spread) instead
+        # of the one they are priced with: the oracle's (`allocator.capacity = "truth"`)
+        self.preset_of = engines.truth_preset if truth else engines.cost_preset
+        self.scales = Scales()  # measured over prior (`actors.allocator.measured`)
         self._cache: dict[int, Capacity] = {}
 
     def at(self, context_tokens: float) -> Capacity:
         bucket = 1 << max(8, round(max(1.0, context_tokens)).bit_length() - 1)
         if bucket not in self._cache:
             self._cache[bucket] = self._compute(bucket)
-        return self._cache[bucket]
+        return scaled_capacity(self._cache[bucket], self.scales)
 
     def _compute(self, context_tokens: int) -> Capacity:
         engines = self.engines
-        prefill, decode = engines.cost_preset(Role.PREFILL), engines.cost_preset(Role.DECODE)
+        prefill, decode = self.preset_of(Role.PREFILL), self.preset_of(Role.DECODE)
         kv_seq_cap = max(decode.dp_ranks, int(KV_HIGH_WATERMARK * decode.kv_capacity_tokens / context_tokens))
         cap = min(engines.max_decode_seqs * decode.dp_ranks, kv_seq_cap)
-        colocated = engines.cost_preset(Role.COLOCATED)
+        colocated = self.preset_of(Role.COLOCATED)
         colocated_cap = min(
             engines.max_decode_seqs * colocated.dp_ranks,
             max(colocated.dp_ranks, int(KV_HIGH_WATERMARK * colocated.kv_capacity_tokens / context_tokens)),

@@ -133,7 +133,7 @@ class Split:
     q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
 
     def __post_init__(self) -> None:
-        self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack)
+        self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack, truth=self.config.capacity == "truth")
         self.damping = FlapDamping(self.config.horizon_s)
 
     def decide(self, demand: Demand | None, fleet: Fleet) -> list[RoleChange]:

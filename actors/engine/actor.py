@@ -50,7 +50,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         self.core = EngineCore(
             actor_id,
             role,
-            ec.cost_preset(role),
+            ec.truth_preset(role, actor_id),
             ec.max_batch_tokens,
             ec.max_decode_seqs,
             ec.max_waiting,
@@ -58,6 +58,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             host_kv_ratio=ec.host_kv_ratio if ec.host_kv_tier else 0.0,
             divide_chunk=ec.dp_chunk == "divided",
             prefill_delayer=ec.prefill_delayer,
+            prior=None if ec.truth.exact else ec.cost_preset(role),
         )
         self._wake = Flag()  # new work admitted (or a stop requested)
         self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it
@@ -457,4 +458,5 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             decoded_tokens_total=self.decoded_tokens_total,
             cached_prefix_tokens=self.core.cached_tokens,
             incarnation=self.incarnation,
+            timing=self.core.timing.report(),
         )

@@ -38,6 +38,7 @@ from actors.engine.admission import (
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
 from actors.engine.prefix_lru import PrefixLru, key
 from actors.engine.sequence import Batch, Held, Seq
+from actors.engine.timing import IterationMeter
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
@@ -70,8 +71,14 @@ class EngineCore:
         host_kv_ratio: float = 0.0,
         divide_chunk: bool = False,
         prefill_delayer: bool = False,
+        prior: CostPreset | None = None,
     ) -> None:
         self.engine_id = engine_id
+        # the cost model the engine is priced with, where it runs another (`engines.truth`):
+        # every step is also timed by it, for the iteration times the engine reports
+        # (`timing`); None: the engine runs the model it is priced with
+        self.prior = prior
+        self.timing = IterationMeter()
         self.admission = admission  # "sglang": reserve KV for decode growth (actors/engine/admission.py); "vllm": greedy
         self.new_token_ratio = NewTokenRatio()
         self.hold_new_handoffs = False  # sglang PD: the decode side takes no work now, start no new hand-off prefill (the actor sets it)
@@ -302,12 +309,15 @@ class EngineCore:
         decoding = self._decode_per_rank(decode)
         if chunks:
             repeats = self._repeatable(chunks, decode, budget, free) if repeat_prefill else 1
-            ends_s, total_s = [], 0.0
+            ends_s, total_s, prior_s = [], 0.0, 0.0
             for ahead in range(repeats):  # each repeat's chunks and decodes sit on a longer context
-                total_s += group_iteration_s(self.preset, self._loads(chunks, decoding, ahead))
+                loads = self._loads(chunks, decoding, ahead)
+                total_s += group_iteration_s(self.preset, loads)
                 if ends_s and total_s > max_advance_s:
                     break
                 ends_s.append(total_s)
+                if self.prior is not None:
+                    prior_s += group_iteration_s(self.prior, loads)
             iterations, duration_s = len(ends_s), ends_s[-1]
         else:
             loads = self._loads([], decoding)
@@ -318,6 +328,8 @@ class EngineCore:
             free = self.kv_capacity_tokens - resident  # nothing changed since it was counted
             iterations = max(1, min(fit, free // len(decode), min(map(_DECODE_LEFT, decode))))
             duration_s = group_decode_run_s(self.preset, loads, iterations)
+            if self.prior is not None:
+                prior_s = group_decode_run_s(self.prior, loads, iterations)
         self._count_delay(delay, iterations)
         copy_s = self._take_host_copy_s()
         if ends_s is not None:
@@ -331,7 +343,10 @@ class EngineCore:
             if not seq.decode_started:
                 seq.decode_started = True
                 started.append(("decode_started", seq))
-        return Batch(chunks, decode, iterations, duration_s + copy_s, started, ends_s, copy_s)
+        batch = Batch(chunks, decode, iterations, duration_s + copy_s, started, ends_s, copy_s)
+        if self.prior is not None:
+            batch.prior_s = prior_s + copy_s
+        return batch
 
     def _delays_new_prefills(self) -> bool:
         """SGLang's PrefillDelayer (`engines.prefill_delayer`; prefill_delayer.py, not on PD
@@ -480,6 +495,7 @@ class EngineCore:
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
         """Apply a planned step; return ("prefill_done" | "decode_done", seq) in order."""
         self.busy_s += batch.duration_s
+        self.timing.count(batch, self.rank_chunk_tokens)
         if batch.decode:
             self.new_token_ratio.decay(batch.iterations)
         done: list[tuple[str, Seq]] = []

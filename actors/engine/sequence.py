@@ -62,6 +62,16 @@ class Batch:
     started: list[tuple[str, Seq]] = field(default_factory=list)  # ("prefill_started" | "decode_started", seq)
     ends_s: list[float] | None = None  # when each iteration ends, from the step's start (multi-iteration prefill)
     host_copy_s: float = 0.0  # KV moved to or from host memory before the step (in duration_s and ends_s)
+    # the engine's prior cost model's time for the planned iterations, where the step runs
+    # otherwise (an emulated engine's `EngineCore.prior`, a torch engine's real forward);
+    # None: the step takes the time the prior gives it
+    prior_s: float | None = None
+    planned_iterations: int = 0  # iterations as planned (a backend may end the step sooner)
+    planned_s: float = 0.0  # duration_s as planned (the cost model the engine runs)
+
+    def __post_init__(self) -> None:
+        self.planned_iterations = self.iterations
+        self.planned_s = self.duration_s
 
     @property
     def prefill_tokens(self) -> int:

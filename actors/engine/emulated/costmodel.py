@@ -38,6 +38,7 @@ __all__ = [
     "switch_reconfig_s",
     "weight_sync_s",
     "with_lockstep",
+    "scaled",
 ]
 
 
@@ -426,6 +427,27 @@ def weight_sync_s(preset: CostPreset, link: Link) -> float:
     """A weight update mid-rollout (run.mode = "async"): the model's bytes over the engine's
     link (engines.link), as a KV transfer of that size would take (`transfer_s`)."""
     return transfer_s(link, weight_sync_bytes(preset))
+
+
+def scaled(preset: CostPreset, prefill: float = 1.0, decode: float = 1.0, kv: float = 1.0) -> CostPreset:
+    """`preset` with its prefill compute (GEMM time per prefill token, prefill attention) times
+    `prefill`, its decode work (weight reads, GEMM time per decode sequence, KV reads,
+    per-sequence cost) times `decode`, and its KV pool times `kv`: engines whose truth differs
+    from the model they are priced with (`engines.truth`)."""
+    if (prefill, decode, kv) == (1.0, 1.0, 1.0):
+        return preset
+    return replace(
+        preset,
+        name=f"{preset.name}*p{prefill:g}d{decode:g}kv{kv:g}",
+        t_tok_s=preset.t_tok_s * prefill,
+        c_attn_s=preset.c_attn_s * prefill,
+        t_w_base_s=preset.t_w_base_s * decode,
+        t_w_moe_s=preset.t_w_moe_s * decode,
+        t_dec_s=preset.t_dec_s * decode,
+        c_kv_s=preset.c_kv_s * decode,
+        c_seq_s=preset.c_seq_s * decode,
+        kv_capacity_tokens=max(1, round(preset.kv_capacity_tokens * kv)),
+    )
 
 
 def prefill_s(preset: CostPreset, new_tokens: int, prefix_tokens: int = 0) -> float:
