@@ -12,6 +12,7 @@ families, forecasting models) and the cost model an engine runs with are added b
 
 from __future__ import annotations
 
+import random
 import re
 import tomllib
 from pathlib import Path
@@ -253,11 +254,83 @@ class FamilyOverride(_Section):
     tool_latency_scale: float = 1.0  # multiply tool latencies
 
 
+class Difficulty(_Section):
+    """A latent difficulty per trajectory that moves its turn count and its output and
+    observation lengths together, correlated across the G siblings of a task (harder tasks
+    take more turns, longer reasoning and longer tool outputs for every sample; an assumption,
+    docs/workloads.md, "Structure nobody told the forecaster"). Each trajectory's z is
+    rho z_task + sqrt(1 - rho^2) z_own (standard normals); its turns, outputs and observations
+    are multiplied by exp(sigma x elasticity x z). sigma 0: off."""
+
+    sigma: float = 0.0
+    sibling_correlation: float = 0.7  # rho
+    turns: float = 1.0  # elasticities
+    gen: float = 1.0
+    obs: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.sigma < 0 or not 0 <= self.sibling_correlation <= 1:
+            raise ValueError("workload.difficulty: sigma must be >= 0, sibling_correlation in [0, 1]")
+
+
+class ToolTail(_Section):
+    """Heavy-tailed tool calls with timeouts and retries: a share of calls takes a Pareto(alpha,
+    scale_s) time instead of the family's; a call past timeout_s is abandoned at the timeout
+    and retried (a fresh draw) up to `retries` times, the last one ending at the timeout
+    whatever it returns. share 0: off."""
+
+    share: float = 0.0
+    alpha: float = 1.5
+    scale_s: float = 10.0
+    timeout_s: float = 120.0
+    retries: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1 or self.alpha <= 0 or self.scale_s <= 0 or self.timeout_s <= 0 or self.retries < 0:
+            raise ValueError("workload.tool_tail: share in [0, 1], alpha, scale_s and timeout_s > 0, retries >= 0")
+
+
+class RandomMixes(_Section):
+    """Each RL step's task mix drawn at random over `families` (seeded by run.seed and the
+    step): with probability single_share all of one family (abrupt changes between steps),
+    otherwise shares from a flat Dirichlet. Empty families: off (mix and phases decide)."""
+
+    families: list[str] = []
+    single_share: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.single_share <= 1:
+            raise ValueError("workload.random_mixes.single_share must be in [0, 1]")
+
+
+class Drift(_Section):
+    """Families whose trajectories grow as the policy learns: at RL step k (sync; async: the
+    policy version) turns, outputs and observations are multiplied by (1 + per_step)^k."""
+
+    turns_per_step: float = 0.0
+    gen_per_step: float = 0.0
+    obs_per_step: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.turns_per_step, self.gen_per_step, self.obs_per_step) <= -1:
+            raise ValueError("workload.drift: each per_step must be > -1")
+
+
 class WorkloadPhase(_Section):
     """From RL step `from_step` on, tasks follow `mix` (a task mix that shifts mid-run)."""
 
     from_step: int
     mix: dict[str, float]
+
+
+def random_mix(spec: RandomMixes, run_seed: int, step: int) -> dict[str, float]:
+    """Step `step`'s mix under `spec` (`RandomMixes`), the same for every reader."""
+    rng = random.Random(f"mix:{run_seed}:{step}")
+    families = sorted(spec.families)
+    if rng.random() < spec.single_share:
+        return {rng.choice(families): 1.0}
+    draws = [rng.expovariate(1.0) for _ in families]  # a flat Dirichlet, normalised below
+    return {f: d / sum(draws) for f, d in zip(families, draws)}
 
 
 class WorkloadSection(_Section):
@@ -270,6 +343,11 @@ class WorkloadSection(_Section):
     # GRPO siblings (the G samples of a task) share their first turn's prompt, which a prefix
     # cache can reuse across them (as on the torch and vLLM backends); False: each draws its own
     share_prompts: bool = True
+    # structure the forecaster is not told (docs/workloads.md, "Structure nobody told the forecaster")
+    difficulty: Difficulty = msgspec.field(default_factory=Difficulty)
+    tool_tail: ToolTail = msgspec.field(default_factory=ToolTail)
+    random_mixes: RandomMixes = msgspec.field(default_factory=RandomMixes)
+    drift: Drift = msgspec.field(default_factory=Drift)
 
     def __post_init__(self) -> None:
         for mix in self.mixes():
@@ -283,11 +361,16 @@ class WorkloadSection(_Section):
         return [self.mix, *(p.mix for p in self.phases)]
 
     def families(self) -> list[str]:
-        """Every task family the section names (mixes and overrides), each once."""
-        return list(dict.fromkeys([*(f for m in self.mixes() for f in m), *self.overrides]))
+        """Every task family the section names (its mixes, or the random mixes' families, which
+        replace them; and the overrides), each once."""
+        drawn = self.random_mixes.families or [f for m in self.mixes() for f in m]
+        named = [*drawn, *self.overrides]
+        return list(dict.fromkeys(named))
 
-    def mix_at(self, step: int) -> dict[str, float]:
-        """The task mix of RL step `step`."""
+    def mix_at(self, step: int, run_seed: int = 0) -> dict[str, float]:
+        """The task mix of RL step `step` (random mixes: drawn from `run_seed` and the step)."""
+        if self.random_mixes.families:
+            return random_mix(self.random_mixes, run_seed, step)
         mix = self.mix
         for phase in self.phases:
             if phase.from_step <= step:

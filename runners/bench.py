@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument(
         "--tables",
         default="main,sweep,ablation,sensitivity",
-        help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity, mismatch)",
+        help="which of the suite's tables to run (comma-separated: main, sweep, ablation, sensitivity, mismatch, generalization)",
     )
     roll.add_argument("--mode", choices=("sync", "async", "both"), default="both", help="RL mode(s) to run every policy in (default both)")
     roll.add_argument("--fleets", default="", help="only these fleets (comma-separated; default every fleet of the suite)")
@@ -209,7 +209,7 @@ def rollout(
     fleets, workloads, *rest = only
     unknown = (
         {*fleets} - {f.name for f in suite.fleets}
-        | {*workloads} - {w.name for w in suite.workloads}
+        | {*workloads} - {w.name for w in (*suite.workloads, *suite.generalization)}
         | {*(rest[0] if rest else ())} - variants
     )
     if unknown:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -61,10 +62,11 @@ class Workload:
     phases: tuple[dict, ...] = ()  # later steps' mixes
     overrides: dict = field(default_factory=dict)
     steps: int = 1  # sync RL steps (a shifting mix needs at least two)
+    structure: dict = field(default_factory=dict)  # the workload section's other keys (difficulty, tool_tail, random_mixes, drift)
 
 
 MODES = ("sync", "async")
-TABLES = ("main", "sweep", "ablation", "sensitivity", "mismatch")
+TABLES = ("main", "sweep", "ablation", "sensitivity", "mismatch", "generalization")
 ASYNC_MAX_STALENESS = 1  # policy versions (trainer.max_staleness) in the bench's async runs
 ASYNC_STALE_POLICY = "hold"  # every assigned group is trained: the same trajectories as sync
 
@@ -110,6 +112,7 @@ class Suite:
     # engines whose truth differs from the model they are priced with (`engines.truth`): rows
     # as ablations' (`mismatch_rows`)
     mismatch: tuple[tuple, ...] = ()
+    generalization: tuple[Workload, ...] = ()  # run on every fleet at the main table's concurrency
 
     def tasks_per_step(self, fleet: Fleet, trajectories_per_gpu: int | None = None) -> int:
         per_gpu = self.trajectories_per_gpu if trajectories_per_gpu is None else trajectories_per_gpu
@@ -123,7 +126,7 @@ class Suite:
         (dp > 1), and the case's engines (`engines`, its overrides) not already running it."""
         merged = {**fleet.engines, **(engines or {})}
         count = fleet.engines["count"]
-        main = table == "main"
+        main = table in ("main", "generalization")  # the generalization table runs the main table's policies
         splits = fleet.static_splits if main or fleet.side_static_splits is None else fleet.side_static_splits
         statics = [f"static-{p}:{count - p}" for p in splits]
         families = ["colocated", "colocated-sticky"] if main else ["colocated-sticky"]
@@ -155,17 +158,26 @@ class Suite:
         tables: tuple[str, ...] = ("main", "sweep", "ablation", "sensitivity"),
         modes: tuple[str, ...] = ("sync",),
         seeds: tuple[int, ...] = (),
+        fresh: tuple[int, ...] = (),
     ) -> list[Case]:
         """Every row of `tables`, once per mode (a row's sync and async cases side by side) and
-        per workload seed in `seeds` (none: the suite's)."""
-        return [replace(c, mode=m, seed=s) for c in self._cases(tables) for m in modes for s in (seeds or (None,))]
+        per workload seed in `seeds` (none: the suite's; the generalization table's: `fresh`,
+        the seeds a bench run draws for it)."""
+        return [
+            replace(c, mode=m, seed=s)
+            for c in self._cases(tables)
+            for m in modes
+            for s in (seeds or (fresh if c.table == "generalization" and fresh else (None,)))
+        ]
 
     def _cases(self, tables: tuple[str, ...]) -> list[Case]:
         fleets = {f.name: f for f in self.fleets}
-        workloads = {w.name: w for w in self.workloads}
+        workloads = {w.name: w for w in (*self.workloads, *self.generalization)}
         out: list[Case] = []
         if "main" in tables:
             out += [Case("main", f, w, self.trajectories_per_gpu) for f in self.fleets for w in self.workloads]
+        if "generalization" in tables:
+            out += [Case("generalization", f, w, self.trajectories_per_gpu) for f in self.fleets for w in self.generalization]
         if "sweep" in tables:
             for fleet_names, workload_names, per_gpu in self.sweep:
                 out += [
@@ -218,6 +230,37 @@ _WORKLOADS = (
     Workload("math", {"math": 1.0}),
     Workload("shift", {"math": 0.8, "swe": 0.2}, ({"from_step": 1, "mix": {"swe": 0.8, "search": 0.2}},), _SWE_SHORT, steps=2),
 )
+# Workloads with structure the forecaster is not told (docs/workloads.md, "Structure nobody
+# told the forecaster"): no constant of the allocator or the forecaster is set from their table.
+_TERMINAL_SHORT = {"terminal": {"turns_max": 16}}
+_GENERALIZATION = (
+    # a latent difficulty per trajectory, correlated across GRPO siblings
+    Workload(
+        "difficulty", {"swe": 0.5, "search": 0.5}, (), _SWE_SHORT, structure={"difficulty": {"sigma": 0.5, "sibling_correlation": 0.7}}
+    ),
+    # long-horizon terminal tasks whose tool calls are heavy-tailed, with timeouts and retries
+    Workload(
+        "tool-tail",
+        {"terminal": 1.0},
+        (),
+        _TERMINAL_SHORT,
+        structure={"tool_tail": {"share": 0.05, "alpha": 1.5, "scale_s": 10.0, "timeout_s": 120.0, "retries": 2}},
+    ),
+    # each step's mix drawn at random, single-family steps and abrupt changes included
+    Workload(
+        "random-mix",
+        {"swe": 1.0},
+        (),
+        {**_SWE_SHORT, **_TERMINAL_SHORT},
+        steps=3,
+        structure={"random_mixes": {"families": ["swe", "search", "math", "terminal"], "single_share": 0.3}},
+    ),
+    # trajectories that grow step over step as the policy learns
+    Workload(
+        "drift", {"swe": 0.5, "math": 0.5}, (), _SWE_SHORT, steps=3, structure={"drift": {"turns_per_step": 0.1, "gen_per_step": 0.15}}
+    ),
+)
+GENERALIZATION_SEEDS = 5  # fresh workload seeds per bench run, printed, where --seeds gives none
 # Each mechanism's rows where it acts: lockstep and the DP chunk on the DP-attention fleets
 # (deepseek, moe; on moe-stage colocated engines run TP4), the host KV tier on every MoE fleet,
 # the write-back modes on the 8-engine MoE fleets, stage layouts and admission on moe-stage.
@@ -295,6 +338,7 @@ SUITES = {
         ablations=_ABLATIONS,
         sensitivity=_SENSITIVITY,
         mismatch=mismatch_rows(_PAPER_FLEETS, ("swe", "shift"), 32),
+        generalization=_GENERALIZATION,
     ),
     # A seconds-long check of the machinery (tests and smoke runs); two batches, so an async
     # run has a batch to overlap with training.
@@ -342,7 +386,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
             "train_s": 60.0,
             **({"max_staleness": ASYNC_MAX_STALENESS, "stale_policy": ASYNC_STALE_POLICY} if case.mode == "async" else {}),
         },
-        "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides},
+        "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides, **workload.structure},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else "", **capacity},
     }
     for section, values in [*case.sections.items(), *(overrides or {}).items()]:  # the row's, then --set's
@@ -543,9 +587,13 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads, *rest = only
     variants = rest[0] if rest else ()
+    fresh = ()
+    if "generalization" in tables and not seeds:  # seeds nobody tuned on: drawn now, and said
+        fresh = tuple(secrets.randbelow(1_000_000) for _ in range(GENERALIZATION_SEEDS))
+        console.print(f"generalization table: workload seeds {', '.join(map(str, fresh))} (drawn for this run)")
     cases = [
         c
-        for c in suite.cases(tables, modes, seeds)
+        for c in suite.cases(tables, modes, seeds, fresh)
         if (not per_gpu or c.trajectories_per_gpu in per_gpu)
         and (not fleets or c.fleet.name in fleets)
         and (not workloads or c.workload.name in workloads)

@@ -15,6 +15,7 @@ rerun elsewhere — never silently lost.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -23,7 +24,7 @@ from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
 from actors.environment.router import Router, store_miss_share
 from actors.environment.trace import ReplaySchedule, TracePlan
-from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory, task_prompt_seed
+from actors.environment.workloads import PROFILES, TrajectoryPlan, latent_difficulty, plan_trajectory, task_prompt_seed
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
@@ -162,20 +163,20 @@ class EnvironmentActor(Actor):
         await self._submit(t)
 
     def _sampled_plan(self, a: TaskAssignment) -> TrajectoryPlan:
-        override = self.config.workload.overrides.get(a.task_family)
-        kwargs = (
-            {}
-            if override is None
-            else dict(
-                turns_max=override.turns_max,
-                gen_scale=override.gen_scale,
-                obs_scale=override.obs_scale,
-                tool_latency_scale=override.tool_latency_scale,
-            )
+        workload, run_seed = self.config.workload, self.config.run.seed
+        override = workload.overrides.get(a.task_family)
+        kwargs: dict = {} if override is None else dict(turns_max=override.turns_max, tool_latency_scale=override.tool_latency_scale)
+        turns, gen, obs = shape_scales(workload, run_seed, a)
+        kwargs |= dict(
+            turns_scale=turns,
+            gen_scale=gen * (override.gen_scale if override else 1.0),
+            obs_scale=obs * (override.obs_scale if override else 1.0),
         )
-        if self.config.workload.share_prompts:  # the task's G siblings share one prompt
+        if workload.tool_tail.share > 0:
+            kwargs["tool_tail"] = workload.tool_tail
+        if workload.share_prompts:  # the task's G siblings share one prompt
             kwargs["prompt_seed"] = task_prompt_seed(a.task_id)
-        return plan_trajectory(PROFILES[a.task_family], self.config.run.seed, a.seed, **kwargs)
+        return plan_trajectory(PROFILES[a.task_family], run_seed, a.seed, **kwargs)
 
     async def _on_dead_letter(self, msg: Msg) -> None:
         """A turn of ours was dead-lettered (no engine could finish it): this rollout cannot
@@ -359,3 +360,17 @@ def _deliveries(msg: Msg) -> int:
         return msg.metadata.num_delivered or 1
     except (AttributeError, TypeError, ValueError):  # no JetStream reply subject to read it from
         return 1
+
+
+def shape_scales(workload, run_seed: int, a: TaskAssignment) -> tuple[float, float, float]:
+    """(turns, output, observation) multipliers of a trajectory from the structure its
+    workload adds to the family (`workload.difficulty`, `workload.drift`): 1.0 each where
+    it adds none."""
+    d, drift = workload.difficulty, workload.drift
+    z = latent_difficulty(run_seed, task_prompt_seed(a.task_id), a.seed, d.sibling_correlation) if d.sigma > 0 else 0.0
+    k = a.policy_version  # sync: the RL step
+    return (
+        math.exp(d.sigma * d.turns * z) * (1.0 + drift.turns_per_step) ** k,
+        math.exp(d.sigma * d.gen * z) * (1.0 + drift.gen_per_step) ** k,
+        math.exp(d.sigma * d.obs * z) * (1.0 + drift.obs_per_step) ** k,
+    )

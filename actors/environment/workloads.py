@@ -206,6 +206,11 @@ class TrajectoryPlan:
     gen_scale: float = 1.0
     obs_scale: float = 1.0
     tool_latency_scale: float = 1.0
+    # heavy-tailed tool calls with timeouts and retries (`workload.tool_tail`: share, alpha,
+    # scale_s, timeout_s, retries), drawn from a stream of their own so the others stay as
+    # they are; None: the family's latencies alone
+    tool_tail: object | None = None
+    tail_rng: np.random.Generator | None = None
 
     @property
     def family(self) -> str:
@@ -225,13 +230,45 @@ class TrajectoryPlan:
         return max(1, round(self.profile.obs_tokens.sample(self.rng) * self.obs_scale))  # type: ignore[attr-defined]
 
     def tool_latency_s(self, turn: int = 0) -> float:
-        return self.profile.tool_latency_s.sample(self.rng) * self.tool_latency_scale  # type: ignore[attr-defined]
+        latency_s = self.profile.tool_latency_s.sample(self.rng) * self.tool_latency_scale  # type: ignore[attr-defined]
+        if self.tool_tail is None or self.tail_rng is None:
+            return latency_s
+        rng = self.tail_rng
+        return tail_latency_s(self.tool_tail, rng, latency_s, lambda: self.profile.tool_latency_s.sample(rng) * self.tool_latency_scale)  # type: ignore[attr-defined]
 
     def reward(self) -> float:
         return float(self.rng.random() < self.profile.solve_rate)
 
 
 PROMPT_TAG = 11  # separates a task's prompt stream from the streams seeded by (run seed, trajectory seed)
+DIFFICULTY_TAG = 13  # ... the latent difficulty's streams
+TAIL_TAG = 17  # ... and a trajectory's heavy-tailed tool calls
+
+
+def tail_latency_s(spec, rng: np.random.Generator, first_s: float, redraw) -> float:
+    """A tool call's time under `spec` (`workload.tool_tail`): an attempt takes the family's
+    time (`first_s`, then `redraw()`), or with probability `spec.share` a Pareto(alpha,
+    scale_s) one; an attempt past `timeout_s` is abandoned there and retried, at most
+    `retries` times, the last one ending at the timeout whatever it returns."""
+    total_s, latency_s = 0.0, first_s
+    for attempt in range(spec.retries + 1):
+        if rng.random() < spec.share:
+            latency_s = spec.scale_s * (1.0 - rng.random()) ** (-1.0 / spec.alpha)
+        if latency_s <= spec.timeout_s:
+            return total_s + latency_s
+        total_s += spec.timeout_s
+        if attempt < spec.retries:
+            latency_s = redraw()
+    return total_s
+
+
+def latent_difficulty(run_seed: int, task_seed: int, trajectory_seed: int, sibling_correlation: float) -> float:
+    """A trajectory's standard-normal difficulty: `sibling_correlation` of it its task's (every
+    sibling draws the same from `task_seed`), the rest its own."""
+    task = np.random.default_rng([run_seed, task_seed, DIFFICULTY_TAG]).standard_normal()
+    own = np.random.default_rng([run_seed, trajectory_seed, DIFFICULTY_TAG]).standard_normal()
+    rho = sibling_correlation
+    return float(rho * task + math.sqrt(1.0 - rho * rho) * own)
 
 
 def task_prompt_seed(task_id: str) -> int:
@@ -248,18 +285,22 @@ def plan_trajectory(
     obs_scale: float = 1.0,
     tool_latency_scale: float = 1.0,
     prompt_seed: int | None = None,
+    turns_scale: float = 1.0,
+    tool_tail: object | None = None,
 ) -> TrajectoryPlan:
     """`prompt_seed` (`task_prompt_seed`): the prompt length is the task's, shared by its
-    siblings; None: the trajectory draws its own."""
+    siblings; None: the trajectory draws its own. `turns_scale` multiplies the drawn turn
+    count (before `turns_max`); `tool_tail` (`workload.tool_tail`) makes tool calls heavy-tailed."""
     rng = np.random.default_rng([run_seed, trajectory_seed])
-    turns = max(1, round(profile.turns.sample(rng)))  # type: ignore[attr-defined]
+    turns = max(1, round(profile.turns.sample(rng) * turns_scale))  # type: ignore[attr-defined]
     if turns_max is not None:
         turns = min(turns, turns_max)
     prompt = max(1, round(profile.prompt_tokens.sample(rng)))  # type: ignore[attr-defined]
     if prompt_seed is not None:  # the trajectory's own draw above keeps its later draws as they are
         task_rng = np.random.default_rng([run_seed, prompt_seed, PROMPT_TAG])
         prompt = max(1, round(profile.prompt_tokens.sample(task_rng)))  # type: ignore[attr-defined]
-    return TrajectoryPlan(profile, rng, turns, prompt, gen_scale, obs_scale, tool_latency_scale)
+    tail_rng = np.random.default_rng([run_seed, trajectory_seed, TAIL_TAG]) if tool_tail is not None else None
+    return TrajectoryPlan(profile, rng, turns, prompt, gen_scale, obs_scale, tool_latency_scale, tool_tail, tail_rng)
 
 
 def choose_family(mix: dict[str, float], run_seed: int, step: int, task_index: int) -> str:

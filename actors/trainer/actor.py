@@ -108,7 +108,7 @@ class TrainerActor(AsyncTrainerLoop, Actor):
         tc, run = self.config.trainer, self.config.run
         wanted: set[str] = set()
         for k in range(tc.tasks_per_step):
-            family = choose_family(self.config.workload.mix_at(step), run.seed, step, k)
+            family = choose_family(self.config.workload.mix_at(step, run.seed), run.seed, step, k)
             for g in range(tc.samples_per_task):
                 trajectory_id = f"s{step}-k{k}-g{g}"
                 assignment = TaskAssignment(

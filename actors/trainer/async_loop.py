@@ -84,7 +84,7 @@ class AsyncTrainerLoop:
             # the data schedule is the sync run's: group i is task i % B of batch i // B, so a
             # shifting mix moves with the batches, not with the (lagging) policy version
             batch, k = divmod(i, tc.tasks_per_step)
-            family = choose_family(self.config.workload.mix_at(batch), run.seed, batch, k)
+            family = choose_family(self.config.workload.mix_at(batch, run.seed), run.seed, batch, k)
             task_id = f"a{i}"
             members = [f"{task_id}-g{g}" for g in range(tc.samples_per_task)]
             self.gate.assign(task_id, version, members)
