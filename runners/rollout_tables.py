@@ -249,6 +249,66 @@ def critical_path_lines(results: list[dict], mode: Callable[[dict], str]) -> lis
     return lines
 
 
+def best_fixed(rows: list[dict]) -> dict | None:
+    """The best fixed arrangement in hindsight: the faster of colocated-best and every static split."""
+    picks = [r for r in (best_of(rows, COLOCATED_BEST), best_of(rows, "static")) if r]
+    return min(picks, key=lambda r: r["rollout_s"], default=None)
+
+
+def _learned_errors(r: dict | None) -> dict[str, float]:
+    """Each capacity figure the run priced with at its first step's end, against the truth's:
+    learned / truth - 1."""
+    figures = ((r or {}).get("learned") or {}).get("figures", {})
+    return {name: learned / truth - 1.0 for name, (learned, truth) in figures.items() if truth}
+
+
+MISMATCH_FIGURES = (
+    ("prefill_s_per_token", "prefill"),
+    ("colocated_prefill_s_per_token", "colocated prefill"),
+    ("decode_kv_step_s", "decode step"),
+)
+
+
+def _error_cell(measured: float | None, model: float | None) -> str:
+    if measured is None:
+        return "-"
+    return f"{measured:+.1%}" + (f" / {model:+.1%}" if model is not None else "")
+
+
+def mismatch_lines(results: list[dict]) -> list[str]:
+    """The mismatch table: per row (engines whose truth differs from their prior), prorsa priced
+    by measurement and by the cost model alone against the best fixed arrangement in hindsight
+    and oracle (given the truth), and how far each priced the engines from the truth at the
+    end of the first step."""
+    keys = [k for k in dict.fromkeys(_case_key(r) for r in results) if k[0] == "mismatch"]
+    if not keys:
+        return []
+    lines = _section(
+        "engines unlike their prior (mismatch): prorsa with measured capacities and priced by the cost model alone (+model), against the best fixed arrangement in hindsight "
+        "(the faster of colocated-best and every static split) and oracle (given the truth), ratio > 1: prorsa faster; capacity error: what it priced with at the first step's end over the truth, measured / model:",
+        "mode | best fixed | prorsa s | vs best fixed | +model vs best fixed | measured over model | of oracle | "
+        + " | ".join(f"{label} error" for _, label in MISMATCH_FIGURES)
+        + " |",
+        "--- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in MISMATCH_FIGURES) + " |",
+    )
+    for key in keys:
+        rows = [r for r in results if _case_key(r) == key]
+        by = {r["policy"]: r for r in rows}
+        measured, model, oracle, fixed = by.get("prorsa"), by.get("prorsa+model"), by.get("oracle"), best_fixed(rows)
+        if measured is None:
+            continue
+        p = measured["rollout_s"]
+        fixed_s = fixed["rollout_s"] if fixed else None
+        errors = [_error_cell(_learned_errors(measured).get(n), _learned_errors(model).get(n)) for n, _ in MISMATCH_FIGURES]
+        seed = f", seed {key[5]}" if key[5] is not None else ""
+        lines.append(
+            _row(measured) + f"{key[6]}{seed} | {_s(fixed_s)} ({fixed['policy'] if fixed else '-'}) | {p:.1f} | {_x(_ratio(fixed_s, p))} | "
+            f"{_x(_ratio(fixed_s, model['rollout_s'])) if model else '-'} | {_x(_ratio(model['rollout_s'], p)) if model else '-'} | "
+            f"{_x(_ratio(oracle['rollout_s'], p)) if oracle else '-'} | " + " | ".join(errors) + " |"
+        )
+    return lines
+
+
 def fleet_lines(compared: list[dict]) -> list[str]:
     """The per-fleet table of the main table's rows (`fleet_summary`), the README's results."""
     summary = fleet_summary(compared)
@@ -326,6 +386,7 @@ def results_markdown(results: list[dict]) -> str:
                 f"{_spread(c['vs_static'])} | {at_least} | {_spread(c['of_oracle'])} |"
             )
     lines += fleet_lines(compared)
+    lines += mismatch_lines(results)
     lines += critical_path_lines(results, mode)
     modes = mode_comparisons(results)
     if modes:

@@ -577,3 +577,38 @@ def test_the_mismatch_table_runs_each_truth_against_prorsa_priced_both_ways_and_
     assert run_config(suite, main, "oracle", Path("prorsa.parquet")).allocator.capacity == "measured"
     h100 = next(c for c in cases if (c.fleet.name, c.variant) == ("moe", "truth h100"))
     assert run_config(suite, h100, "prorsa").engines.truth.preset == "h100-qwen3-30b-a3b"
+
+
+def test_the_mismatch_table_rates_prorsa_both_ways_against_the_best_fixed_arrangement_and_says_how_far_it_priced_from_the_truth():
+    from runners.rollout_tables import best_fixed, mismatch_lines
+
+    def rec(policy: str, rollout_s: float, learned: dict | None = None) -> dict:
+        return {
+            "table": "mismatch",
+            "fleet": "deepseek",
+            "workload": "swe",
+            "trajectories_per_gpu": 32,
+            "variant": "truth prefill x1.3",
+            "seed": 2026,
+            "mode": "sync",
+            "policy": policy,
+            "rollout_s": rollout_s,
+            "learned": learned,
+        }
+
+    figures = {"prefill_s_per_token": [1.1, 1.0], "decode_kv_step_s": [0.5, 0.5]}
+    results = [
+        rec("colocated-sticky", 1800.0),
+        rec("colocated-sticky+delayer", 1700.0),
+        rec("static-1:3", 1400.0),
+        rec("static-2:2", 1500.0),
+        rec("prorsa", 1600.0, {"figures": figures}),
+        rec("prorsa+model", 1750.0, {"figures": {"prefill_s_per_token": [0.8, 1.0], "decode_kv_step_s": [0.5, 0.5]}}),
+        rec("oracle", 1520.0),
+    ]
+    assert best_fixed(results)["policy"] == "static-1:3"
+    assert best_fixed([r for r in results if not r["policy"].startswith("static")])["policy"] == "colocated-sticky+delayer"
+    line = mismatch_lines(results)[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[6:12] == ["1400.0 (static-1:3)", "1600.0", "0.875x", "0.800x", "1.094x", "0.950x"]
+    assert cells[12] == "+10.0% / -20.0%" and cells[14] == "+0.0% / +0.0%" and cells[13] == "-"
