@@ -1,7 +1,7 @@
 """Benchmarks that print figures.
 
 python -m runners.bench calibration --out DIR    cost model vs published figures (fitting and validation sets)
-python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--seeds A,B,C] [--out DIR] [--live] [--jobs N]
+python -m runners.bench rollout [--suite paper] [--mode sync|async|both] [--seeds A,B,C|published] [--out DIR] [--live] [--jobs N]
                                                  every policy side by side, sync and async RL (runners.rollout)
 python -m runners.bench simulation [--engines 64 256 1024] [--turns-max 5] [--out DIR]
                                                  simulation wall time vs fleet size (runners.simscale)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     roll.add_argument(
         "--seeds",
         default="",
-        help="run every case once per workload seed (comma-separated, e.g. 2026,2,3); the tables then add each row's spread across seeds",
+        help="run every case once per workload seed (comma-separated, e.g. 2026,2,3; 'published': the seeds of the docs' tables); the tables then add each row's spread across seeds",
     )
     roll.add_argument(
         "--set",
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         if overrides is None:
             return 2
         try:
-            seeds = tuple(dict.fromkeys(int(n) for n in args.seeds.split(",") if n.strip()))
+            seeds = parse_seeds(args.seeds, args.suite)
         except ValueError:
-            print(f"error: --seeds {args.seeds!r}: expected integers, e.g. 2026,2,3", file=sys.stderr)
+            print(f"error: --seeds {args.seeds!r}: expected integers, e.g. 2026,2,3, or 'published'", file=sys.stderr)
             return 2
         return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
     return 2
@@ -180,6 +180,16 @@ def parse_sets(sets: list[str]) -> dict | None:
             parsed = value  # a bare string: engines.kv_writeback=store
         out.setdefault(section, {})[name] = parsed
     return out
+
+
+def parse_seeds(text: str, suite_name: str) -> tuple[int, ...]:
+    """--seeds: integers, or "published" for the seeds the docs' tables were run on (the suite's
+    `published_seeds`). ValueError for anything else."""
+    if text.strip() == "published":
+        from runners.rollout import SUITES
+
+        return SUITES[suite_name].published_seeds if suite_name in SUITES else ()
+    return tuple(dict.fromkeys(int(n) for n in text.split(",") if n.strip()))
 
 
 def rollout(

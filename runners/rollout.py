@@ -102,6 +102,8 @@ class Suite:
     samples_per_task: int  # G
     environments: int
     seed: int = 2026
+    # the workload seeds the docs' tables are run on (`--seeds published`): the suite's, then 1-4
+    published_seeds: tuple[int, ...] = (2026, 1, 2, 3, 4)
     dynamic: tuple[str, ...] = ("reactive", "prorsa")
     # concurrency sweep: (fleet names, workload names, trajectories per GPU)
     sweep: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], ...] = ()

@@ -612,3 +612,13 @@ def test_the_mismatch_table_rates_prorsa_both_ways_against_the_best_fixed_arrang
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[6:12] == ["1400.0 (static-1:3)", "1600.0", "0.875x", "0.800x", "1.094x", "0.950x"]
     assert cells[12] == "+10.0% / -20.0%" and cells[14] == "+0.0% / +0.0%" and cells[13] == "-"
+
+
+def test_the_published_seeds_are_five_listed_in_the_bench_and_named_by_one_word():
+    from runners.bench import parse_seeds
+
+    assert parse_seeds("published", "paper") == SUITES["paper"].published_seeds
+    assert len(SUITES["paper"].published_seeds) >= 5 and SUITES["paper"].published_seeds[0] == SUITES["paper"].seed
+    assert parse_seeds("3,1,3", "paper") == (3, 1)
+    with pytest.raises(ValueError):
+        parse_seeds("one,two", "paper")
