@@ -57,6 +57,7 @@ def build_state(target: BusTarget, args: argparse.Namespace) -> MonitorState:
         heartbeat_wall_s=hints.get("heartbeat_wall_s"),
         time_scale=hints.get("time_scale"),
         expected_engines=hints.get("expected_engines", ()),
+        initial_roles=hints.get("initial_roles", {}),
         window_s=args.window,
     )
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -38,6 +39,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from actors import config_schema as schema
 from actors.base.connection import TlsFiles
 from actors.base.tasks import cancel_and_wait
 from bus_schemas import streams, subjects
@@ -121,6 +123,11 @@ def run_hints(run_dir: Path) -> dict:
     count = engines.get("count") if isinstance(engines, dict) else None
     if isinstance(count, int) and count > 0:
         hints["expected_engines"] = [f"e{i}" for i in range(count)]  # as actors.config.Config.engine_ids names them
+    try:  # the schema alone (no cost model): the role each engine starts in
+        config = msgspec.convert(raw, schema.Config)
+        hints["initial_roles"] = {engine_id: role.value for engine_id, role in schema.initial_roles(config).items()}
+    except (msgspec.ValidationError, ValueError):
+        pass
     return hints
 
 

@@ -56,7 +56,10 @@ class Engines:
         rate_window_s: float,
         window_s: float,
         history_points: int,
+        initial_roles: dict[str, str] | None = None,
     ) -> None:
+        # the role each engine starts in (the run's config): its role before anything it reported
+        self.initial_roles = initial_roles or {}
         self.lease_wall_s = lease_wall_s  # None: 10 heartbeat periods, at least 3 s (run.lease_wall_s's default)
         self.heartbeat_wall_s = heartbeat_wall_s  # None: estimated from the heartbeats' spacing
         self.time_scale = time_scale  # None: estimated from the heartbeats (model s per wall s)
@@ -113,10 +116,11 @@ class Engines:
             del changes[: _MAX_ROLE_CHANGES // 2]
 
     def role_when(self, engine_id: str, at_s: float, *, inclusive: bool = True) -> str:
-        """The engine's role at `at_s` (`inclusive=False`: just before it); "" when unknown."""
+        """The engine's role at `at_s` (`inclusive=False`: just before it): the last it reported
+        by then, else the role the run's config starts it in; "" when unknown."""
         changes = self.role_changes.get(engine_id, [])
         i = bisect.bisect_right(changes, (at_s, "\uffff")) if inclusive else bisect.bisect_left(changes, (at_s, ""))
-        return changes[i - 1][1] if i > 0 else ""
+        return changes[i - 1][1] if i > 0 else self.initial_roles.get(engine_id, "")
 
     # --- reading out -----------------------------------------------------------------------
     def scale(self) -> float | None:

@@ -55,6 +55,7 @@ class MonitorState:
         heartbeat_wall_s: float | None = None,
         time_scale: float | None = None,
         expected_engines: list[str] | tuple[str, ...] = (),
+        initial_roles: dict[str, str] | None = None,
         ack_grace_wall_s: float = 10.0,
         window_s: float = 300.0,
         rate_window_s: float = 10.0,
@@ -72,6 +73,7 @@ class MonitorState:
             rate_window_s=rate_window_s,
             window_s=window_s,
             history_points=history_points,
+            initial_roles=initial_roles,
         )
         self.trajectories = Trajectories(rate_window_s=rate_window_s)
         self.switches = Switches(ack_grace_wall_s=ack_grace_wall_s, max_switches=max_switches)

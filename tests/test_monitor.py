@@ -24,6 +24,7 @@ import msgspec
 import polars as pl
 import pytest
 
+from actors.config import load_config
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import CommandAck, Role, SetRole
@@ -853,3 +854,16 @@ def test_once_json_on_a_real_run_reports_every_engine_with_its_role_and_the_swit
     assert any(s["switches"]["total"] >= 2 for s in follow)  # the live view saw them too
     final = [s for s in follow if s["trajectories"]["events_total"]][-1]
     assert final["trajectories"]["finished"] == json.loads((out / "summary.json").read_text())["trajectories_finished"]
+
+
+def test_a_switch_seen_before_any_report_of_the_engine_starts_from_the_role_the_config_gives_it(tmp_path):
+    from ops.monitor_bus import run_hints
+
+    config = write_tiny_config(tmp_path / "tiny.toml", policy="prorsa")
+    (tmp_path / "config.json").write_bytes(msgspec.json.encode(load_config(config)))
+    hints = run_hints(tmp_path)
+    assert set(hints["initial_roles"].values()) == {"colocated"}
+    state = MonitorState(initial_roles=hints["initial_roles"])
+    state.on_lifecycle(event(EventKind.ROLE_SWITCHED, 3.0, "", engine_id="e0", role="prefill", duration_s=0.5), wall_s=1.0)
+    assert [s["from_role"] for s in state.snapshot(1.5)["switches"]["recent"]] == ["colocated"]
+    assert MonitorState().engines.role_when("e0", 1.0) == ""  # no config, nothing reported: unknown
