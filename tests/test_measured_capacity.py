@@ -16,27 +16,11 @@ from actors.engine.core import EngineCore
 from actors.engine.emulated.costmodel import PRESETS, scaled
 from bus_schemas.control import Role
 from bus_schemas.status import EngineTiming, IterationTimes
-from bus_schemas.work import PrefillWork
 from runners.simulate import run
 from tests.conftest import write_tiny_config
+from tests.test_engine_core import work
 
 PRESET = PRESETS["h100-qwen3-8b"]
-
-
-def work(traj: str, new: int, out: int = 40) -> PrefillWork:
-    return PrefillWork(
-        work_id=f"{traj}/n/t0/a0",
-        trajectory_id=traj,
-        turn=0,
-        env_id="env0",
-        task_family="swe",
-        policy_version=0,
-        context_tokens=0,
-        new_tokens=new,
-        max_output_tokens=4096,
-        target_output_tokens=out,
-        queued_at_s=0.0,
-    )
 
 
 def run_core(truth, prior) -> EngineTiming:
