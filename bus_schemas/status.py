@@ -20,11 +20,13 @@ class IterationTimes(msgspec.Struct, frozen=True, kw_only=True):
 
 class EngineTiming(msgspec.Struct, frozen=True, kw_only=True):
     """An engine's steps by kind: prefill only, decode only, and both in one step; a step whose
-    chunks fill less than half its prefilling ranks' budget counts as `_short`."""
+    chunks fill less than half its prefilling ranks' budget, or a decode step with the KV pool
+    less than half full, counts as `_short`."""
 
     prefill: IterationTimes = msgspec.field(default_factory=IterationTimes)
     prefill_short: IterationTimes = msgspec.field(default_factory=IterationTimes)
     decode: IterationTimes = msgspec.field(default_factory=IterationTimes)
+    decode_short: IterationTimes = msgspec.field(default_factory=IterationTimes)  # the KV pool less than half full
     mixed: IterationTimes = msgspec.field(default_factory=IterationTimes)
     mixed_short: IterationTimes = msgspec.field(default_factory=IterationTimes)
 

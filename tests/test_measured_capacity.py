@@ -34,8 +34,8 @@ def run_core(truth, prior) -> EngineTiming:
 
 def test_an_engine_that_runs_its_prior_reports_prior_time_equal_to_what_it_ran():
     timing = run_core(PRESET, None)
-    assert timing.prefill.iterations > 0 and timing.decode.iterations > 0
-    for kind in ("prefill", "prefill_short", "decode", "mixed", "mixed_short"):
+    assert timing.prefill.iterations > 0 and timing.decode_short.iterations > 0
+    for kind in ("prefill", "prefill_short", "decode", "decode_short", "mixed", "mixed_short"):
         t = getattr(timing, kind)
         assert t.busy_s == t.prior_s
 
@@ -45,10 +45,27 @@ def test_an_engine_slower_than_its_prior_reports_both_times_for_the_same_steps()
     truth, prior = run_core(slow, PRESET), run_core(PRESET, None)
     # full chunks are bound by the prefill compute: about 1.3x; decode steps by the weights: 0.75-0.8x
     assert 1.2 < truth.prefill.busy_s / truth.prefill.prior_s <= 1.3
-    assert 0.75 <= truth.decode.busy_s / truth.decode.prior_s < 0.85
+    assert 0.75 <= truth.decode_short.busy_s / truth.decode_short.prior_s < 0.85
     # the prior time of those steps is what the prior engine itself took for the same work
     assert truth.prefill.prior_s == pytest.approx(prior.prefill.busy_s, rel=1e-9)
     assert truth.prefill.prefill_tokens == prior.prefill.prefill_tokens
+
+
+def test_steps_of_short_chunks_or_a_part_empty_pool_are_counted_apart():
+    from actors.engine.sequence import Batch
+    from actors.engine.timing import kind_of
+
+    core = EngineCore("e0", Role.COLOCATED, PRESET, 2048, 16, 8)
+    core.admit_prefill(work("a", new=2100))
+    core.admit_prefill(work("b", new=30))
+    full = core.plan(1.0)
+    assert kind_of(full, 2048) == "prefill"
+    core.complete(full)
+    assert kind_of(core.plan(1.0), 2048) == "prefill_short"  # 52 + 30 tokens of 2048
+    decode = Batch([], [object()], 1, 0.01)
+    assert kind_of(decode, 2048) == "decode_short"
+    decode.kv_full = True
+    assert kind_of(decode, 2048) == "decode"
 
 
 def times(busy_s: float, prior_s: float, steps: int) -> IterationTimes:

@@ -1,10 +1,11 @@
 """What the allocator learns of the engines' speed from their own measurements (pure).
 
 Every engine reports, with its heartbeat, how long its steps took by kind (prefill only,
-decode only, both in one step; steps of short chunks apart) and how long its prior cost model
-(`engines.preset`) says the same steps take (`actors/engine/timing.py`). The capacities are
-those of full prefill chunks, so the steps of short chunks (bound by the weight reads, not
-the prefill compute) are reported but not learned from. The fleet's ratio of the two, per kind, is how
+decode only, both in one step; steps of short chunks and decode steps of a part-empty pool
+apart) and how long its prior cost model (`engines.preset`) says the same steps take
+(`actors/engine/timing.py`). The capacities are those of full prefill chunks and of the
+batch a full pool holds, so the steps of short chunks (bound by the weight reads, not the
+prefill compute) are reported but not learned from. The fleet's ratio of the two, per kind, is how
 far the prior is off there; the allocator's capacities (`capacity.Capacity`) are the prior's
 figures times those ratios (`allocator.capacity = "measured"`, `capacity.scaled_capacity`):
 
@@ -15,7 +16,9 @@ WINDOW_DECAY of them), n of them: a count-weighted blend in which the prior coun
 PRIOR_ITERATIONS steps at its own factor, so a few steps move it little and a window of busy
 engines overrules it. The measured ratio is one of sums, not a mean of ratios, so long steps
 weigh as long. A kind the fleet has not run yet keeps a prior informed by what it has run:
-mixed steps start from the prefill factor, and every kind from 1. The KV pool is read directly: each engine
+mixed steps start from the prefill factor, decode steps of a full pool from those of a
+part-empty one (`decode_short`: a fleet whose pools never fill learns from what it runs), and
+every kind from 1. The KV pool is read directly: each engine
 reports its pool, and the factor is the reported pools over what the prior gives the same
 engines in their roles.
 
@@ -45,7 +48,7 @@ PRIOR_ITERATIONS = 20.0
 # Each allocator tick keeps this share of the decayed sums: a window of about 1 / (1 - decay)
 # ticks (100 ticks of 2 s: a few minutes of a step) [A]
 WINDOW_DECAY = 0.99
-KINDS = ("prefill", "decode", "mixed")  # the kinds learned from (actors/engine/timing.py)
+KINDS = ("prefill", "decode", "decode_short", "mixed")  # the kinds learned from (actors/engine/timing.py)
 
 
 def _figures(t: IterationTimes) -> tuple[float, float, float]:
@@ -96,7 +99,7 @@ class MeasuredSpeed:
         prior = sum(p for _, p in self.pools.values())
         return Scales(
             prefill=prefill,
-            decode=self.factor("decode"),
+            decode=self.factor("decode", self.factor("decode_short")),
             mixed=self.factor("mixed", prefill),
             kv=reported / prior if prior else 1.0,
         )

@@ -38,7 +38,7 @@ from actors.engine.admission import (
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
 from actors.engine.prefix_lru import PrefixLru, key
 from actors.engine.sequence import Batch, Held, Seq
-from actors.engine.timing import IterationMeter
+from actors.engine.timing import FULL_KV_SHARE, IterationMeter
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
 
@@ -344,6 +344,7 @@ class EngineCore:
                 seq.decode_started = True
                 started.append(("decode_started", seq))
         batch = Batch(chunks, decode, iterations, duration_s + copy_s, started, ends_s, copy_s)
+        batch.kv_full = resident >= FULL_KV_SHARE * self.kv_capacity_tokens
         if self.prior is not None:
             batch.prior_s = prior_s + copy_s
         return batch

@@ -10,7 +10,9 @@ Every scheduler step an engine completes is counted under its kind:
 and `prefill` and `mixed` steps whose chunks fill less than FULL_CHUNK_SHARE of the budget of
 the ranks that prefill apart, as `prefill_short` and `mixed_short`: a short chunk's step is
 bound by reading the weights, not by the prefill compute, and the capacities the allocator
-prices are those of full chunks (`actors.allocator.capacity`);
+prices are those of full chunks (`actors.allocator.capacity`); so are `decode` steps of an
+engine whose KV pool is less than FULL_KV_SHARE full, as `decode_short`: the allocator
+prices decode steps at the batch a full pool holds, where a step's fixed costs weigh less;
 
 with its measured seconds (torch: the wall clock of the forward; emulated: the cost model the
 engine runs, `engines.truth`), the seconds the engine's prior cost model (`engines.preset`)
@@ -27,13 +29,14 @@ from dataclasses import dataclass, field
 from actors.engine.sequence import Batch
 from bus_schemas.status import EngineTiming, IterationTimes
 
-KINDS = ("prefill", "prefill_short", "decode", "mixed", "mixed_short")
+KINDS = ("prefill", "prefill_short", "decode", "decode_short", "mixed", "mixed_short")
 FULL_CHUNK_SHARE = 0.5  # a step's chunks fill at least this share of its prefilling ranks' budget
+FULL_KV_SHARE = 0.5  # a decode step's engine holds at least this share of its KV pool
 
 
 def kind_of(batch: Batch, rank_chunk_tokens: int) -> str:
     if not batch.prefill:
-        return "decode"
+        return "decode" if batch.kv_full else "decode_short"
     kind = "mixed" if batch.decode else "prefill"
     ranks = len({seq.rank for seq, _ in batch.prefill})
     full = sum(n for _, n in batch.prefill) >= FULL_CHUNK_SHARE * rank_chunk_tokens * ranks
