@@ -102,6 +102,11 @@ class EngineSection(schema.EngineSection):
         decode = self.cost_preset(Role.DECODE)
         return decode.dp_ranks > 1 and decode.dp_sync == "sglang"
 
+    def engine_presets(self, role: Role, engine_id: str) -> tuple[CostPreset, CostPreset | None]:
+        """(the cost model emulated engine `engine_id` runs in `role`, the one it is priced
+        with where that differs: `engines.truth`; else None)."""
+        return self.truth_preset(role, engine_id), None if self.truth.exact else self.cost_preset(role)
+
     def truth_preset(self, role: Role, engine_id: str = "") -> CostPreset:
         """The cost model an emulated engine in `role` runs (`engines.truth`): `cost_preset`
         where the truth is exact; `engine_id` draws that engine's own spread."""

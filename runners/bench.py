@@ -216,11 +216,11 @@ def rollout(
         return 2
     suite = SUITES[suite_name]
     variants = {c.variant for c in suite.cases(tables)}
-    fleets, workloads, *rest = only
+    fleets, workloads, asked_variants = only
     unknown = (
         {*fleets} - {f.name for f in suite.fleets}
         | {*workloads} - {w.name for w in (*suite.workloads, *suite.generalization)}
-        | {*(rest[0] if rest else ())} - variants
+        | {*asked_variants} - variants
     )
     if unknown:
         print(

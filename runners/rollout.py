@@ -33,7 +33,7 @@ from actors.engine.emulated.costmodel import prefill_s
 from bus_schemas.control import Role
 from ops.critical_path import critical_paths, summed
 from ops.export import load_events
-from runners.rollout_tables import add_speedups, results_markdown
+from runners.rollout_tables import MISMATCH_FIGURES, add_speedups, results_markdown
 
 console = Console(stderr=True)
 
@@ -76,7 +76,7 @@ class Case:
     """One row of a table: a fleet, a workload and a concurrency, with engine settings that
     differ from the fleet's (`engines`, named by `variant`), in one RL mode, run under every policy."""
 
-    table: str  # "main", "sweep", "ablation", "sensitivity" or "mismatch"
+    table: str  # one of TABLES
     fleet: Fleet
     workload: Workload
     trajectories_per_gpu: int
@@ -538,9 +538,6 @@ def record(case: Case, policy: str, config: Config, summary: dict, out: Path) ->
     }
 
 
-LEARNED_FIGURES = ("prefill_s_per_token", "colocated_prefill_s_per_token", "decode_kv_step_s")
-
-
 def learned_capacity(config: Config, events: pl.DataFrame, out: Path) -> dict | None:
     """What a dynamic policy priced with at the end of the first step (its allocations.parquet
     row then), against the figures of the cost model the engines really run (`engines.truth`,
@@ -552,10 +549,10 @@ def learned_capacity(config: Config, events: pl.DataFrame, out: Path) -> dict | 
     decisions = pl.read_parquet(path)
     finished = events.filter((pl.col("kind") == "finished") & (pl.col("step") == events["step"].min()))
     end_s = float(finished["at_s"].max()) if finished.height else float(decisions["at_s"].max())
-    row = decisions.filter(pl.col("at_s") <= end_s).tail(1).to_dicts() or decisions.tail(1).to_dicts()
-    row = row[0]
+    by_then = decisions.filter(pl.col("at_s") <= end_s)
+    row = (by_then if by_then.height else decisions).row(-1, named=True)
     truth = CapacityModel(config.engines, config.allocator.decode_tpot_slack, truth=True).at(row["decode_context_tokens"])
-    out_figures = {f: [row[f], getattr(truth, f)] for f in LEARNED_FIGURES if f in row}
+    out_figures = {f: [row[f], getattr(truth, f)] for f, _ in MISMATCH_FIGURES if f in row}
     scales = {k: row[f"capacity_{k}_scale"] for k in ("prefill", "decode", "mixed", "kv") if f"capacity_{k}_scale" in row}
     return {"at_s": row["at_s"], "figures": out_figures, "scales": scales}
 
@@ -587,8 +584,7 @@ def run_suite(
     if seeds and "seed" in (overrides or {}).get("run", {}):
         raise ValueError("give the workload seeds once: --seeds or --set run.seed, not both")
     out.mkdir(parents=True, exist_ok=True)
-    fleets, workloads, *rest = only
-    variants = rest[0] if rest else ()
+    fleets, workloads, variants = only
     fresh = ()
     if "generalization" in tables and not seeds:  # seeds nobody tuned on: drawn now, and said
         fresh = tuple(secrets.randbelow(1_000_000) for _ in range(GENERALIZATION_SEEDS))

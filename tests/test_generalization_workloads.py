@@ -12,8 +12,7 @@ import pytest
 
 from actors.config import Config, WorkloadSection, load_config
 from actors.config_schema import RandomMixes, ToolTail
-from actors.environment.actor import shape_scales
-from actors.environment.workloads import PROFILES, latent_difficulty, plan_trajectory, tail_latency_s, task_prompt_seed
+from actors.environment.workloads import PROFILES, latent_difficulty, plan_trajectory, shape_scales, tail_latency_s, task_prompt_seed
 from bus_schemas.train import TaskAssignment
 from runners.rollout import SUITES, run_config
 from runners.simulate import run

@@ -30,7 +30,7 @@ async def test_a_blocked_event_loop_counts_as_a_stall_in_model_seconds():
 
 async def test_a_timed_wait_that_wakes_late_is_counted():
     clock = ScaledClock(time_scale=10.0)
-    wait = asyncio.create_task(clock.sleep(0.1))  # 10 ms of wall time
+    wait = asyncio.create_task(clock.sleep(0.1))  # barrier-ok: the timed wait under test, 10 ms of wall time
     await asyncio.sleep(0)  # barrier-ok: one yield, so the wait arms its timer before the loop is blocked (no event marks that)
     time.sleep(0.05)  # barrier-ok: the stimulus, the loop blocked past the wait's wake-up
     await wait

@@ -47,10 +47,11 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
         super().__init__(actor_id, config, nc, clock)
         ec = config.engines
         self.link = LINKS[ec.link]
+        runs, prior = ec.engine_presets(role, actor_id)
         self.core = EngineCore(
             actor_id,
             role,
-            ec.truth_preset(role, actor_id),
+            runs,
             ec.max_batch_tokens,
             ec.max_decode_seqs,
             ec.max_waiting,
@@ -58,7 +59,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             host_kv_ratio=ec.host_kv_ratio if ec.host_kv_tier else 0.0,
             divide_chunk=ec.dp_chunk == "divided",
             prefill_delayer=ec.prefill_delayer,
-            prior=None if ec.truth.exact else ec.cost_preset(role),
+            prior=prior,
         )
         self._wake = Flag()  # new work admitted (or a stop requested)
         self.backend: Backend = EmulatedBackend(clock, self._wake)  # TorchEngineActor replaces it

@@ -218,9 +218,7 @@ class EngineCommands:
         # KV if they were a prefill engine's), decodes go on
         drain_s = self.clock.now_s() - started_s
         await self.clock.sleep(reconfig_s)
-        engines = self.config.engines
-        self.core.preset = engines.truth_preset(command.role, self.actor_id)
-        self.core.prior = None if engines.truth.exact else engines.cost_preset(command.role)
+        self.core.preset, self.core.prior = self.config.engines.engine_presets(command.role, self.actor_id)
         self.core.role = command.role
         self.role_since_s = self.clock.now_s()
         self.switching = False

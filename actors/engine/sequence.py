@@ -67,12 +67,10 @@ class Batch:
     # None: the step takes the time the prior gives it
     prior_s: float | None = None
     planned_iterations: int = 0  # iterations as planned (a backend may end the step sooner)
-    planned_s: float = 0.0  # duration_s as planned (the cost model the engine runs)
     kv_full: bool = False  # the engine's KV pool was at least half full when the step was planned
 
     def __post_init__(self) -> None:
         self.planned_iterations = self.iterations
-        self.planned_s = self.duration_s
 
     @property
     def prefill_tokens(self) -> int:

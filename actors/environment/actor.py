@@ -15,7 +15,6 @@ rerun elsewhere — never silently lost.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -24,7 +23,7 @@ from actors.base import Actor
 from actors.base.publish import publish_durable, pull_one
 from actors.environment.router import Router, store_miss_share
 from actors.environment.trace import ReplaySchedule, TracePlan
-from actors.environment.workloads import PROFILES, TrajectoryPlan, latent_difficulty, plan_trajectory, task_prompt_seed
+from actors.environment.workloads import PROFILES, TrajectoryPlan, plan_trajectory, shape_scales, task_prompt_seed
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.lifecycle import EventKind
@@ -360,17 +359,3 @@ def _deliveries(msg: Msg) -> int:
         return msg.metadata.num_delivered or 1
     except (AttributeError, TypeError, ValueError):  # no JetStream reply subject to read it from
         return 1
-
-
-def shape_scales(workload, run_seed: int, a: TaskAssignment) -> tuple[float, float, float]:
-    """(turns, output, observation) multipliers of a trajectory from the structure its
-    workload adds to the family (`workload.difficulty`, `workload.drift`): 1.0 each where
-    it adds none."""
-    d, drift = workload.difficulty, workload.drift
-    z = latent_difficulty(run_seed, task_prompt_seed(a.task_id), a.seed, d.sibling_correlation) if d.sigma > 0 else 0.0
-    k = a.policy_version  # sync: the RL step
-    return (
-        math.exp(d.sigma * d.turns * z) * (1.0 + drift.turns_per_step) ** k,
-        math.exp(d.sigma * d.gen * z) * (1.0 + drift.gen_per_step) ** k,
-        math.exp(d.sigma * d.obs * z) * (1.0 + drift.obs_per_step) ** k,
-    )

@@ -276,6 +276,20 @@ def task_prompt_seed(task_id: str) -> int:
     return zlib.crc32(task_id.encode())
 
 
+def shape_scales(workload, run_seed: int, a) -> tuple[float, float, float]:
+    """(turns, output, observation) multipliers of the trajectory assigned by `a` (its
+    `task_id`, `seed` and `policy_version`) from the structure `workload` adds to the family
+    (`workload.difficulty`, `workload.drift`): 1.0 each where it adds none."""
+    d, drift = workload.difficulty, workload.drift
+    z = latent_difficulty(run_seed, task_prompt_seed(a.task_id), a.seed, d.sibling_correlation) if d.sigma > 0 else 0.0
+    k = a.policy_version  # sync: the RL step
+    return (
+        math.exp(d.sigma * d.turns * z) * (1.0 + drift.turns_per_step) ** k,
+        math.exp(d.sigma * d.gen * z) * (1.0 + drift.gen_per_step) ** k,
+        math.exp(d.sigma * d.obs * z) * (1.0 + drift.obs_per_step) ** k,
+    )
+
+
 def plan_trajectory(
     profile: Profile,
     run_seed: int,

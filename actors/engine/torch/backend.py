@@ -111,7 +111,7 @@ class TorchBackend:
         async with self.lock:
             started_s = self.clock.now_s()
             await asyncio.to_thread(self.execute, batch)
-            batch.prior_s = batch.planned_s  # the cost model's time for it (engines.preset), as the engine's prior
+            batch.prior_s = batch.duration_s  # as planned: the cost model's time for it (engines.preset), the engine's prior
             batch.duration_s = self.clock.now_s() - started_s  # the model seconds the real step took
             self.last_step_wall_s = self.clock.to_wall_s(batch.duration_s)
         return max(cursor_s + batch.duration_s, self.clock.now_s())
