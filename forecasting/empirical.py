@@ -13,7 +13,6 @@ trajectories, live ones censored at their current turn, shrunk towards the mean)
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,19 +23,27 @@ T = TypeVar("T")
 
 class Empirical:
     def __init__(self, max_samples: int = 2000, tail_weight: float = 1.0) -> None:
-        self._samples: deque[float] = deque(maxlen=max_samples)
+        self._ring = np.empty(max_samples)  # the most recent samples: a ring, oldest overwritten first
+        self._next = 0  # where the next sample goes
+        self._count = 0
         self._sorted: np.ndarray | None = None
         self._memo: dict = {}  # derived tables, dropped when a sample is added
         self.tail_weight = tail_weight
 
     def add(self, value: float) -> None:
-        self._samples.append(float(value))
+        self._ring[self._next] = value
+        self._next = (self._next + 1) % len(self._ring)
+        self._count = min(self._count + 1, len(self._ring))
         self._changed()
 
     def add_many(self, values: np.ndarray) -> None:
         """Add values in order (the oldest drop out first, as with add)."""
         if len(values):
-            self._samples.extend(np.asarray(values, float)[-self._samples.maxlen :].tolist())
+            capacity = len(self._ring)
+            recent = np.asarray(values, float)[-capacity:]
+            self._ring[(self._next + np.arange(len(recent))) % capacity] = recent
+            self._next = (self._next + len(recent)) % capacity
+            self._count = min(self._count + len(recent), capacity)
             self._changed()
 
     def _changed(self) -> None:
@@ -49,17 +56,14 @@ class Empirical:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def extend(self, other: Empirical) -> None:
-        for v in other._samples:
-            self.add(v)
-
     @property
     def n(self) -> int:
-        return len(self._samples)
+        return self._count
 
     def values(self) -> np.ndarray:
+        """The samples kept, sorted."""
         if self._sorted is None:
-            self._sorted = np.sort(np.fromiter(self._samples, float, len(self._samples)))
+            self._sorted = np.sort(self._ring[: self._count])
         return self._sorted
 
     def mean(self) -> float:
@@ -198,11 +202,13 @@ class SizedDelays:
             amount = float(amounts[mine].sum())
             wait_s = float(waited_s[mine].mean())  # the bucket's waits, as one
             later = delay > wait_s
-            if weight[later].sum() <= 0:
+            later_weight = weight[later]
+            later_total = later_weight.sum()
+            if later_total <= 0:
                 out[0] += amount
                 continue
             slot = np.minimum(np.floor((delay[later] - wait_s) / step_s).astype(np.int64), slots)  # slot j: (j, j+1] steps from now
-            out += amount * np.bincount(slot, weight[later], minlength=slots + 1)[:slots] / weight[later].sum()
+            out += amount * np.bincount(slot, later_weight, minlength=slots + 1)[:slots] / later_total
         return out
 
     def lagged(self, column: int, arrivals: np.ndarray, step_s: float) -> np.ndarray:

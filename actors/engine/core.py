@@ -501,17 +501,24 @@ class EngineCore:
             self.new_token_ratio.decay(batch.iterations)
         done: list[tuple[str, Seq]] = []
         running, iterations = self.running, batch.iterations
+        used = -1  # kv_used_tokens as the loop goes, counted at the first finish and kept current after it
         for seq in batch.decode:  # every decoding sequence, every step: kept to plain attribute reads
             if running.get(seq.work.work_id) is not seq:  # (Seq.key)
                 continue  # migrated away during the step: the new engine redoes those tokens
             generated = seq.generated + iterations
             if generated < seq.target_tokens:
                 seq.generated = generated
+                if used >= 0:
+                    used += iterations
             else:  # its last token (capped at the target)
+                if used >= 0:
+                    used -= seq.kv_tokens
                 seq.generated = seq.target_tokens
                 del self.running[seq.key]
                 self._order.pop(seq.key, None)
-                self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
+                if used < 0:
+                    used = self.kv_used_tokens
+                self.prefixes.put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens, self.kv_capacity_tokens - used)
                 done.append(("decode_done", seq))
         for seq, n in batch.prefill:
             seq.prefill_done_tokens += n * batch.iterations
