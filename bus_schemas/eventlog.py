@@ -47,7 +47,7 @@ def events_frame(events: list[LifecycleEvent]) -> pl.DataFrame:
     column of plain values per field goes into polars at once, where rows of dicts are
     read one value at a time."""
     columns = {name: [getattr(e, name) for e in events] for name in _EVENTS_SCHEMA}
-    columns["kind"] = [kind.value for kind in columns["kind"]]
+    columns["kind"] = [getattr(kind, "value", kind) for kind in columns["kind"]]  # an EventKind, or its string
     frame = pl.DataFrame(columns, schema=_EVENTS_SCHEMA)
     return frame.sort("at_s", "event_id").with_columns(pl.lit(SCHEMA_VERSION, pl.Int64).alias("schema_version"))
 
