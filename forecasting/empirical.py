@@ -190,25 +190,34 @@ class SizedDelays:
         """(slots,): `amounts` (column's mass) of prefills queued `waited_s` ago and not done
         yet, where they land: each spread as the delays longer than its wait are, from now;
         one waiting longer than any delay seen lands now."""
-        out = np.zeros(slots)
-        if len(amounts) == 0:
+        return self.residuals({column: amounts}, waited_s, step_s, slots)[column]
+
+    def residuals(self, amounts: dict[int, np.ndarray], waited_s: np.ndarray, step_s: float, slots: int) -> dict[int, np.ndarray]:
+        """`residual` of several columns' amounts for the same waits: the delays longer than
+        each wait, and the slots they land in, found once for every column."""
+        out = {column: np.zeros(slots) for column in amounts}
+        if len(waited_s) == 0:
             return out
         rows = self._array()
-        delay, weight = rows[:, 0], np.maximum(rows[:, 1 + column], 0.0)
+        delay = rows[:, 0]
+        weights = {column: np.maximum(rows[:, 1 + column], 0.0) for column in amounts}
         waited_s = np.maximum(waited_s, 0.0)
         bucket = np.floor(waited_s / step_s).astype(np.int64)
         for b in np.unique(bucket):
             mine = bucket == b
-            amount = float(amounts[mine].sum())
             wait_s = float(waited_s[mine].mean())  # the bucket's waits, as one
             later = delay > wait_s
-            later_weight = weight[later]
-            later_total = later_weight.sum()
-            if later_total <= 0:
-                out[0] += amount
-                continue
-            slot = np.minimum(np.floor((delay[later] - wait_s) / step_s).astype(np.int64), slots)  # slot j: (j, j+1] steps from now
-            out += amount * np.bincount(slot, later_weight, minlength=slots + 1)[:slots] / later_total
+            slot = None
+            for column, column_amounts in amounts.items():
+                amount = float(column_amounts[mine].sum())
+                later_weight = weights[column][later]
+                later_total = later_weight.sum()
+                if later_total <= 0:
+                    out[column][0] += amount
+                    continue
+                if slot is None:  # slot j: (j, j+1] steps from now
+                    slot = np.minimum(np.floor((delay[later] - wait_s) / step_s).astype(np.int64), slots)
+                out[column] += amount * np.bincount(slot, later_weight, minlength=slots + 1)[:slots] / later_total
         return out
 
     def lagged(self, column: int, arrivals: np.ndarray, step_s: float) -> np.ndarray:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from threadpoolctl import threadpool_limits
 
 from actors.allocator.actor import AllocatorActor
 from actors.base import Actor
@@ -141,7 +142,11 @@ def no_collections():
 
 
 def run(config: Config, out: Path, show_progress: bool = True) -> dict:
-    with fewer_collections():
+    """One BLAS thread: numpy's OpenBLAS otherwise keeps a thread per core, and on the
+    forecaster's small matrices those threads spin waiting for the next product. They
+    doubled a DeepSeek bench row's CPU seconds and took the core of the bench's other job;
+    one thread gives the same products."""
+    with fewer_collections(), threadpool_limits(limits=1, user_api="blas"):
         return _run(config, out, show_progress)
 
 

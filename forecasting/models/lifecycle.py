@@ -171,9 +171,10 @@ class Lifecycle(Forecaster):
                 engine_s, miss = waiting_prefills(live, stats, pooled, queued)
                 waited_s = now_s - live.entered_s[queued]
                 delays = stat(stats, pooled, "prompt_delays" if stage is prompt_pre else "prefill_delays")
+                landed = delays.residuals({MISS_COLUMN: miss, ENGINE_COLUMN: engine_s}, waited_s, step_s, demand.slots)
                 demand.add_prefill(
-                    delays.residual(MISS_COLUMN, waited_s, miss, step_s, demand.slots),
-                    delays.residual(ENGINE_COLUMN, waited_s, engine_s, step_s, demand.slots),
+                    landed[MISS_COLUMN],
+                    landed[ENGINE_COLUMN],
                     demand.now(miss.sum()),
                     demand.now(engine_s.sum()),
                 )
