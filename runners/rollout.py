@@ -19,6 +19,8 @@ import asyncio
 import json
 import multiprocessing
 import secrets
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -563,6 +565,29 @@ def _run_dir(out: Path, case: Case, policy: str) -> Path:
     return out / "runs" / f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
 
 
+def _run_in_order(plan: list[tuple[Case, str]], jobs: int, start: Callable[[int], Future], done: Callable[[int, Future], None]) -> None:
+    """Run every (case, policy) of `plan` (`start(i)`; `done(i, future)` once it ends), `jobs`
+    at a time: the runs of the allocator's own policies first (their forecaster makes them
+    the longest: started last, one would run alone at the end), and each oracle as soon as
+    the prorsa run of its case is done (it replays that run's log). The order changes the
+    bench's wall time only: each run is its own process, on its own config."""
+    after_prorsa = {i for i, (case, policy) in enumerate(plan) if policy == "oracle" and (case, "prorsa") in plan}
+    todo = sorted((i for i in range(len(plan)) if i not in after_prorsa), key=lambda i: not plan[i][1].startswith("prorsa"))
+    unlocked: list[int] = []
+    running: dict[Future, int] = {}
+    while todo or unlocked or running:
+        while len(running) < jobs and (unlocked or todo):
+            i = (unlocked or todo).pop(0)
+            running[start(i)] = i
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in sorted(finished, key=running.__getitem__):
+            i = running.pop(future)
+            done(i, future)
+            case, policy = plan[i]
+            if policy == "prorsa":
+                unlocked += [j for j in sorted(after_prorsa) if plan[j][0] == case]
+
+
 def run_suite(
     suite: Suite,
     out: Path,
@@ -607,24 +632,31 @@ def run_suite(
         raise ValueError(
             f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies"
         )
-    first = [x for x in plan if x[1] != "oracle"]
-    second = [x for x in plan if x[1] == "oracle"]
-    results: list[dict] = []
+    plan = [x for x in plan if x[1] != "oracle"] + [x for x in plan if x[1] == "oracle"]  # the results' order
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    ctx = multiprocessing.get_context("spawn")
-    with Progress(*columns, console=console) as progress, ctx.Pool(max(1, jobs)) as pool:
+    with (
+        Progress(*columns, console=console) as progress,
+        ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
         bar = progress.add_task(f"rollout bench {suite.name} ({'live' if live else 'virtual time'})", total=len(plan))
-        for batch in (first, second):
-            configs = []
-            for case, policy in batch:
-                run_dir = _run_dir(out, case, policy)
-                oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
-                configs.append((case, policy, run_config(suite, case, policy, oracle_log, overrides), run_dir))
-            args = [(msgspec.json.encode(c), str(d), live) for _, _, c, d in configs]
-            for (case, policy, config, run_dir), summary in zip(configs, pool.imap(_run_one, args)):
-                results.append(record(case, policy, config, summary, run_dir))
-                progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
-                (out / "results.partial.json").write_text(json.dumps(results, indent=2) + "\n")
+        runs: dict[int, tuple[Config, Path]] = {}
+        records: dict[int, dict] = {}
+
+        def start(i: int) -> Future:
+            case, policy = plan[i]
+            run_dir = _run_dir(out, case, policy)
+            oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
+            runs[i] = (run_config(suite, case, policy, oracle_log, overrides), run_dir)
+            return pool.submit(_run_one, (msgspec.json.encode(runs[i][0]), str(run_dir), live))
+
+        def done(i: int, future: Future) -> None:
+            (case, policy), (config, run_dir) = plan[i], runs[i]
+            records[i] = record(case, policy, config, future.result(), run_dir)
+            progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
+            (out / "results.partial.json").write_text(json.dumps([records[j] for j in sorted(records)], indent=2) + "\n")
+
+        _run_in_order(plan, max(1, jobs), start, done)
+    results = [records[i] for i in range(len(plan))]
     add_speedups(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(results_markdown(results))

@@ -4,13 +4,14 @@ records carry what the README's table needs, and the figures are consistent."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from runners.rollout import SUITES, lower_bound_s, run_config, run_suite
+from runners.rollout import SUITES, _run_in_order, lower_bound_s, run_config, run_suite
 from runners.rollout_tables import comparisons, fleet_summary, mode_comparisons, results_markdown, seed_spread
 
 FIELDS = {
@@ -622,3 +623,19 @@ def test_the_published_seeds_are_five_listed_in_the_bench_and_named_by_one_word(
     assert parse_seeds("3,1,3", "paper") == (3, 1)
     with pytest.raises(ValueError):
         parse_seeds("one,two", "paper")
+
+
+def test_the_bench_starts_prorsa_runs_first_and_each_oracle_once_its_prorsa_is_done():
+    """One at a time, the order is fixed: both prorsa runs first, each case's oracle right after
+    the prorsa run whose log it replays, then the rest in the plan's order; each runs once."""
+    plan = [("a", "colocated"), ("a", "static-1:3"), ("a", "prorsa"), ("b", "colocated"), ("b", "prorsa"), ("a", "oracle"), ("b", "oracle")]
+    started, finished = [], []
+    with ThreadPoolExecutor(1) as pool:
+
+        def start(i: int) -> Future:
+            started.append(i)
+            return pool.submit(lambda: i)
+
+        _run_in_order(plan, 1, start, lambda i, future: finished.append((i, future.result())))
+    assert started == [2, 5, 4, 6, 0, 1, 3]
+    assert sorted(finished) == [(i, i) for i in range(len(plan))]

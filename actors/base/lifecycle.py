@@ -197,6 +197,10 @@ class LifecyclePublisher:
         self._ticked = False
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
+        # the in-process bus stores on the spot: events are stored by a callback queued where
+        # the sender task's wake-up would be, instead of a step of the task (`_drain`)
+        self._direct = self._transport.store_now is not None
+        self._drain_queued = False
 
     @property
     def owed(self) -> int:
@@ -209,13 +213,18 @@ class LifecyclePublisher:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="lifecycle-publisher")
+        if self._direct:  # where the task's first step would store what is emitted before it
+            self._queue_drain()
 
     def emit(self, event: LifecycleEvent) -> None:
         self._queue.append(event)
         self._owed += 1
         self._idle.clear()
         self._counters["lifecycle_events"] += 1
-        self._wake.set()
+        if not self._direct:
+            self._wake.set()
+        elif not self._drain_queued and self._task is not None:
+            self._queue_drain()
 
     async def flush(self) -> None:
         """Return once every emitted event is stored in the stream; raise PublishFailed if
@@ -274,6 +283,26 @@ class LifecyclePublisher:
                 await self._send(now)
             if self._owed and self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(self._clock.loop_s(_TICK_WALL_S), self._tick)
+
+    def _queue_drain(self) -> None:
+        self._drain_queued = True
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """The sender task's step on the in-process bus, as a callback: store the queued
+        events, `_YIELD_EVERY` at a time (the rest in a callback queued after the others, as
+        the task's `sleep(0)` would). A failed store leaves its event to the task's retries."""
+        self._drain_queued = False
+        if self._retrying or self._awaiting:  # a store failed: the task retries, in order
+            self._wake.set()
+            return
+        now = self._clock.now_s()
+        for _ in range(_YIELD_EVERY):
+            if not self._queue or self._retrying:
+                return
+            self._next_token += 1
+            self._store_now(self._transport.store_now, self._queue.popleft(), now)
+        self._queue_drain()
 
     async def _send(self, now: float) -> None:
         while self._retrying:
@@ -377,7 +406,8 @@ class LifecyclePublisher:
         self._owed -= 1
         if self._owed == 0:
             self._idle.set()
-        self._wake.set()  # room in the window
+        if not self._direct or self._retrying:
+            self._wake.set()  # room in the window (stored on the spot, an event never waits for it)
 
     def _tick(self) -> None:
         self._timer = None
