@@ -117,9 +117,12 @@ def test_decode_role_admits_prefilled_work_with_its_first_token():
 
 def test_room_respects_queue_and_kv_limits():
     c = core(max_waiting=2)
-    assert c.room() == 2
+    assert c.room() == 2 and c.has_room()
     c.admit_prefill(work("a", new=PRESET.kv_capacity_tokens))  # fills the KV pool
-    assert c.room() == 0
+    assert c.room() == 0 and not c.has_room()
+    roomy = core(max_waiting=1)
+    roomy.admit_prefill(work("b", new=8))  # the queue is full, the KV pool nearly empty
+    assert roomy.room() == 0 and not roomy.has_room()
 
 
 def test_iteration_time_grows_with_work():

@@ -168,7 +168,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
                 self._roles_changed.clear()
                 await self._roles_changed.wait()  # set by every switch, drain and stop
                 continue
-            if self.core.room(self._pending_transfers) <= 0:
+            if not self.core.has_room(self._pending_transfers):
                 self._room.clear()
                 await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue
@@ -190,7 +190,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
                 await self._roles_changed.wait()
                 continue
             serving = self._pulling and self._prefills_routed_turns()
-            if serving and self.core.room(self._pending_transfers) <= 0:
+            if serving and not self.core.has_room(self._pending_transfers):
                 self._room.clear()
                 await self._room.wait(self.clock.loop_s(IDLE_WAKE_WALL_S))
                 continue

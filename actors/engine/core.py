@@ -164,6 +164,15 @@ class EngineCore:
         """Sequences this engine may pull now (`pending`: admitted elsewhere, not yet here)."""
         if self.kv_used_tokens >= KV_HIGH_WATERMARK * self.kv_capacity_tokens:
             return 0
+        return self._room_by_count(pending)
+
+    def has_room(self, pending: int = 0) -> bool:
+        """`room(pending) > 0`, the resident KV counted last (a pass over every sequence here):
+        an engine whose queue is full says no on its counts alone."""
+        return self._room_by_count(pending) > 0 and self.kv_used_tokens < KV_HIGH_WATERMARK * self.kv_capacity_tokens
+
+    def _room_by_count(self, pending: int) -> int:
+        """`room` below the KV watermark."""
         max_waiting = self.max_waiting * self.preset.dp_ranks
         max_decode = self.max_decode_seqs * self.preset.dp_ranks
         if self.role is Role.PREFILL:
