@@ -43,8 +43,12 @@ async def read_stream(
     as `message_type` is left out of the list, logged (one line each) and counted in
     `undecodable` by the subject it was published on; it stays in the stream. Reading changes
     nothing in the stream."""
-    read = _read_by_sequence if stream.work_queue else _read_by_consumer
-    raw = await streams.answered(lambda: read(js, stream, subject))  # a cluster may still be electing leaders
+    stored_messages = getattr(js, "stored_messages", None)  # the in-process bus hands them over at once
+    if stored_messages is not None:
+        raw = stored_messages(stream.name, subject)
+    else:
+        read = _read_by_sequence if stream.work_queue else _read_by_consumer
+        raw = await streams.answered(lambda: read(js, stream, subject))  # a cluster may still be electing leaders
     out: list[T] = []
     for i, (published_on, data) in enumerate(raw):
         try:

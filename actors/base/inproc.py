@@ -59,6 +59,20 @@ class InProcJetStream:
         self._server.deliver_now(subject, payload, "", headers)
         return target, seq, duplicate
 
+    def stored_messages(self, stream_name: str, subject: str) -> list[tuple[str, bytes]]:
+        """Every message of `subject` in the stream, oldest first, as (subject, payload): what a
+        no-ack consumer reading the whole stream is handed (the export), without a message
+        object, metadata and fetch per batch. Reading changes nothing in the stream."""
+        stored = self._server.stream(stream_name).messages  # in sequence order: each is stored under the next one
+        wanted: dict[str, bool] = {}  # a stream has few subjects and many messages
+
+        def wants(published_on: str) -> bool:
+            if published_on not in wanted:
+                wanted[published_on] = subject_matches(subject, published_on)
+            return wanted[published_on]
+
+        return [(m.subject, m.data) for m in stored.values() if wants(m.subject)]
+
     async def publish_async(self, subject: str, payload: bytes = b"", wait_stall=None, stream=None, headers=None) -> asyncio.Future:
         future = self._server.loop().create_future()
         future.set_result(await self.publish(subject, payload, headers=headers))

@@ -69,6 +69,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._virtual_now_s = start_s
         self._timer_order = itertools.count()
         super().__init__()
+        # the selector's own map of registered file descriptors, read every turn without
+        # building a mapping view (`selectors` keeps it for the selector's lifetime)
+        self._registered_fds = getattr(self._selector, "_fd_to_key", None) or self._selector.get_map()
 
     def time(self) -> float:
         return self._virtual_now_s
@@ -96,7 +99,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         a select() system call before every jump of the clock cost it a few percent.
         (Callbacks from other threads need no poll: `call_soon_threadsafe` queues them
         directly; its byte in the self-pipe only wakes a loop that blocks, which this never does.)"""
-        return len(self._selector.get_map()) > 1 or bool(getattr(self, "_signal_handlers", None))
+        return len(self._registered_fds) > 1 or bool(getattr(self, "_signal_handlers", None))
 
     def _run_once(self) -> None:
         heap, ready = self._scheduled, self._ready
