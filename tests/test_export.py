@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.base.inproc import InProcServer
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from bus_schemas.eventlog import events_frame
@@ -26,8 +27,20 @@ def event(event_id: str) -> LifecycleEvent:
     return LifecycleEvent(event_id=event_id, kind=EventKind.PREFILL_QUEUED, at_s=0.0, actor_id="t")
 
 
-async def test_undecodable_messages_are_counted_logged_and_left_in_the_stream(bus, caplog, tmp_path: Path, tiny_config):
-    js = bus.jetstream()
+@pytest.fixture(params=["nats", "inproc"])
+async def any_bus(request, bus):
+    """The real bus, and the simulation's in-process one (whose export takes the stream's
+    messages in one list, `InProcJetStream.stored_messages`)."""
+    if request.param == "nats":
+        yield bus
+        return
+    nc = InProcServer().connect("export-test")
+    await streams.ensure_streams(nc.jetstream())
+    yield nc
+
+
+async def test_undecodable_messages_are_counted_logged_and_left_in_the_stream(any_bus, caplog, tmp_path: Path, tiny_config):
+    js = any_bus.jetstream()
     lc = subjects.lifecycle(EventKind.PREFILL_QUEUED.value)
     for payload in [encode(event("a")), b"\x93\xff garbage", encode(event("b")), b"", encode(event("c"))]:
         await js.publish(lc, payload)  # the ack is the barrier: stored before the export reads
