@@ -15,7 +15,7 @@ import pytest
 from actors.base.clock import ScaledClock
 from actors.base.connection import close, connect
 from actors.base.inproc import InProcServer
-from actors.base.lifecycle import LifecyclePublisher, read_ack
+from actors.base.lifecycle import _YIELD_EVERY, LifecyclePublisher, read_ack
 from actors.base.publish import ACK_TIMEOUT_WALL_S, GIVE_UP_WALL_S, PublishFailed
 from actors.base.virtual import LoopClock, VirtualTimeLoop
 from bus_schemas import streams, subjects
@@ -68,6 +68,33 @@ def test_a_refused_lifecycle_publish_is_retried_until_stored_once():
     assert counters["lifecycle_events"] == 2
     assert counters["lifecycle_publish_retries"] >= 3
     assert counters["lifecycle_publish_failures"] == 0
+
+
+async def a_burst_in_process() -> tuple[list[str], int]:
+    js = InProcServer().connect("t").jetstream()
+    await streams.ensure_streams(js)
+    publisher = LifecyclePublisher(js, Counter(), LOG, LoopClock())
+    publisher.start()
+    ids = [f"e{i}" for i in range(2 * _YIELD_EVERY + 5)]  # more than one batch between yields
+    for event_id in ids:
+        publisher.emit(event(event_id))
+    await asyncio.wait_for(publisher.flush(), timeout=10.0)
+    stored = await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
+    in_flight = publisher.peak_in_flight
+    await publisher.close()
+    assert publisher.owed == 0
+    return [e.event_id for e in stored], in_flight
+
+
+def test_a_burst_on_the_in_process_bus_is_stored_once_in_the_order_emitted():
+    """Stored by callbacks, `_YIELD_EVERY` at a time, with nothing left in flight between."""
+    loop = VirtualTimeLoop()
+    try:
+        stored, peak = loop.run_until_complete(a_burst_in_process())
+    finally:
+        loop.close()
+    assert stored == [f"e{i}" for i in range(2 * _YIELD_EVERY + 5)]
+    assert peak == 1  # each stored and acked on the spot
 
 
 async def never_stored() -> tuple[Counter, float, LifecyclePublisher]:
