@@ -21,29 +21,42 @@ import numpy as np
 T = TypeVar("T")
 
 
+class Ring:
+    """The most recent `capacity` rows added (values, or rows of `width`), in no order; the
+    oldest are overwritten first."""
+
+    def __init__(self, capacity: int, width: int | None = None) -> None:
+        self._rows = np.zeros(capacity if width is None else (capacity, width))
+        self._next = 0  # where the next row goes
+        self.count = 0
+
+    def add_many(self, rows: np.ndarray) -> None:
+        """Add rows in order (at least one)."""
+        capacity = len(self._rows)
+        rows = rows[-capacity:]
+        at = (self._next + np.arange(len(rows))) % capacity
+        self._rows[at] = rows
+        self._next = int((at[-1] + 1) % capacity)
+        self.count = min(capacity, self.count + len(rows))
+
+    def array(self) -> np.ndarray:
+        return self._rows[: self.count]
+
+
 class Empirical:
     def __init__(self, max_samples: int = 2000, tail_weight: float = 1.0) -> None:
-        self._ring = np.empty(max_samples)  # the most recent samples: a ring, oldest overwritten first
-        self._next = 0  # where the next sample goes
-        self._count = 0
+        self._samples = Ring(max_samples)
         self._sorted: np.ndarray | None = None
         self._memo: dict = {}  # derived tables, dropped when a sample is added
         self.tail_weight = tail_weight
 
     def add(self, value: float) -> None:
-        self._ring[self._next] = value
-        self._next = (self._next + 1) % len(self._ring)
-        self._count = min(self._count + 1, len(self._ring))
-        self._changed()
+        self.add_many(np.array([float(value)]))
 
     def add_many(self, values: np.ndarray) -> None:
         """Add values in order (the oldest drop out first, as with add)."""
         if len(values):
-            capacity = len(self._ring)
-            recent = np.asarray(values, float)[-capacity:]
-            self._ring[(self._next + np.arange(len(recent))) % capacity] = recent
-            self._next = (self._next + len(recent)) % capacity
-            self._count = min(self._count + len(recent), capacity)
+            self._samples.add_many(np.asarray(values, float))
             self._changed()
 
     def _changed(self) -> None:
@@ -58,12 +71,12 @@ class Empirical:
 
     @property
     def n(self) -> int:
-        return self._count
+        return self._samples.count
 
     def values(self) -> np.ndarray:
         """The samples kept, sorted."""
         if self._sorted is None:
-            self._sorted = np.sort(self._ring[: self._count])
+            self._sorted = np.sort(self._samples.array())
         return self._sorted
 
     def mean(self) -> float:
@@ -145,30 +158,23 @@ class SizedDelays:
     hits' land at once (the flow targets count a prefill's compute when it is done)."""
 
     def __init__(self, columns: int, max_samples: int = 2000) -> None:
-        self._rows = np.zeros((max_samples, 1 + columns))  # a ring: each delay and its sizes
-        self._next = 0  # where the next row goes
-        self._count = 0
+        self._rows = Ring(max_samples, 1 + columns)  # each delay and its sizes
         self._memo: dict = {}
 
     @property
     def n(self) -> int:
-        return self._count
+        return self._rows.count
 
     def add_many(self, delays_s: np.ndarray, sizes: np.ndarray) -> None:
         """`sizes`: (len(delays_s), columns); the most recent `max_samples` are kept."""
         if len(delays_s) == 0:
             return
-        capacity = len(self._rows)
-        rows = np.column_stack([np.maximum(delays_s, 0.0), sizes])[-capacity:]  # a delay is never negative
-        at = (self._next + np.arange(len(rows))) % capacity
-        self._rows[at] = rows
-        self._next = int((at[-1] + 1) % capacity)
-        self._count = min(capacity, self._count + len(rows))
+        self._rows.add_many(np.column_stack([np.maximum(delays_s, 0.0), sizes]))  # a delay is never negative
         self._memo.clear()
 
     def _array(self) -> np.ndarray:
         """(n, 1 + columns): each delay and its sizes."""
-        return self._rows[: self._count]
+        return self._rows.array()
 
     def shape(self, column: int, step_s: float, slots: int) -> np.ndarray:
         """(slots,): the share of column's mass that lands j slots after its arrival (a delay

@@ -527,7 +527,7 @@ class EngineCore:
                 self._order.pop(seq.key, None)
                 if used < 0:
                     used = self.kv_used_tokens
-                self.prefixes.put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens, self.kv_capacity_tokens - used)
+                self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens, used)
                 done.append(("decode_done", seq))
         for seq, n in batch.prefill:
             seq.prefill_done_tokens += n * batch.iterations
@@ -618,9 +618,11 @@ class EngineCore:
         return [self.held.pop(h).seq for h in gone]
 
     # --- prefix cache --------------------------------------------------------------------
-    def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int) -> None:
-        """Cache a prefix in the free part of the pool (LRU entries make room)."""
-        self.prefixes.put(trajectory_id, policy_version, tokens, self.kv_capacity_tokens - self.kv_used_tokens)
+    def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int, used_tokens: int | None = None) -> None:
+        """Cache a prefix in the free part of the pool (LRU entries make room). `used_tokens`:
+        `kv_used_tokens`, where the caller keeps it already."""
+        used = self.kv_used_tokens if used_tokens is None else used_tokens
+        self.prefixes.put(trajectory_id, policy_version, tokens, self.kv_capacity_tokens - used)
 
     @property
     def cached_tokens(self) -> int:
