@@ -451,7 +451,7 @@ class EngineActor(EngineCommands, EngineHandoff, EngineWriteback, Actor):
             kv_capacity_tokens=self.core.kv_capacity_tokens,
             held_kv_handles=len(self.core.held),
             busy_fraction=min(1.0, busy),
-            waiting_prefill_tokens=sum(s.prefill_left for s in self.core.waiting),
+            waiting_prefill_tokens=self.core.waiting_prefill_tokens,
             decode_context_tokens=sum(s.kv_tokens for s in self.core.decoding),
             switching=self.switching,
             role_since_s=self.role_since_s,

@@ -36,8 +36,9 @@ from actors.engine.admission import (
     rank_chunk_tokens,
 )
 from actors.engine.emulated.costmodel import CostPreset, RankLoad, group_decode_run_s, group_iteration_s, host_copy_s
+from actors.engine.kv_ledger import KvLedger
 from actors.engine.prefix_lru import PrefixLru, key
-from actors.engine.sequence import Batch, Held, Seq
+from actors.engine.sequence import HELD, RUNNING, WAITING, Batch, Held, Seq
 from actors.engine.timing import FULL_KV_SHARE, IterationMeter
 from bus_schemas.control import Role
 from bus_schemas.work import DecodeWork, PrefillWork
@@ -95,6 +96,7 @@ class EngineCore:
         self.host_kv_ratio = host_kv_ratio
         self.host_tier = host_kv_ratio > 0
         self.prefixes = PrefixLru()  # in the free part of the KV pool, then in host memory
+        self.ledger = KvLedger()  # the KV of every sequence here, by place and rank, kept current
         self._host_copy_tokens = [0]  # per rank: KV to copy to or from host before the next step
         self.preset = preset
         self.max_decode_seqs = max_decode_seqs
@@ -125,6 +127,7 @@ class EngineCore:
         self.prefixes.host_capacity_tokens = int(self.host_kv_ratio * preset.kv_capacity_tokens)
         if self.new_token_ratio.init != init_ratio(preset.dp_ranks):
             self.new_token_ratio.start_from(init_ratio(preset.dp_ranks))
+        self.ledger.fit_ranks(preset.dp_ranks)
         if len(self._host_copy_tokens) != preset.dp_ranks:  # copies still due go to the first rank of the new layout
             self._host_copy_tokens = [sum(self._host_copy_tokens)] + [0] * (preset.dp_ranks - 1)
 
@@ -145,19 +148,28 @@ class EngineCore:
 
     @property
     def kv_used_tokens(self) -> int:
-        return (
-            sum(map(_KV_RESERVED_TOKENS, self.waiting))
-            + sum(map(_KV_TOKENS, self.running.values()))
-            + sum(h.seq.kv_tokens for h in self.held.values())
-        )
+        """KV allocated or reserved: the waiting sequences' whole prompts, the others' KV."""
+        return self.kv_resident_tokens + sum(self.ledger.left[WAITING])
 
     @property
     def kv_resident_tokens(self) -> int:
         """KV actually allocated now (admission reservations of unprefilled tokens excluded)."""
+        kv = self.ledger.kv
+        return sum(kv[WAITING]) + sum(kv[RUNNING]) + sum(kv[HELD])
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        """Prefill tokens the waiting sequences have still to compute."""
+        return sum(self.ledger.left[WAITING])
+
+    def counted_kv_tokens(self) -> tuple[int, int]:
+        """(kv_used_tokens, kv_resident_tokens) added up over every sequence, as the ledger
+        keeps them (for checking it)."""
+        held = sum(h.seq.kv_tokens for h in self.held.values())
+        running = sum(map(_KV_TOKENS, self.running.values()))
         return (
-            sum(map(_KV_TOKENS, self.waiting))
-            + sum(map(_KV_TOKENS, self.running.values()))
-            + sum(h.seq.kv_tokens for h in self.held.values())
+            sum(map(_KV_RESERVED_TOKENS, self.waiting)) + running + held,
+            sum(map(_KV_TOKENS, self.waiting)) + running + held,
         )
 
     def room(self, pending: int = 0) -> int:
@@ -227,14 +239,15 @@ class EngineCore:
         )
         self._note_admission(seq)
         self.waiting.append(seq)
+        self.ledger.enter(seq, WAITING)
         return seq
 
     def _least_loaded_rank(self) -> int:
+        """The rank whose waiting and running sequences reserve the least KV (the first of equals)."""
         if self.preset.dp_ranks == 1:
             return 0
-        load = [0] * self.preset.dp_ranks
-        for s in [*self.waiting, *self.running.values()]:
-            load[s.rank] += s.kv_reserved_tokens
+        kv, left = self.ledger.kv, self.ledger.left
+        load = [kv[WAITING][r] + left[WAITING][r] + kv[RUNNING][r] + left[RUNNING][r] for r in range(self.preset.dp_ranks)]
         return min(range(len(load)), key=load.__getitem__)
 
     def _note_admission(self, seq: Seq) -> None:
@@ -261,6 +274,7 @@ class EngineCore:
         )
         self._note_admission(seq)
         self.running[seq.key] = seq
+        self.ledger.enter(seq, RUNNING)
         return seq
 
     # --- one scheduler step --------------------------------------------------------------
@@ -303,6 +317,7 @@ class EngineCore:
                 chunks.append((seq, n))
                 budget[seq.rank] -= n
                 free -= n + (n == seq.prefill_left)
+        prefilling: set[int] = set()
         if chunks and self._prefill_first:  # SGLang: a rank that prefills runs no decode that step
             prefilling = {seq.rank for seq, _ in chunks}
             decode = [s for s in decode if s.rank not in prefilling]
@@ -315,7 +330,7 @@ class EngineCore:
                 return self.plan(max_advance_s, repeat_prefill)
             return None
         ends_s = None
-        decoding = self._decode_per_rank(decode)
+        decoding = self._decode_per_rank(prefilling)
         if chunks:
             repeats = self._repeatable(chunks, decode, budget, free) if repeat_prefill else 1
             ends_s, total_s, prior_s = [], 0.0, 0.0
@@ -406,16 +421,16 @@ class EngineCore:
             repeats = min(repeats, max(1, min(map(_DECODE_LEFT, decode))))
         return max(1, min(repeats, 1 + free // (sum(n for _, n in chunks) + len(decode))))
 
-    def _decode_per_rank(self, decode: list[Seq]) -> tuple[list[int], list[int]]:
-        """Each rank's decoding sequences and their KV context tokens, counted once per step."""
+    def _decode_per_rank(self, skip_ranks: set[int]) -> tuple[list[int], list[int]]:
+        """Each rank's running sequences and their KV context tokens, none on `skip_ranks`."""
         ranks = self.preset.dp_ranks
+        count, kv = self.ledger.count[RUNNING], self.ledger.kv[RUNNING]
         if ranks == 1:
-            return [len(decode)], [sum(map(_KV_TOKENS, decode))]
-        seqs, context = [0] * ranks, [0] * ranks
-        for seq in decode:
-            seqs[seq.rank] += 1
-            context[seq.rank] += seq.kv_tokens
-        return seqs, context
+            return [sum(count)], [sum(kv)]
+        return (
+            [0 if r in skip_ranks else count[r] for r in range(ranks)],
+            [0 if r in skip_ranks else kv[r] for r in range(ranks)],
+        )
 
     def _loads(self, chunks: list[tuple[Seq, int]], decoding: tuple[list[int], list[int]], ahead: int = 0) -> list[RankLoad]:
         """Each rank's work in an iteration, `ahead` repeats of these chunks from now (every
@@ -455,6 +470,7 @@ class EngineCore:
         while self.running and self.kv_resident_tokens + len(self.running) * RETRACT_DECODE_STEPS > self.kv_capacity_tokens:
             victim = min(self.running.values(), key=lambda s: (s.generated, -s.kv_tokens))
             del self.running[victim.key]
+            self.ledger.leave(victim)
             self.retracted.append(victim)
             self._host_copy_tokens[victim.rank] += victim.kv_tokens
             self.retractions += 1
@@ -474,6 +490,7 @@ class EngineCore:
                 break  # alone, it comes back whatever its size
             self.retracted.popleft()
             self.running[seq.key] = seq
+            self.ledger.enter(seq, RUNNING)
             self._host_copy_tokens[seq.rank] += seq.kv_tokens
             resumed = True
         return resumed
@@ -490,6 +507,7 @@ class EngineCore:
     def _evict(self, victim: Seq) -> None:
         """Drop a sequence's KV; it is recomputed once all of it fits again."""
         self.preempted_kv_tokens += victim.kv_tokens
+        self.ledger.leave(victim)  # running, or waiting part-way through its prefill
         if victim.key in self.running:
             del self.running[victim.key]
             victim.prefill_tokens = victim.kv_tokens
@@ -500,6 +518,7 @@ class EngineCore:
         victim.cached_prefix_tokens = 0
         victim.prefill_done_tokens = 0
         victim.preempted = True
+        self.ledger.enter(victim, WAITING)
         self.preemptions += 1
 
     def complete(self, batch: Batch) -> list[tuple[str, Seq]]:
@@ -509,37 +528,36 @@ class EngineCore:
         if batch.decode:
             self.new_token_ratio.decay(batch.iterations)
         done: list[tuple[str, Seq]] = []
-        running, iterations = self.running, batch.iterations
-        used = -1  # kv_used_tokens as the loop goes, counted at the first finish and kept current after it
+        running, iterations, ledger = self.running, batch.iterations, self.ledger
+        running_kv = ledger.kv[RUNNING]
         for seq in batch.decode:  # every decoding sequence, every step: kept to plain attribute reads
             if running.get(seq.work.work_id) is not seq:  # (Seq.key)
                 continue  # migrated away during the step: the new engine redoes those tokens
             generated = seq.generated + iterations
             if generated < seq.target_tokens:
                 seq.generated = generated
-                if used >= 0:
-                    used += iterations
+                running_kv[seq.rank] += iterations  # its KV grew by a token an iteration (`ledger.grow`, inlined)
             else:  # its last token (capped at the target)
-                if used >= 0:
-                    used -= seq.kv_tokens
+                ledger.leave(seq)
                 seq.generated = seq.target_tokens
                 del self.running[seq.key]
                 self._order.pop(seq.key, None)
-                if used < 0:
-                    used = self.kv_used_tokens
-                self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens, used)
+                self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens)
                 done.append(("decode_done", seq))
         for seq, n in batch.prefill:
-            seq.prefill_done_tokens += n * batch.iterations
+            with ledger.changing(seq):
+                seq.prefill_done_tokens += n * batch.iterations
             if seq.prefill_left > 0:
                 continue
             self.waiting.remove(seq)
+            ledger.leave(seq)
             seq.preempted = False
             if seq.generated_before_prefill > 0:  # recomputed after a preemption: back to decoding, no new event
                 seq.prefill_tokens -= seq.generated_before_prefill
                 seq.prefill_done_tokens = seq.prefill_tokens
                 seq.generated_before_prefill = 0
                 self.running[seq.key] = seq
+                ledger.enter(seq, RUNNING)
                 continue
             seq.generated = 1  # first token sampled at the end of prefill
             if seq.work.prompt_key and seq.work.context_tokens == 0:  # its siblings may reuse the prompt's KV here
@@ -547,6 +565,7 @@ class EngineCore:
             done.append(("prefill_done", seq))
             if not seq.handoff:
                 self.running[seq.key] = seq
+                ledger.enter(seq, RUNNING)
         return done
 
     # --- leaving a role (a switch's deadline) ---------------------------------------------
@@ -554,6 +573,8 @@ class EngineCore:
         """Every decoding sequence, taken out of the batch (its KV stays resident until held
         or dropped): what a switching engine migrates to another decode engine."""
         seqs = self.decoding
+        for seq in self.running.values():
+            self.ledger.leave(seq)
         self.running.clear()
         self.retracted.clear()
         for seq in seqs:
@@ -577,6 +598,7 @@ class EngineCore:
         while self.retracted:  # their KV in host memory is of the old version too
             seq = self.retracted.popleft()
             self.running[seq.key] = seq
+            self.ledger.enter(seq, RUNNING)
         for seq in list(self.running.values()):
             self._evict(seq)
             cut.append(seq)
@@ -601,6 +623,7 @@ class EngineCore:
     # --- KV hand-off (prefill role) ------------------------------------------------------
     def hold(self, seq: Seq, handle_id: str, expires_at_s: float) -> None:
         self.held[handle_id] = Held(seq, expires_at_s)
+        self.ledger.enter(seq, HELD)
 
     def release(self, handle_id: str, now_s: float) -> Seq | None:
         """A decode engine took the KV; keep the prefix cached. None if unknown or expired."""
@@ -608,21 +631,22 @@ class EngineCore:
         if held is None:
             return None
         seq = held.seq
+        self.ledger.leave(seq)
         self._cache_put(seq.work.trajectory_id, seq.work.policy_version, seq.kv_tokens - seq.generated)
         if held.expires_at_s < now_s:
             return None
         return seq
 
     def expire(self, now_s: float) -> list[Seq]:
-        gone = [h for h in self.held if self.held[h].expires_at_s < now_s]
-        return [self.held.pop(h).seq for h in gone]
+        gone = [self.held.pop(h).seq for h in [h for h in self.held if self.held[h].expires_at_s < now_s]]
+        for seq in gone:
+            self.ledger.leave(seq)
+        return gone
 
     # --- prefix cache --------------------------------------------------------------------
-    def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int, used_tokens: int | None = None) -> None:
-        """Cache a prefix in the free part of the pool (LRU entries make room). `used_tokens`:
-        `kv_used_tokens`, where the caller keeps it already."""
-        used = self.kv_used_tokens if used_tokens is None else used_tokens
-        self.prefixes.put(trajectory_id, policy_version, tokens, self.kv_capacity_tokens - used)
+    def _cache_put(self, trajectory_id: str, policy_version: int, tokens: int) -> None:
+        """Cache a prefix in the free part of the pool (LRU entries make room)."""
+        self.prefixes.put(trajectory_id, policy_version, tokens, self.kv_capacity_tokens - self.kv_used_tokens)
 
     @property
     def cached_tokens(self) -> int:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from bus_schemas.work import PrefillWork
 
+# where a sequence is in its engine core (`Seq.place`, kept by actors/engine/kv_ledger.py)
+OUT, WAITING, RUNNING, HELD = 0, 1, 2, 3
+
 
 @dataclass(slots=True, eq=False)
 class Seq:
@@ -24,6 +27,7 @@ class Seq:
     decode_started: bool = False
     prefill_engine_id: str = ""
     oldest_version: int = -1  # a weight update interrupted the turn: the version of its first tokens
+    place: int = OUT  # OUT, WAITING, RUNNING or HELD in its engine core (the core's ledger sets it)
 
     @property
     def key(self) -> str:

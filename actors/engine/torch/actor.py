@@ -153,7 +153,8 @@ class TorchEngineActor(EngineActor):
         return None
 
     def _admitted(self, seq: Seq) -> None:
-        self.torch.admit_prefill(seq)
+        with self.core.ledger.changing(seq):  # the real prefix hit replaces the core's count
+            self.torch.admit_prefill(seq)
 
     async def _before_step(self) -> bool:
         """Let KV transfers in flight land, so their turns join the next decode step."""
