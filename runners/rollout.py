@@ -400,10 +400,16 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
 
 
 # --- one run -----------------------------------------------------------------------------
-def _run_one(args: tuple[bytes, str, bool]) -> dict:
-    config_json, out, live = args
+def _run_one(args: tuple[Case, str, bytes, str, bool]) -> dict:
+    """Run one case under one policy, and return its results row (read from the run's log
+    here, in the worker, so that the bench's own process does no per-run work)."""
+    case, policy, config_json, out, live = args
     config = msgspec.json.decode(config_json, type=Config)
-    out_path = Path(out)
+    return record(case, policy, config, _simulate_or_launch(config, Path(out), live), Path(out))
+
+
+def _simulate_or_launch(config: Config, out_path: Path, live: bool) -> dict:
+    """The run's summary."""
     if live:
         from ops.launch import launch
 
@@ -639,19 +645,18 @@ def run_suite(
         ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool,
     ):
         bar = progress.add_task(f"rollout bench {suite.name} ({'live' if live else 'virtual time'})", total=len(plan))
-        runs: dict[int, tuple[Config, Path]] = {}
         records: dict[int, dict] = {}
 
         def start(i: int) -> Future:
             case, policy = plan[i]
             run_dir = _run_dir(out, case, policy)
             oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
-            runs[i] = (run_config(suite, case, policy, oracle_log, overrides), run_dir)
-            return pool.submit(_run_one, (msgspec.json.encode(runs[i][0]), str(run_dir), live))
+            config = run_config(suite, case, policy, oracle_log, overrides)
+            return pool.submit(_run_one, (case, policy, msgspec.json.encode(config), str(run_dir), live))
 
         def done(i: int, future: Future) -> None:
-            (case, policy), (config, run_dir) = plan[i], runs[i]
-            records[i] = record(case, policy, config, future.result(), run_dir)
+            case, policy = plan[i]
+            records[i] = future.result()
             progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
             (out / "results.partial.json").write_text(json.dumps([records[j] for j in sorted(records)], indent=2) + "\n")
 
