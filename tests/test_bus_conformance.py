@@ -82,6 +82,48 @@ async def test_request_reply_timeout_and_no_responders(client):
         await client.request("prorsa.test.silent", b"hi", timeout=0.2)
 
 
+async def test_a_wildcard_subscriber_sees_request_replies(client):
+    """A reply goes to the requester's inbox like any message: a subscription matching
+    `_INBOX.>` sees it too (the in-process bus matches inboxes against fewer patterns)."""
+    seen, done = [], asyncio.Event()
+
+    async def echo(msg):
+        await msg.respond(b"re:" + msg.data)
+
+    async def watch(msg):
+        seen.append((msg.subject.split(".", 1)[0], msg.data))
+        if len(seen) == 2:
+            done.set()
+
+    await client.subscribe("prorsa.test.echo", cb=echo)
+    await client.subscribe("_INBOX.>", cb=watch)
+    await client.subscribe("prorsa.>", cb=watch)  # a wildcard no inbox matches
+    await client.flush()
+    assert (await client.request("prorsa.test.echo", b"hi", timeout=2)).data == b"re:hi"
+    await asyncio.wait_for(done.wait(), timeout=5)
+    assert sorted(seen) == [("_INBOX", b"re:hi"), ("prorsa", b"hi")]
+
+
+def test_inproc_replies_leave_no_subject_state_behind():
+    """Every request has an inbox of its own: the in-process bus keeps no route or stream
+    lookup for it once it is answered (a simulation makes millions)."""
+
+    async def main() -> None:
+        server = InProcServer()
+        nc = server.connect("c")
+        await nc.jetstream().add_stream(name="S", subjects=["prorsa.test.>"])
+
+        async def echo(msg):
+            await msg.respond(msg.data)
+
+        await nc.subscribe("prorsa.test.echo", cb=echo)
+        for i in range(20):
+            assert (await nc.request("prorsa.test.echo", str(i).encode(), timeout=1)).data == str(i).encode()
+        assert not [s for s in [*server._stream_of, *server._routes] if s.startswith("_INBOX")]
+
+    asyncio.run(main())
+
+
 async def test_work_queue_gives_each_item_to_one_puller_and_redelivers_unacked(client):
     js = client.jetstream()
     for i in range(4):

@@ -36,6 +36,12 @@ from bus_schemas.subjects import has_wildcard
 from bus_schemas.subjects import matches as subject_matches
 
 MsgCallback = Callable[[InProcMsg], Awaitable[None]]
+INBOX_PREFIX = "_INBOX."  # a request's reply subject (`InProcClient.request`), each used once
+
+
+def may_match_inbox(pattern: str) -> bool:
+    """Could `pattern` match a request's inbox (`_INBOX.<n>`)? Only by its first token."""
+    return pattern.split(".", 1)[0] in ("*", ">", "_INBOX")
 
 
 class InProcJetStream:
@@ -187,7 +193,9 @@ class InProcServer:
         self._literal: dict[str, list[_CoreSub]] = {}  # subject without wildcards -> its subscriptions
         self._wildcard: dict[_CoreSub, None] = {}  # subscriptions with `*` or `>` (few: one per kind of interest)
         self._routes: dict[str, list[_CoreSub]] = {}  # subject -> matching subscriptions, in creation order
-        self._stream_of: dict[str, _Stream | None] = {}  # subject -> capturing stream
+        self._stream_of: dict[str, _Stream | None] = {}  # subject -> capturing stream (inboxes not kept)
+        self._inbox_captured = False  # does any stream capture subjects an inbox may have?
+        self._inbox_wildcards: dict[_CoreSub, None] = {}  # the wildcard subscriptions an inbox may match
         try:  # the loop it serves, if created in one (each get_running_loop call costs a getpid)
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -199,6 +207,8 @@ class InProcServer:
         self.subs[sub] = next(self.ids)
         if has_wildcard(sub.subject):
             self._wildcard[sub] = None
+            if may_match_inbox(sub.subject):
+                self._inbox_wildcards[sub] = None
             self._routes.clear()
         else:
             self._literal.setdefault(sub.subject, []).append(sub)
@@ -209,6 +219,7 @@ class InProcServer:
             return
         if sub in self._wildcard:
             del self._wildcard[sub]
+            self._inbox_wildcards.pop(sub, None)
             self._routes.clear()
             return
         same = self._literal[sub.subject]
@@ -226,6 +237,7 @@ class InProcServer:
 
     def streams_changed(self) -> None:
         self._stream_of.clear()
+        self._inbox_captured = any(may_match_inbox(p) for s in self.streams.values() for p in s.config.subjects or ())
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop or asyncio.get_running_loop()
@@ -242,14 +254,21 @@ class InProcServer:
         return self.streams[name]
 
     def stream_for(self, subject: str) -> _Stream | None:
-        if subject not in self._stream_of:
-            self._stream_of[subject] = next((s for s in self.streams.values() if s.captures(subject)), None)
-        return self._stream_of[subject]
+        if subject in self._stream_of:
+            return self._stream_of[subject]
+        inbox = subject.startswith(INBOX_PREFIX)
+        if inbox and not self._inbox_captured:
+            return None
+        stream = next((s for s in self.streams.values() if s.captures(subject)), None)
+        if not inbox:  # an inbox is replied to once: remembering it would only grow the map
+            self._stream_of[subject] = stream
+        return stream
 
     def _route(self, subject: str) -> list[_CoreSub]:
         route = self._routes.get(subject)
         if route is None:
-            route = [*self._literal.get(subject, ()), *(s for s in self._wildcard if subject_matches(s.subject, subject))]
+            wildcards = self._inbox_wildcards if subject.startswith(INBOX_PREFIX) else self._wildcard
+            route = [*self._literal.get(subject, ()), *(s for s in wildcards if subject_matches(s.subject, subject))]
             route.sort(key=self.subs.__getitem__)
             self._routes[subject] = route
         return route
