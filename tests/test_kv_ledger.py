@@ -49,6 +49,8 @@ def assert_ledger_counts(c: EngineCore) -> None:
     assert c._decode_per_rank(set()) == ((running, context) if ranks > 1 else ([len(c.running)], [sum(context)]))
     loads = [sum(s.kv_reserved_tokens for s in [*c.waiting, *c.running.values()] if s.rank == r) for r in range(ranks)]
     assert c._least_loaded_rank() == min(range(ranks), key=loads.__getitem__)
+    admitted = {s.work.trajectory_id for s in [*c.waiting, *c.running.values(), *(h.seq for h in c.held.values())]}
+    assert all(c.in_flight(f"t{i}") == (f"t{i}" in admitted) for i in range(7))
 
 
 @settings(max_examples=80, deadline=None)

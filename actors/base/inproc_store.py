@@ -244,11 +244,11 @@ class _Consumer:
     def num_pending(self) -> int:
         """Messages this consumer has not delivered yet. Walks whichever is shorter: the
         sequences from the cursor on, or the stream (a work queue keeps only unacked ones)."""
-        messages, cursor, end = self.stream.messages, self.cursor, self.stream.next_seq
+        messages, cursor, end, wants = self.stream.messages, self.cursor, self.stream.next_seq, self.wants
         if end - cursor <= len(messages):
-            found = (messages.get(seq) for seq in range(cursor, end))
-            return sum(1 for m in found if m is not None and self._matches(m))
-        return sum(1 for seq, m in messages.items() if seq >= cursor and self._matches(m))
+            found = map(messages.get, range(cursor, end))
+            return sum(1 for m in found if m is not None and wants(m.subject))
+        return sum(1 for seq, m in messages.items() if seq >= cursor and wants(m.subject))
 
     def ack(self, seq: int) -> None:
         if self.pending.pop(seq, None) is not None and self.stream.work_queue:

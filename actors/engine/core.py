@@ -669,6 +669,6 @@ class EngineCore:
         return self.cached_prefix(trajectory_id, policy_version) == tokens
 
     def in_flight(self, trajectory_id: str) -> bool:
-        """A turn of the trajectory is admitted here (its prefix already taken from the cache)."""
-        seqs = [*self.waiting, *self.running.values(), *(h.seq for h in self.held.values())]
-        return any(s.work.trajectory_id == trajectory_id for s in seqs)
+        """A turn of the trajectory is admitted here (its prefix already taken from the cache):
+        waiting, running or held."""
+        return trajectory_id in self.ledger.trajectories

@@ -5,7 +5,7 @@ Each sequence records where it is (`Seq.place`): waiting (queued or part-way thr
 prefill), running (decoding), held for a decode engine, or out (retracted to host memory,
 finished, handed over). The ledger keeps, per place and per DP rank, the sequences' count,
 their resident KV (`Seq.kv_tokens`) and the prefill tokens they still have to compute
-(`Seq.prefill_left`); every figure is a whole number of tokens, so the sums are exactly
+(`Seq.prefill_left`), and the trajectories with a sequence in it; every figure is a whole number of tokens, so the sums are exactly
 the ones a pass over the sequences would give. A sequence's KV may change only while it is
 out of the ledger (`leave`, change, `enter`), or through `grow` for a running decode.
 """
@@ -26,6 +26,7 @@ class KvLedger:
         self.count = [[0] * ranks for _ in range(PLACES)]
         self.kv = [[0] * ranks for _ in range(PLACES)]
         self.left = [[0] * ranks for _ in range(PLACES)]
+        self.trajectories: dict[str, int] = {}  # trajectory -> its sequences in the ledger
 
     def fit_ranks(self, ranks: int) -> None:
         """Room for `ranks` DP ranks (a role switch may change the layout; sequences keep their rank)."""
@@ -60,3 +61,9 @@ class KvLedger:
         self.count[place][rank] += sign
         self.kv[place][rank] += sign * seq.kv_tokens
         self.left[place][rank] += sign * seq.prefill_left
+        trajectory_id = seq.work.trajectory_id
+        left = self.trajectories.get(trajectory_id, 0) + sign
+        if left:
+            self.trajectories[trajectory_id] = left
+        else:
+            del self.trajectories[trajectory_id]
