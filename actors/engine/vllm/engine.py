@@ -26,12 +26,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from actors.config_schema import ConfigError, VllmSection
+from actors.engine.vllm.steps import VllmStep, stat_logger_factory
 from actors.torch_extras import hidden_extras, hide_unloadable_torch_extras
 from bus_schemas import subjects
 from bus_schemas.control import Role
@@ -210,7 +212,8 @@ def engine_args(engine_id: str, cfg: VllmSection, model_dir: str, nats_url: str,
         seed=cfg.seed,
         logprobs_mode="processed_logprobs",  # of the tempered distribution, as the trainer's ratio needs
         kv_transfer_config=kv,
-        disable_log_stats=True,
+        disable_log_stats=True,  # no log lines; the iteration details go to `steps.stat_logger_factory`'s logger
+        enable_logging_iteration_details=True,
     )
     return AsyncEngineArgs(**{**args, **(overrides or {})})
 
@@ -243,15 +246,41 @@ class VllmEngine:
         self._live: dict[str, asyncio.Task] = {}  # request id -> the task reading its outputs
         self._latest: dict[str, list] = {}  # request id -> [its latest (cumulative) output]
         self._cut: set[str] = set()  # requests `cut_all` aborted
+        self._prompt_tokens: dict[str, int] = {}  # request id -> its prompt's tokens, while it runs
+        self.on_step: Callable[[VllmStep], None] | None = None  # each iteration the engine core reports (the actor's meter)
 
     async def start(self) -> None:
         guard_child_processes()
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url, self.overrides))
+        self.llm = AsyncLLM.from_engine_args(
+            engine_args(self.engine_id, self.cfg, self.model_dir, self.nats_url, self.overrides),
+            stat_loggers=[stat_logger_factory(self._on_step)],
+        )
         self.vocab_size = self.llm.model_config.get_vocab_size()
         eos = getattr(self.llm.model_config.hf_config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+
+    def _on_step(self, step: VllmStep) -> None:
+        if self.on_step is not None:
+            self.on_step(step)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV pool vLLM allocated, in tokens (0 before it starts)."""
+        if self.llm is None:
+            return 0
+        cache = self.llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
+    @property
+    def max_batched_tokens(self) -> int:
+        """vLLM's token budget per iteration (`max_num_batched_tokens`)."""
+        return int(self.llm.vllm_config.scheduler_config.max_num_batched_tokens) if self.llm is not None else 0
+
+    def decode_context_tokens(self) -> int:
+        """The tokens the running requests hold now: their prompts and what they generated."""
+        return sum(n + self.tokens_so_far(rid) for rid, n in self._prompt_tokens.items())
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -341,6 +370,7 @@ class VllmEngine:
 
         task = asyncio.ensure_future(read())
         self._live[request_id], self._latest[request_id] = task, latest  # before any await: `cut_all` sees every request
+        self._prompt_tokens[request_id] = len(token_ids)
         try:
             await task
         except asyncio.CancelledError:
@@ -351,6 +381,7 @@ class VllmEngine:
         finally:
             self._live.pop(request_id, None)
             self._latest.pop(request_id, None)
+            self._prompt_tokens.pop(request_id, None)
             self._cut.discard(request_id)
         gen = self._generated(latest[0])
         gen.policy_version = version
