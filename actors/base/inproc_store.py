@@ -134,6 +134,7 @@ class _Stream:
             self._dedup_order.append((now, msg_id))
         for consumer in self.consumers.values():
             if consumer.wants(subject):
+                consumer.undelivered += 1  # stored at the stream's end, past every cursor
                 consumer.offer()
         return seq, False
 
@@ -158,6 +159,17 @@ class _Stream:
             consumer.pending.clear()
             consumer._timers.clear()
             consumer.cursor = self.next_seq
+            consumer.undelivered = 0
+
+    def remove(self, seq: int) -> None:
+        """Drop a stored message (acked on a work queue): a consumer whose cursor has not
+        passed it no longer has it to deliver."""
+        stored = self.messages.pop(seq, None)
+        if stored is None:
+            return
+        for consumer in self.consumers.values():
+            if consumer.cursor <= seq and consumer.wants(stored.subject):
+                consumer.undelivered -= 1
 
 
 class _Consumer:
@@ -174,6 +186,9 @@ class _Consumer:
         self._loop = loop  # the bus's loop
         self._waiters: list[asyncio.Future] = []  # open pulls waiting for a message, oldest first
         self._wants: dict[str, bool] = {}  # subject -> matches the filter
+        # messages from the cursor on that match the filter (`num_pending`), kept as they are
+        # stored, delivered, removed or given back
+        self.undelivered = self.count_undelivered()
 
     def wants(self, subject: str) -> bool:
         wanted = self._wants.get(subject)
@@ -212,6 +227,7 @@ class _Consumer:
             self.cursor = seq + 1
             if stored is None or not self._matches(stored):
                 continue
+            self.undelivered -= 1
             if self.explicit:
                 self.pending[seq] = _Pending(0.0, 1)
                 self._schedule(seq, now + self.ack_wait_s)
@@ -235,6 +251,7 @@ class _Consumer:
             if stored is not None and wants(stored.subject):
                 found.append((stored, 1))
         self.cursor = seq
+        self.undelivered -= len(found)
         return found
 
     def next_redelivery_at(self) -> float | None:
@@ -242,8 +259,12 @@ class _Consumer:
         return None if timer is None else timer[0]
 
     def num_pending(self) -> int:
-        """Messages this consumer has not delivered yet. Walks whichever is shorter: the
-        sequences from the cursor on, or the stream (a work queue keeps only unacked ones)."""
+        """Messages this consumer has not delivered yet."""
+        return self.undelivered
+
+    def count_undelivered(self) -> int:
+        """`num_pending` counted over the stream. Walks whichever is shorter: the sequences
+        from the cursor on, or the stream (a work queue keeps only unacked ones)."""
         messages, cursor, end, wants = self.stream.messages, self.cursor, self.stream.next_seq, self.wants
         if end - cursor <= len(messages):
             found = map(messages.get, range(cursor, end))
@@ -252,7 +273,7 @@ class _Consumer:
 
     def ack(self, seq: int) -> None:
         if self.pending.pop(seq, None) is not None and self.stream.work_queue:
-            self.stream.messages.pop(seq, None)
+            self.stream.remove(seq)
 
     def nak(self, seq: int, delay_s: float) -> None:
         if seq in self.pending:
@@ -313,6 +334,9 @@ class _Consumer:
             self._schedule(seq, self._loop().time())
         elif seq == self.cursor - 1:
             self.cursor = seq
+            stored = self.stream.messages.get(seq)
+            if stored is not None and self._matches(stored):
+                self.undelivered += 1
         self.offer()
 
 
