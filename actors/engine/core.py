@@ -536,7 +536,7 @@ class EngineCore:
             generated = seq.generated + iterations
             if generated < seq.target_tokens:
                 seq.generated = generated
-                running_kv[seq.rank] += iterations  # its KV grew by a token an iteration (`ledger.grow`, inlined)
+                running_kv[seq.rank] += iterations  # its KV grew by a token an iteration (the ledger's one direct change)
             else:  # its last token (capped at the target)
                 ledger.leave(seq)
                 seq.generated = seq.target_tokens
@@ -638,7 +638,8 @@ class EngineCore:
         return seq
 
     def expire(self, now_s: float) -> list[Seq]:
-        gone = [self.held.pop(h).seq for h in [h for h in self.held if self.held[h].expires_at_s < now_s]]
+        expired = [h for h in self.held if self.held[h].expires_at_s < now_s]
+        gone = [self.held.pop(h).seq for h in expired]
         for seq in gone:
             self.ledger.leave(seq)
         return gone

@@ -5,9 +5,11 @@ Each sequence records where it is (`Seq.place`): waiting (queued or part-way thr
 prefill), running (decoding), held for a decode engine, or out (retracted to host memory,
 finished, handed over). The ledger keeps, per place and per DP rank, the sequences' count,
 their resident KV (`Seq.kv_tokens`) and the prefill tokens they still have to compute
-(`Seq.prefill_left`), and the trajectories with a sequence in it; every figure is a whole number of tokens, so the sums are exactly
-the ones a pass over the sequences would give. A sequence's KV may change only while it is
-out of the ledger (`leave`, change, `enter`), or through `grow` for a running decode.
+(`Seq.prefill_left`), and the trajectories with a sequence in it. Every figure is a whole
+number of tokens, so the sums are exactly the ones a pass over the sequences would give.
+A sequence's counts may change only while it is out of the ledger (`leave`, change,
+`enter`; `changing` does both); the one exception is a running decode's growth, which
+`EngineCore.complete` adds to its rank's running KV directly (a token per iteration).
 """
 
 from __future__ import annotations
