@@ -85,6 +85,7 @@ class AllocationDecision(msgspec.Struct, frozen=True, kw_only=True):
     remote_share: float = 1.0
     prefill_attention_tokens: float = 0.0  # context a missed prefill token attends over (0: unknown)
     prefill_backlog_tokens_per_s: float = 0.0  # the part of prefill_tokens_per_s queued now
+    remaining_s: float = 0.0  # the live trajectories' mean model seconds of work left (0: not known)
     # the capacities the policy priced this tick with (allocator.capacity = "measured": the cost
     # model's figures times the engines' measured over prior step times, actors/allocator/measured.py):
     # those factors, and at the demand's decode context a prefill engine's seconds per prefill

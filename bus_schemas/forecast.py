@@ -36,6 +36,14 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     targets: list[TargetForecast]
     live_trajectories: int  # trajectories live at as_of_s
     live_context_tokens: int = 0  # KV tokens they hold at as_of_s: histories and prefilled turns (0: not known)
+    # what is left of their work (forecasting.remaining): expected turns, summed over them, and
+    # the mean of their expected model seconds left (0: not known)
+    remaining_turns: float = 0.0
+    remaining_s: float = 0.0
+    # ... and a turn's mean seconds queued and prefilling, decoding, in its tool call (0: not known)
+    turn_prefill_s: float = 0.0
+    turn_decode_s: float = 0.0
+    turn_tool_s: float = 0.0
     # the costs prefill_engine_s is priced at (forecasting.series.TokenCost: seconds per
     # cache-missed token, and per token x context token it attends over); 0, 0: not stated
     prefill_cost_per_token_s: float = 0.0

@@ -22,6 +22,7 @@ from forecasting.calibrate import Conformal
 from forecasting.live import LiveState
 from forecasting.models import TARGETS, FitError, History, Prediction, make
 from forecasting.models.timeseries import Naive
+from forecasting.remaining import Remaining, remaining
 
 # What counts as "the model failed to fit on this tick" (statsmodels raises these).
 FIT_FAILURES = (FitError, ValueError, ArithmeticError, np.linalg.LinAlgError, IndexError)
@@ -42,6 +43,7 @@ class TickResult:
     live_trajectories: int
     events_total: int
     live_context_tokens: int = 0  # KV the live trajectories hold (LiveState.live_context_tokens)
+    remaining: Remaining = Remaining()  # what is left of their work (forecasting.remaining)
 
 
 class _Growing:
@@ -131,7 +133,9 @@ class ForecastCore:
         self.end_s = until_s
         history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)
         outcomes = {name: self._run(name, history) for name in self.models}
-        return TickResult(until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens())
+        return TickResult(
+            until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens(), remaining(self.live)
+        )
 
     def _ingest_by_bin(self, events: pl.DataFrame, until_s: float) -> np.ndarray:
         """Feed the live state the events of [end_s, until_s), one bin at a time (earlier ones

@@ -56,6 +56,8 @@ def assert_same(message: DemandForecast, r: TickResult) -> None:
     assert message.as_of_s == r.as_of_s
     assert message.fallback == bool(outcome.fallback_reason) and message.fallbacks_total == outcome.fallbacks_total, r.as_of_s
     assert message.live_trajectories == r.live_trajectories and message.events_total == r.events_total, r.as_of_s
+    assert (message.remaining_turns, message.remaining_s) == (r.remaining.turns, r.remaining.mean_s), r.as_of_s
+    assert (message.turn_prefill_s, message.turn_decode_s, message.turn_tool_s) == r.remaining.stage_s, r.as_of_s
     for target in message.targets:
         replayed = outcome.prediction.mean[target.target][INDEX]
         assert np.allclose(target.mean, replayed, rtol=1e-9, atol=1e-9), (r.as_of_s, target.target)

@@ -59,6 +59,7 @@ DECISION_DEMAND_FIELDS = (
     "remote_share",
     "prefill_attention_tokens",
     "prefill_backlog_tokens_per_s",
+    "remaining_s",
 )
 
 

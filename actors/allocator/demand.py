@@ -25,6 +25,10 @@ from bus_schemas.forecast import DemandForecast, TargetForecast
 from forecasting.series import UNIT_COST, TokenCost, bin_events, live_context_by_bin, totals
 
 ORACLE_BIN_S = 1.0
+# the oracle's turn stages: those that start within this of now (a minute of the recorded run) [A]
+ORACLE_STAGE_WINDOW_S = 60.0
+# a turn's stages in the log: queued and prefilling, decoding, in its tool call
+STAGE_BOUNDS = (("prefill_queued", "decode_started"), ("decode_started", "decode_done"), ("tool_started", "tool_done"))
 
 
 def backlog_tokens_per_s(fleet: Fleet, horizon_s: float) -> float:
@@ -87,6 +91,8 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         live_known=forecast.live_context_tokens > 0 or forecast.live_trajectories == 0,
         prefill_attention_tokens=attention,
         prefill_backlog_tokens_per_s=backlog,
+        remaining_s=forecast.remaining_s,
+        turn_stage_s=(forecast.turn_prefill_s, forecast.turn_decode_s, forecast.turn_tool_s),
     )
 
 
@@ -97,6 +103,16 @@ def next_decode_context_tokens(fleet: Fleet, live_trajectories: float, live_cont
     if fleet.running_decode or live_trajectories <= 0 or live_context_tokens <= 0:
         return fleet.mean_decode_context_tokens
     return live_context_tokens / live_trajectories
+
+
+def stage_spans(events: pl.DataFrame, start_kind: str, end_kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(start model s, duration s) of every turn's stage from its `start_kind` event to its
+    `end_kind` event (first attempts' pairs, matched by trajectory and turn)."""
+    keys = ["trajectory_id", "turn"]
+    start = events.filter(pl.col("kind") == start_kind).group_by(keys).agg(pl.col("at_s").min().alias("start_s"))
+    end = events.filter(pl.col("kind") == end_kind).group_by(keys).agg(pl.col("at_s").min().alias("end_s"))
+    pairs = start.join(end, on=keys).filter(pl.col("end_s") >= pl.col("start_s")).sort("start_s")
+    return pairs["start_s"].to_numpy(), (pairs["end_s"] - pairs["start_s"]).to_numpy()
 
 
 class RecordedDemand:
@@ -112,6 +128,28 @@ class RecordedDemand:
         arrivals, finishes = (np.asarray(totals(series, c), dtype=float) for c in ("arrivals", "finishes"))
         self.live = np.cumsum(arrivals - finishes)  # trajectories live at the end of each bin
         self.live_context = live_context_by_bin(events, ORACLE_BIN_S, len(self.live))
+        spans = (
+            events.filter(pl.col("trajectory_id") != "")
+            .group_by("trajectory_id")
+            .agg(pl.col("at_s").min().alias("first_s"), pl.col("at_s").max().alias("last_s"))
+        )
+        self.first_s, self.last_s = spans["first_s"].to_numpy(), spans["last_s"].to_numpy()
+        self.stages = [stage_spans(events, start, end) for start, end in STAGE_BOUNDS]
+
+    def turn_stage_s(self, now_s: float) -> tuple[float, float, float]:
+        """A turn's mean seconds queued and prefilling, decoding, and in its tool call, over
+        the stages that start within `ORACLE_STAGE_WINDOW_S` from `now_s` (0s: none starts)."""
+        means = []
+        for start_s, duration_s in self.stages:
+            inside = (start_s >= now_s) & (start_s < now_s + ORACLE_STAGE_WINDOW_S)
+            means.append(float(duration_s[inside].mean()) if inside.any() else 0.0)
+        return means[0], means[1], means[2]
+
+    def remaining_s(self, now_s: float) -> float:
+        """The mean over the trajectories live at `now_s` of the model seconds until their last
+        event (0: none live)."""
+        live = (self.first_s <= now_s) & (self.last_s > now_s)
+        return float((self.last_s[live] - now_s).mean()) if live.any() else 0.0
 
     def at(self, fleet: Fleet, horizon_s: float) -> Demand:
         lo = int(fleet.now_s // ORACLE_BIN_S)
@@ -132,4 +170,6 @@ class RecordedDemand:
             live_known=True,
             prefill_attention_tokens=self.cost.attention_tokens(float(self.prefill_engine_s[lo:hi].sum()), float(window_p.sum())),
             prefill_backlog_tokens_per_s=backlog,
+            remaining_s=self.remaining_s(fleet.now_s),
+            turn_stage_s=self.turn_stage_s(fleet.now_s),
         )

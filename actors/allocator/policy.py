@@ -49,6 +49,11 @@ Colocation is one of the choices (`allocator.colocation`):
   `disaggregate_above_engines` of an engine busy or too little is decoding for them to stall
   (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
 * "never": always a PD split.
+
+`allocator.decision = "evaluator"` replaces the rules above for `prorsa` and `oracle` (with
+`weigh_cost`): every arrangement's time to finish the live trajectories' work left, switches
+included, and the best once it has been best `CONFIRM_DECISIONS` decisions in a row
+(`evaluator.py`, `Split._evaluate`).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
 from actors.allocator.damping import FlapDamping
+from actors.allocator.evaluator import Inputs, evaluate
 from actors.allocator.loads import (
     bottleneck,
     colocated_load,
@@ -80,6 +86,9 @@ MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens pe
 # the miss ratio is learned once every engine has held its role this many horizons: right
 # after a change, the next turns recompute what the old arrangement held (a transient) [A]
 SETTLE_HORIZONS = 3.0
+# the evaluator changes the arrangement only to one it found best this many decisions in a
+# row (a tick's forecast can tip a comparison the next one undoes) [A]
+CONFIRM_DECISIONS = 3
 
 
 class Policy(Protocol):
@@ -131,6 +140,8 @@ class Split:
     relocated_at_s: float | None = None
     ratios: RatioMeter = field(default_factory=RatioMeter)  # prefill per decode token (throughput.py)
     q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
+    last_best: int = -1  # the evaluator's best arrangement at its last decision, and for how many in a row
+    best_streak: int = 0
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack, truth=self.config.capacity == "truth")
@@ -158,6 +169,8 @@ class Split:
             self.last_reason = "idle: no demand, no change"
             return []
         current = sum(e.role is Role.PREFILL for e in usable)
+        if self.config.decision == "evaluator" and self.weigh_cost:
+            return self._evaluate(demand, cap, usable, current, colocated_now, settled)
         regime = self.weigh_cost and self.config.saturated_regime and self.config.colocation == "cost-model"
         if regime and n >= 2 and fleet_saturated(demand, cap, n, current, pd_now):
             changes = self._saturated(demand, cap, usable, current, colocated_now)
@@ -194,6 +207,82 @@ class Split:
         if changes:
             self._changed("split" if not pd_roles else "grow" if target > current else "shrink")
         return changes
+
+    def _evaluate(
+        self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool, settled: bool
+    ) -> list[RoleChange]:
+        """`allocator.decision = "evaluator"`: the arrangement that finishes the work left first,
+        switches included (evaluator.py)."""
+        n = len(usable)
+        if n < 2:
+            self.last_reason = f"colocated: {n} engine"
+            return self._colocate_all(usable)
+        now = "colocated" if colocated_now else "pd"
+        if not colocated_now and self._recomputing(demand, cap, n, current):
+            settled = False  # the split still recomputes the KV it relocated: a cost already charged
+        if settled:
+            self._learn_miss_ratio(demand, now)
+        else:  # right after a change the turns recompute what the old arrangement held: its steady state
+            demand = self._steady(demand, now)
+        inputs = Inputs(
+            colocated_demand=self._as_in(demand, "colocated", now),
+            split_demand=self._as_in(demand, "pd", now),
+            cap=cap,
+            n=n,
+            current=current,
+            util=self.config.prefill_target_util,
+            drain_s=self.config.drain_deadline_s,
+            remaining_s=demand.remaining_s if demand.remaining_s > 0 else self.config.horizon_s,
+            stage_s=demand.turn_stage_s,
+            rates=self._saturated_rates(demand, cap, n, current, colocated_now),
+        )
+        evaluation = evaluate(inputs)
+        best, where = evaluation.best, f"{evaluation.note()} ({demand.source})"
+        self.best_streak = self.best_streak + 1 if best == self.last_best else 1
+        self.last_best = best
+        if best == current:
+            self.last_reason = f"hold: {where}"
+            return []
+        if self.best_streak < CONFIRM_DECISIONS:
+            self.last_reason = f"hold: {best} best {self.best_streak} of {CONFIRM_DECISIONS} decisions, {where}"
+            return []
+        kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
+        gain_s = evaluation.gain_engine_s(n)
+        if gain_s < self._required_gain_s(kind):
+            self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s, {where}"
+            return []
+        self.last_reason = f"{kind}, saves {gain_s:.1f} engine-s: {where}"
+        if best == 0:
+            return self._colocate_all(usable)
+        if current == 0:
+            self._buy_split(demand, cap, best, n)
+        elif best < current:  # the prefixes the leaving prefill engines held are recomputed: q settles after
+            recompute_s = resize_cost_s(demand, cap, current, best, n, 0.0) - (current - best) * cap.switch_s
+            self.q_settles_at_s = self.now_s + recompute_s / best
+        changes = self._pick(usable, best, self.now_s)
+        if changes:
+            self._changed(kind)
+        return changes
+
+    def _saturated_rates(self, demand: Demand, cap: Capacity, n: int, current: int, colocated_now: bool) -> list[float] | None:
+        """Decode tokens per second of every candidate (0: colocated, p: p prefill engines) where
+        the fleet is saturated and its prefill work per decode token is read (throughput.py);
+        None elsewhere. A saturated split is rated against colocation alone (the other splits
+        0): its q is read in its own pools, and what another split's would compute per decode
+        token is not known from them (rated on it, DeepSeek SWE resized between 1:3 and 2:2
+        every few minutes, each side rating the other faster)."""
+        if not (self.config.saturated_regime and fleet_saturated(demand, cap, n, current, not colocated_now)):
+            return None
+        q = saturated_ratio(self.ratios, histories_follow=not cap.decode_holds_histories)
+        if q is None:
+            return None
+        qs = arrangement_ratios(self.ratios, demand, cap, n, q)
+        live = demand.live_trajectories if demand.live_trajectories > 0 else None
+        remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share  # as in _saturated
+        splits = [p for p in range(1, n) if colocated_now or p == current]
+        return [colocated_rate(cap, n, qs[0], live)] + [
+            split_rate(cap, n, p, qs[p], remote_share, live) if p in splits else 0.0 for p in range(1, n)
+        ]
 
     def _colocate_all(self, usable: list[EngineState]) -> list[RoleChange]:
         changes = [

@@ -97,6 +97,12 @@ class Demand:
     # the part of `prefill_tokens_per_s` that is work queued now (backlog / horizon), not the
     # horizon's flow: an arrangement's prefill work per new token is read on the flow alone
     prefill_backlog_tokens_per_s: float = 0.0
+    # the live trajectories' mean model seconds of work left at the pace of now (the
+    # forecaster's `remaining_s`; the oracle's from the recorded log); 0: not known
+    remaining_s: float = 0.0
+    # a live turn's mean seconds queued and prefilling, decoding, and in its tool call, at the
+    # pace of now (the forecaster's; 0s: not known)
+    turn_stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def prefill_flow_tokens_per_s(self) -> float:

@@ -1,0 +1,180 @@
+"""The evaluator (pure): for every arrangement, the time to finish the work left, and the best.
+
+`allocator.decision = "evaluator"`. Candidates: every engine colocated (index 0) and every
+P:D split (index P, 1 .. n-1). For the arrangement now, c, and each candidate a:
+
+    finish_s(a) = remaining_s x pace(a) / pace(c)  +  switch_engine_s(c -> a) / n
+
+* remaining_s: the live trajectories' mean model seconds of work left at the pace of now
+  (`Demand.remaining_s`, the forecaster's; the horizon where it is not known yet);
+* pace(a): how long the work takes in a, relative to the workload's own pace:
+  - below saturation, max(1, utilisation of a's busiest stage) (the load model, loads.py,
+    at the measured capacities): an arrangement with headroom runs the work at the pace its
+    trajectories set (tool calls, their decodes), one past its capacity stretches it by its
+    utilisation. Utilisation below 1 is not a saving, so a split never buys headroom;
+  - a saturated fleet (throughput.py: its live KV past what the fleet holds, engines that
+    queue what does not fit), 1 / the decode tokens per second a turns over;
+* switch_engine_s: drains, reconfiguration and the KV a split relocates (loads.py), in
+  engine-seconds, spread over the fleet's n engines.
+
+The best candidate is taken when it finishes sooner by at least `min_gain_s` engine-seconds
+over the fleet; ties keep the arrangement of now. A split whose decode side cannot hold
+what it must keep (without queueing admission) is no candidate: it would preempt and
+recompute without end. Every figure of a decision is in `Evaluation.note()`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from actors.allocator.capacity import Capacity
+from actors.allocator.loads import bottleneck, colocated_load, decode_side_holds, relocation_s, resize_cost_s, stage_loads
+from actors.allocator.state import Demand
+
+# a stage's utilisation is read at most this high: past it the queue model's wait has no bound [A]
+MAX_UTILISATION = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What one evaluation reads: the demand as each arrangement would see it (its prefill work
+    per new token, `Split._as_in`), the capacities, and the fleet."""
+
+    colocated_demand: Demand
+    split_demand: Demand
+    cap: Capacity
+    n: int
+    current: int  # prefill engines now (0: colocated)
+    util: float  # allocator.prefill_target_util
+    drain_s: float  # allocator.drain_deadline_s
+    remaining_s: float
+    # a turn's seconds queued and prefilling, decoding, in its tool call, as measured now (0s: not known)
+    stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # saturated fleets: decode tokens per second per candidate (index as above), else None
+    rates: list[float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    finish_s: list[float]  # per candidate (inf: not a candidate)
+    pace: list[float]
+    cost_s: list[float]  # engine-seconds of the switch from now
+    current: int
+    remaining_s: float
+
+    @property
+    def best(self) -> int:
+        return min(range(len(self.finish_s)), key=lambda a: (self.finish_s[a], a != self.current))
+
+    def gain_engine_s(self, n: int) -> float:
+        """Engine-seconds the best saves over staying."""
+        return (self.finish_s[self.current] - self.finish_s[self.best]) * n
+
+    def note(self) -> str:
+        def name(a: int) -> str:
+            return "colocated" if a == 0 else f"{a}:{len(self.finish_s) - a}"
+
+        shown = [a for a in range(len(self.finish_s)) if math.isfinite(self.finish_s[a])]
+        return f"over {self.remaining_s:.0f} s left: " + ", ".join(
+            f"{name(a)} {self.finish_s[a]:.0f} s (pace {self.pace[a] / self.pace[self.current]:.2f}, switch {self.cost_s[a]:.0f} engine-s)"
+            for a in shown
+        )
+
+
+def pace(inputs: Inputs, a: int) -> float:
+    """How long the work takes in arrangement `a`, relative to its own pace (module docstring)."""
+    if inputs.rates is not None:
+        rate = inputs.rates[a]
+        return 1.0 / rate if rate > 0 else math.inf
+    prefill_s, decode_s, tool_s = inputs.stage_s
+    if prefill_s + decode_s > 0:  # a turn's stages as measured now, each scaled from now to `a`
+        c = inputs.current
+        return prefill_s * prefill_latency(inputs, a) / prefill_latency(inputs, c) + decode_s * tpot(inputs, a) / tpot(inputs, c) + tool_s
+    if a == 0:
+        return max(1.0, colocated_load(inputs.colocated_demand, inputs.cap, inputs.util, inputs.n) / inputs.n)
+    return max(1.0, bottleneck(stage_loads(inputs.split_demand, inputs.cap, inputs.util), a, inputs.n))
+
+
+def tpot(inputs: Inputs, a: int) -> float:
+    """Seconds per decode token of a sequence in arrangement `a`: its engine's step at the batch
+    it holds (the decoding sequences over the engines that decode; past the KV-bound batch the
+    rest wait their turn), held while a rank of a lockstep group prefills ((1 - p)^R of the
+    time decodes, p a rank's prefill share; without lockstep a mixed step's eager penalty)."""
+    cap = inputs.cap
+    colocated = a == 0
+    demand = inputs.colocated_demand if colocated else inputs.split_demand
+    engines = inputs.n if colocated else inputs.n - a
+    full = cap.colocated_kv_seqs if colocated else cap.decode_kv_seqs
+    batch = max(1.0, demand.decode_seqs / engines)
+    step_s = cap.kv_step_s_at(min(batch, full), colocated) * max(1.0, batch / full)
+    # the flow of prefill work: the backlog of now is queued once, not a share of every step
+    if colocated:
+        tokens_s, s_per_token, ranks = (
+            demand.prefill_flow_tokens_per_s,
+            cap.prefill_s_at(demand.prefill_attention_tokens, True),
+            cap.colocated_lockstep_ranks,
+        )
+    else:  # a decode engine prefills the appends that stay where their KV is
+        tokens_s, s_per_token, ranks = (
+            demand.prefill_flow_tokens_per_s * (1.0 - demand.remote_share),
+            cap.decode_prefill_s_per_token,
+            cap.decode_lockstep_ranks,
+        )
+    share = min(MAX_UTILISATION, tokens_s * s_per_token / engines)
+    if ranks > 1:
+        return step_s / (1.0 - share) ** ranks
+    return step_s * (1.0 + (cap.colocated_mixed_penalty if colocated else 0.0) * share)
+
+
+def prefill_latency(inputs: Inputs, a: int) -> float:
+    """Seconds a prefill token waits and computes in arrangement `a`: its cost on the engines
+    that prefill it, over their idle share (a single-server queue's 1 / (1 - u))."""
+    cap = inputs.cap
+    if a == 0:
+        demand, engines = inputs.colocated_demand, inputs.n
+        s_per_token, tokens_s = cap.prefill_s_at(demand.prefill_attention_tokens, True), demand.prefill_flow_tokens_per_s
+    else:
+        demand, engines = inputs.split_demand, a
+        s_per_token, tokens_s = cap.prefill_s_at(demand.prefill_attention_tokens), demand.prefill_flow_tokens_per_s * demand.remote_share
+    busy = min(MAX_UTILISATION, tokens_s * s_per_token / engines)
+    return s_per_token / (1.0 - busy)
+
+
+def switch_engine_s(inputs: Inputs, a: int) -> float:
+    """Engine-seconds the switch from the arrangement now to `a` costs."""
+    cap, n, c = inputs.cap, inputs.n, inputs.current
+    if a == c:
+        return 0.0
+    if c == 0:  # colocated -> split: every engine reconfigures, the new prefill side drains, the KV moves
+        saturated = inputs.rates is not None
+        return n * cap.colocated_switch_s + a * inputs.drain_s + relocation_s(inputs.colocated_demand, cap, a, n, saturated)
+    if a == 0:  # back to colocated: nothing to drain
+        return n * cap.colocated_switch_s
+    return resize_cost_s(inputs.split_demand, cap, c, a, n, inputs.drain_s)
+
+
+def holds(inputs: Inputs, a: int) -> bool:
+    """Whether candidate `a` can run: colocation always; a split whose decode side holds what it
+    must keep, or any split where engines queue what does not fit (the saturated model rates it)."""
+    if a == 0 or inputs.cap.admission_queues:
+        return True
+    return decode_side_holds(inputs.split_demand, inputs.cap, inputs.n - a, entering=inputs.current == 0)
+
+
+def evaluate(inputs: Inputs) -> Evaluation:
+    """finish_s for every candidate (module docstring)."""
+    candidates = range(inputs.n)
+    paces = [pace(inputs, a) for a in candidates]
+    costs = [switch_engine_s(inputs, a) for a in candidates]
+    now_pace = paces[inputs.current]
+    finish = [
+        inputs.remaining_s * paces[a] / now_pace + costs[a] / inputs.n if holds(inputs, a) and math.isfinite(paces[a]) else math.inf
+        for a in candidates
+    ]
+    if not math.isfinite(now_pace):  # the arrangement of now has no pace: the others against the fastest
+        fastest = min((paces[a] for a in candidates if math.isfinite(finish[a])), default=math.inf)
+        finish = [
+            inputs.remaining_s * paces[a] / fastest + costs[a] / inputs.n if math.isfinite(finish[a]) else math.inf for a in candidates
+        ]
+    return Evaluation(finish, paces, costs, inputs.current, inputs.remaining_s)

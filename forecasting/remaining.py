@@ -1,0 +1,72 @@
+"""What is left of the live trajectories' work (pure): expected turns and model seconds.
+
+A trajectory of a family goes on after its turn m with the family's continuation probability
+c[m] (`TurnHazard`), so the turns it is expected to run after turn m are
+
+    S[m] = c[m] (1 + S[m + 1])
+
+One prefilling or decoding its turn n has that turn and S[n] more; one in a tool call after
+turn n goes on to turn n + 1, and S[n + 1] after it. Each turn lasts the family's mean turn
+as measured in the log (queued prefill, decode and tool call, queueing included: the pace of
+the arrangement the fleet runs). A live trajectory's remaining seconds are its turns left
+times that turn; the figure published is their mean over the live trajectories, the time
+the average one still needs (the step lasts at least that, its longest trajectory longer).
+
+The allocator weighs a role change's saving over this time (docs/allocation.md, "The
+evaluator"). Unknown (0) while a family has no prefill or decode measured; a tool call not
+yet seen to end counts as none (too short a turn, so a change is bought later, not earlier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from forecasting.live import DEC, POOLED, PRE, TOOL, LiveState
+
+
+@dataclass(frozen=True, slots=True)
+class Remaining:
+    turns: float = 0.0  # expected turns left, summed over the live trajectories
+    mean_s: float = 0.0  # mean over the live trajectories of their expected seconds left (0: unknown)
+    # a turn's mean seconds queued and prefilling, decoding, and in its tool call, over the
+    # live trajectories' families (each family's mean, weighted by its live trajectories)
+    stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def turns_after(continue_prob: np.ndarray) -> np.ndarray:
+    """S[m], the expected turns after turn m, for every m (none after the last one tracked)."""
+    after = np.zeros(len(continue_prob) + 1)
+    for m in range(len(continue_prob) - 1, -1, -1):
+        after[m] = continue_prob[m] * (1.0 + after[m + 1])
+    return after
+
+
+def remaining(live: LiveState) -> Remaining:
+    """Expected turns and mean seconds left of the live trajectories (module docstring)."""
+    alive = np.flatnonzero(live.alive)
+    if len(alive) == 0:
+        return Remaining()
+    pooled = live.stats[POOLED]
+    turns_total, seconds_total, timed = 0.0, 0.0, True
+    stage_total = np.zeros(3)
+    family_of = live.family[alive]
+    for family in np.flatnonzero(np.bincount(family_of)):
+        members = alive[family_of == family]
+        stats = live.family_stats(int(family))
+        hazard = stats.turns if stats.turns.n else pooled.turns
+        after = turns_after(hazard.continue_prob(live.turn[members]))
+        turn = live.turn[members]
+        in_tool = live.phase[members] == TOOL
+        left = 1.0 + after[np.minimum(turn + in_tool, len(after) - 1)]
+        stages = [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
+        timed = timed and all(stages[p].n for p in (PRE, DEC))
+        means = np.array([stages[p].mean() for p in (PRE, DEC, TOOL)])  # an empty stage's mean is 0
+        turns_total += float(left.sum())
+        seconds_total += float(left.sum()) * float(means.sum())
+        stage_total += len(members) * means
+    if not timed:
+        return Remaining(turns_total)
+    stage_s = stage_total / len(alive)
+    return Remaining(turns_total, seconds_total / len(alive), (float(stage_s[0]), float(stage_s[1]), float(stage_s[2])))
