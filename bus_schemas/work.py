@@ -41,6 +41,10 @@ class PrefillWork(msgspec.Struct, frozen=True, kw_only=True):
     # turn 0 with shared prompts (workload.share_prompts): the task's prompt identity — a prefix
     # cache may serve the prompt's KV from a sibling's; empty otherwise
     prompt_key: str = ""
+    # a short append sent to the decode engine holding the trajectory's KV: the prefill-side
+    # engine holding its prefix, where that engine writes the turn's KV back (engines.kv_writeback
+    # = "to-prefill"), as a decode engine does to the engine that prefilled its turn; empty otherwise
+    writeback_engine_id: str = ""
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):

@@ -128,6 +128,12 @@ def with_writeback(config, mode: str):
     return msgspec.structs.replace(config, engines=msgspec.structs.replace(config.engines, kv_writeback=mode))
 
 
+def with_local_appends(config):
+    """A policy with decode engines prefilling the short appends routed to them (`static`)."""
+    engines = msgspec.structs.replace(config.engines, kv_writeback="to-prefill", local_prefill_max_tokens=1024)
+    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, policy="static"), engines=engines)
+
+
 def engine(bus, config, engine_id: str, role: Role) -> EngineActor:
     return EngineActor(engine_id, config, bus, ScaledClock(100.0, time.time()), role)
 
@@ -167,9 +173,11 @@ class Watch:
         await asyncio.wait_for(loop(), timeout)
 
 
-async def _two_turns(bus, config, traj: str, kinds=(EventKind.PREFILL_DONE, EventKind.KV_WRITEBACK_DONE)):
-    """Turn 0 prefilled on e0, decoded on e1; then turn 1 (its whole history as context) on e0.
-    Returns the watch and the engines (stopped)."""
+async def _turns(bus, config, traj: str, turns, kinds=(EventKind.PREFILL_DONE, EventKind.KV_WRITEBACK_DONE)):
+    """Engines e0 (prefill) and e1 (decode). Each of `turns`, (queue, work, written back), is
+    published on that engine's own queue (None: the shared one) once the turn before has its
+    result and, where it is written back, its write-back landed. Returns the watch and the
+    engines (stopped)."""
     watch = Watch()
     await watch.start(bus, *kinds)
     e0, e1 = engine(bus, config, "e0", Role.PREFILL), engine(bus, config, "e1", Role.DECODE)
@@ -177,17 +185,23 @@ async def _two_turns(bus, config, traj: str, kinds=(EventKind.PREFILL_DONE, Even
     js = bus.jetstream()
     try:
         await asyncio.wait_for(asyncio.gather(e0.ready.wait(), e1.ready.wait()), timeout=10)
-        await js.publish(subjects.work_prefill(), encode(work(traj, context=0, new=800, out=20)))
-        await watch.until(lambda: len(watch.results) == 1)
-        if config.engines.kv_writeback != "none":
-            await watch.until(lambda: watch.of(EventKind.KV_WRITEBACK_DONE, traj, 0))
-        await js.publish(subjects.work_prefill(), encode(work(traj, turn=1, context=820, new=100, out=5)))
-        await watch.until(lambda: len(watch.results) == 2)
+        for done, (queue, turn_work, written_back) in enumerate(turns, start=1):
+            await js.publish(subjects.work_prefill(queue), encode(turn_work))
+            await watch.until(lambda done=done: len(watch.results) == done)
+            if written_back:
+                await watch.until(lambda turn=turn_work.turn: watch.of(EventKind.KV_WRITEBACK_DONE, traj, turn))
     finally:
         for e in (e0, e1):
             e.request_stop("test over")
         await asyncio.wait_for(asyncio.gather(*running), timeout=15)
     return watch, e0, e1
+
+
+async def _two_turns(bus, config, traj: str):
+    """Turn 0 prefilled on e0, decoded on e1; then turn 1 (its whole history as context) on e0."""
+    written_back = config.engines.kv_writeback != "none"
+    turns = [(None, work(traj, context=0, new=800, out=20), written_back), (None, work(traj, turn=1, context=820, new=100, out=5), False)]
+    return await _turns(bus, config, traj, turns)
 
 
 @pytest_bus
@@ -209,6 +223,42 @@ async def test_written_back_output_makes_the_next_prefill_compute_only_the_new_t
     assert turn1.cached_prefix_tokens == 819  # computes the last sampled token and the 100 new ones
     assert e0.counters["kv_writeback_landed"] >= 1 and e1.counters["kv_writeback_served"] >= 1
     assert e1.counters["kv_writeback_held"] == 2  # turn 1's output is held for e0 too
+
+
+@pytest_bus
+async def test_a_short_append_its_decode_engine_prefilled_is_written_back_to_the_prefix_holder(bus, tiny_config):
+    """Turn 1, a short append, is prefilled and decoded on e1, where its KV is; it names e0, the
+    prefill engine holding the prefix, as its write-back target. e0 then holds the whole
+    context, and turn 2, a long one, computes only its own tokens there."""
+    traj = "local"
+    append = msgspec.structs.replace(work(traj, turn=1, context=820, new=30, out=10), writeback_engine_id="e0")
+    turns = [
+        (None, work(traj, context=0, new=800, out=20), True),
+        ("e1", append, True),
+        (None, work(traj, turn=2, context=860, new=900, out=5), False),
+    ]
+    watch, e0, e1 = await _turns(bus, with_local_appends(tiny_config), traj, turns)
+    [local] = watch.of(EventKind.PREFILL_DONE, traj, 1)
+    assert local.engine_id == "e1" and local.cached_prefix_tokens == 820  # prefilled where its KV was
+    [landed] = watch.of(EventKind.KV_WRITEBACK_DONE, traj, 1)
+    # e0 held 819 (turn 0's write-back); the append, its output less the last token came back
+    assert (landed.engine_id, landed.cached_prefix_tokens, landed.new_tokens) == ("e0", 859, 40)
+    [long] = watch.of(EventKind.PREFILL_DONE, traj, 2)
+    assert (long.engine_id, long.cached_prefix_tokens) == ("e0", 859)
+
+
+@pytest_bus
+async def test_a_short_append_without_a_write_back_target_leaves_the_prefix_holder_behind(bus, tiny_config):
+    traj = "stale"
+    turns = [
+        (None, work(traj, context=0, new=800, out=20), True),
+        ("e1", work(traj, turn=1, context=820, new=30, out=10), False),
+        (None, work(traj, turn=2, context=860, new=900, out=5), False),
+    ]
+    watch, e0, e1 = await _turns(bus, with_local_appends(tiny_config), traj, turns)
+    assert not watch.of(EventKind.KV_WRITEBACK_DONE, traj, 1) and e1.counters["kv_writeback_held"] == 2  # turns 0 and 2 only
+    [long] = watch.of(EventKind.PREFILL_DONE, traj, 2)
+    assert (long.engine_id, long.cached_prefix_tokens) == ("e0", 819)  # recomputes the append and its output
 
 
 @pytest_bus

@@ -7,7 +7,9 @@ back, the next turn's prefill engine recomputes them. Two paths, both off the cr
   finishes a turn it holds the turn's KV under a handle with the hand-off TTL
   (`WritebackHold`) and sends a `KvWriteback` notice (request/reply on
   `subjects.kv_writeback(<prefill engine>)`) to the engine that prefilled the turn
-  (`Seq.prefill_engine_id`). That engine acks at once, then fetches the KV over the usual
+  (`Seq.prefill_engine_id`); a short append the decode engine prefilled itself goes to the
+  prefill-side engine holding the trajectory's prefix (`PrefillWork.writeback_engine_id`,
+  set by the environment's router). That engine acks at once, then fetches the KV over the usual
   `subjects.kv(<decode engine>)` request/reply with `have_tokens` = the prefix it already
   holds, and on landing its prefix cache for (trajectory, policy version) extends to the
   whole context. A turn that arrives first computes what it lacks; the late write-back is
@@ -107,10 +109,17 @@ class EngineWriteback:
     # --- decode side: a turn finished ------------------------------------------------------
     def _after_turn(self, seq: Seq, at_s: float) -> None:
         """Called once a decoded turn's result is built (its KV is in this engine's cache)."""
-        if self.kv_writeback == "to-prefill" and seq.prefill_engine_id not in ("", self.actor_id):
+        if self.kv_writeback == "to-prefill" and self._writeback_target(seq) not in ("", self.actor_id):
             self._hold_writeback(seq, at_s)
         elif self.kv_writeback == "store":
             self.spawn(self._write_to_store(seq), f"store-{seq.key}")
+
+    def _writeback_target(self, seq: Seq) -> str:
+        """The prefill-side engine a finished turn's KV goes back to: the one that prefilled it, or,
+        for a short append this engine prefilled itself, the one holding the trajectory's prefix
+        (`PrefillWork.writeback_engine_id`): without it, that engine's prefix stays a turn behind
+        and the trajectory's next long turn recomputes the gap."""
+        return seq.prefill_engine_id if seq.prefill_engine_id != self.actor_id else seq.work.writeback_engine_id
 
     def _writeback_source(self, seq: Seq) -> tuple[int, list[int], Any]:
         """(KV tokens, their ids, the tensors) of a finished turn (a backend hook). Emulated:
@@ -119,8 +128,10 @@ class EngineWriteback:
 
     def _hold_writeback(self, seq: Seq, at_s: float) -> None:
         tokens, token_ids, kv = self._writeback_source(seq)
-        w = seq.work
-        prefix = w.context_tokens + w.new_tokens  # what the prefill engine cached at the hand-off
+        w, target = seq.work, self._writeback_target(seq)
+        # what the target most likely holds: the turn's prompt, which it prefilled and handed
+        # over; the context before the append, where this engine prefilled the append itself
+        prefix = w.context_tokens + (w.new_tokens if target == seq.prefill_engine_id else 0)
         if tokens <= prefix:
             return  # nothing generated that it lacks
         handle = KvHandle(
@@ -141,7 +152,7 @@ class EngineWriteback:
             finished_at_s=at_s,
         )
         self.counters["kv_writeback_held"] += 1
-        self.spawn(self._send_notice(seq.prefill_engine_id, notice), f"wb-notice-{seq.key}")
+        self.spawn(self._send_notice(target, notice), f"wb-notice-{seq.key}")
 
     def _kv_bytes_per_token(self) -> int:
         return self.core.preset.kv_bytes_per_token

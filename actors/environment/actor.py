@@ -49,8 +49,17 @@ class Trajectory:
     generated_tokens: int = 0
     observation_tokens: int = 0
     awaiting_result: bool = False
-    prefix_engine_id: str = ""  # the engine that prefilled the last turn (holds the prefix up to it)
+    prefix_engine_id: str = ""  # the prefill-side engine holding the prefix: it prefilled the last turn, or took its write-back
     kv_engine_id: str = ""  # the engine that decoded the last turn (holds all of the context)
+    writeback_engine_id: str = ""  # the current turn is a short append on kv_engine_id: the prefix holder it writes back to
+
+    def took_result(self, r: TurnResult) -> None:
+        """The engines holding the KV after turn `r`: the one that decoded it holds all of it; the
+        prefix holder is the one that prefilled it, or, for a short append its decode engine
+        prefilled, the prefill-side holder the turn's KV was written back to."""
+        local = r.prefill_engine_id == r.decode_engine_id and self.writeback_engine_id
+        self.prefix_engine_id = self.writeback_engine_id if local else r.prefill_engine_id
+        self.kv_engine_id = r.decode_engine_id
 
     @property
     def family(self) -> str:
@@ -224,6 +233,18 @@ class EnvironmentActor(Actor):
     async def _submit(self, t: Trajectory) -> None:
         a = t.assignment
         prompt_key = self._prompt_key(t)
+        fields = self._turn_fields(t)
+        t.awaiting_result = True
+        engine_id = None
+        if self.router is not None:
+            engine_id = self.router.route(
+                t.kv_engine_id, t.prefix_engine_id, fields["context_tokens"], fields["new_tokens"], self.clock.now_s(), prompt_key
+            )
+        # with write-back to the prefill side, a short append kept where its KV is writes back to
+        # the prefill-side prefix holder, which stays the trajectory's home for its long turns
+        local = engine_id is not None and engine_id == t.kv_engine_id and t.prefix_engine_id not in ("", engine_id)
+        local = local and self.config.engines.kv_writeback == "to-prefill"
+        t.writeback_engine_id = t.prefix_engine_id if local else ""
         work = PrefillWork(
             work_id=make_work_id(a.trajectory_id, t.nonce, t.turn, 0),
             trajectory_id=a.trajectory_id,
@@ -233,14 +254,9 @@ class EnvironmentActor(Actor):
             policy_version=self._turn_version(t),
             queued_at_s=self.clock.now_s(),
             prompt_key=prompt_key,
-            **self._turn_fields(t),
+            writeback_engine_id=t.writeback_engine_id,
+            **fields,
         )
-        t.awaiting_result = True
-        engine_id = None
-        if self.router is not None:
-            engine_id = self.router.route(
-                t.kv_engine_id, t.prefix_engine_id, work.context_tokens, work.new_tokens, self.clock.now_s(), prompt_key
-            )
         subject = subjects.work_prefill(engine_id)
         await publish_durable(self.js, subject, encode(work), work.work_id, self.counters, self.log, self.stopping, self.clock)
         self._event(t, EventKind.PREFILL_QUEUED, new_tokens=work.new_tokens, context_tokens=work.context_tokens)
@@ -275,7 +291,7 @@ class EnvironmentActor(Actor):
             self.counters["stale_results"] += 1  # a duplicate from a redelivered turn, or an earlier rollout's
             return
         t.awaiting_result = False
-        t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
+        t.took_result(r)
         t.versions.append(self._turn_versions(r))
         self.newest_version = max(self.newest_version, r.policy_version)
         t.generated_tokens += r.output_tokens

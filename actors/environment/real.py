@@ -151,7 +151,7 @@ class RealEnvironmentActor(EnvironmentActor):
             )
             return
         t.awaiting_result = False
-        t.prefix_engine_id, t.kv_engine_id = r.prefill_engine_id, r.decode_engine_id
+        t.took_result(r)
         t.versions.append(self._turn_versions(r))
         self.newest_version = max(self.newest_version, r.policy_version)
         t.ids = t.ids + t.new_ids + list(r.token_ids)

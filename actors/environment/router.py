@@ -20,9 +20,11 @@ Every policy but plain `colocated` routes a turn to an engine's own queue:
   leaving a busy decode engine goes to its prefix holder, not to a prefill engine that would
   recompute it all. A new trajectory goes to the least loaded.
 
-With KV write-back (`engines.kv_writeback`, `writeback`), the engine that prefilled the last
-turn holds the trajectory's whole context once the decode engine's output is written back
-("to-prefill"), and with "store" any prefill engine loads it from the store tier. Then only
+With KV write-back (`engines.kv_writeback`, `writeback`), the prefix holder (the engine that
+prefilled the last turn, or the prefill-side holder a short append kept on its decode engine
+wrote back to: the environment passes it as `PrefillWork.writeback_engine_id`) holds the
+trajectory's whole context once the decode engine's output is written back ("to-prefill"),
+and with "store" any prefill engine loads it from the store tier. Then only
 appends of at most `local_prefill_max_tokens` count as short (the half-the-context rule
 existed because a prefill engine recomputed the last output), and the balance threshold is
 what a miss elsewhere costs: the whole context recomputed ("none", "to-prefill"), or loaded
