@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from forecasting.live import DEC, POOLED, PRE, TOOL, LiveState
+from forecasting.models.prefill_work import stage_durations, stat
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +56,14 @@ def remaining(live: LiveState) -> Remaining:
     for family in np.flatnonzero(np.bincount(family_of)):
         members = alive[family_of == family]
         stats = live.family_stats(int(family))
-        hazard = stats.turns if stats.turns.n else pooled.turns
+        hazard = stat(stats, pooled, "turns")
         after = turns_after(hazard.continue_prob(live.turn[members]))
         turn = live.turn[members]
         in_tool = live.phase[members] == TOOL
         left = 1.0 + after[np.minimum(turn + in_tool, len(after) - 1)]
-        stages = [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
-        timed = timed and all(stages[p].n for p in (PRE, DEC))
-        means = np.array([stages[p].mean() for p in (PRE, DEC, TOOL)])  # an empty stage's mean is 0
+        durations = stage_durations(stats, pooled)
+        timed = timed and all(durations[p].n for p in (PRE, DEC))
+        means = np.array([durations[p].mean() for p in (PRE, DEC, TOOL)])  # an empty stage's mean is 0
         turns_total += float(left.sum())
         seconds_total += float(left.sum()) * float(means.sum())
         stage_total += len(members) * means

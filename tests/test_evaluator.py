@@ -13,12 +13,13 @@ from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import ORACLE_STAGE_WINDOW_S, RecordedDemand
 from actors.allocator.evaluator import Inputs, evaluate
 from actors.allocator.policy import CONFIRM_DECISIONS, Split
-from actors.allocator.state import Demand, EngineState, Fleet
+from actors.allocator.state import Demand
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from bus_schemas.control import Role
 from forecasting.remaining import remaining, turns_after
 from forecasting.synthetic import synthetic_log
 from tests.forecast_helpers import history_at
+from tests.test_allocator_policy import fleet
 
 DEEPSEEK = EngineSection(count=4, preset="h200-deepseek-v3-fp8", layout=LayoutSection(dp=8, ep=8))
 CONTEXT_TOKENS = 20_000.0
@@ -112,10 +113,6 @@ def test_a_saturated_fleet_takes_the_arrangement_that_turns_over_most_and_keeps_
     assert tie.best == 2  # no faster arrangement: no switch
 
 
-def colocated_fleet(now_s: float) -> Fleet:
-    return Fleet(now_s=now_s, engines=tuple(EngineState(engine_id=f"e{i}", role=Role.COLOCATED) for i in range(4)))
-
-
 def test_the_allocator_changes_arrangement_only_once_the_same_best_holds_for_consecutive_decisions():
     """`allocator.decision = "evaluator"`: a split found best is bought on the CONFIRM_DECISIONS-th
     decision in a row that finds it; a decision that finds staying best in between starts the
@@ -125,10 +122,10 @@ def test_the_allocator_changes_arrangement_only_once_the_same_best_holds_for_con
     short = replace(long, remaining_s=5.0)
     now_s = 100.0
     for demand in [long] * (CONFIRM_DECISIONS - 1) + [short] + [long] * (CONFIRM_DECISIONS - 1):
-        assert split.decide(demand, colocated_fleet(now_s)) == [], split.last_reason
+        assert split.decide(demand, fleet([Role.COLOCATED] * 4, now_s)) == [], split.last_reason
         now_s += 10.0
     assert f"{CONFIRM_DECISIONS - 1} of {CONFIRM_DECISIONS}" in split.last_reason
-    changes = split.decide(long, colocated_fleet(now_s))
+    changes = split.decide(long, fleet([Role.COLOCATED] * 4, now_s))
     prefill = sum(c.role is Role.PREFILL for c in changes)
     assert len(changes) == 4 and 0 < prefill < 4, split.last_reason
     assert split.last_reason.startswith("split")

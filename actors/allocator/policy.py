@@ -77,7 +77,7 @@ from actors.allocator.loads import (
     working_set_tokens,
 )
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
-from actors.allocator.throughput import RatioMeter, arrangement_ratios, colocated_rate, fleet_saturated, saturated_ratio, split_rate
+from actors.allocator.throughput import RatioMeter, arrangement_ratios, fleet_saturated, saturated_ratio, turnover_rates
 from actors.config import AllocatorSection, EngineSection
 from bus_schemas.control import Role
 
@@ -179,13 +179,9 @@ class Split:
             if pd_now:  # a split in a saturated fleet, no reading of q yet: loads cannot judge it
                 self.last_reason = f"hold {current}:{n - current}, saturated: no prefill-per-decode reading"
                 return []
-        if pd_now and self._recomputing(demand, cap, n, current):
-            settled = False  # the split still recomputes the KV it relocated: a cost already charged
-        if settled:  # right after a change the turns recompute what the old arrangement held
-            self._learn_miss_ratio(demand, "colocated" if colocated_now else "pd" if pd_now else "")
-        else:  # ... a transient already paid for: judge the arrangement by its steady state
-            demand = self._steady(demand, "colocated" if colocated_now else "pd")
-            loads = stage_loads(demand, cap, self.config.prefill_target_util)
+        arrangement = "colocated" if colocated_now else "pd" if pd_now else ""
+        demand = self._judged(demand, cap, n, current, arrangement, settled, split_now=pd_now)
+        loads = stage_loads(demand, cap, self.config.prefill_target_util)
         colocate = self._colocate(demand, cap, loads, n, current, colocated_now)
         if colocate:
             self.last_reason = colocate
@@ -218,12 +214,7 @@ class Split:
             self.last_reason = f"colocated: {n} engine"
             return self._colocate_all(usable)
         now = "colocated" if colocated_now else "pd"
-        if not colocated_now and self._recomputing(demand, cap, n, current):
-            settled = False  # the split still recomputes the KV it relocated: a cost already charged
-        if settled:
-            self._learn_miss_ratio(demand, now)
-        else:  # right after a change the turns recompute what the old arrangement held: its steady state
-            demand = self._steady(demand, now)
+        demand = self._judged(demand, cap, n, current, now, settled, split_now=not colocated_now)
         inputs = Inputs(
             colocated_demand=self._as_in(demand, "colocated", now),
             split_demand=self._as_in(demand, "pd", now),
@@ -276,13 +267,8 @@ class Split:
         q = saturated_ratio(self.ratios, histories_follow=not cap.decode_holds_histories)
         if q is None:
             return None
-        qs = arrangement_ratios(self.ratios, demand, cap, n, q)
-        live = demand.live_trajectories if demand.live_trajectories > 0 else None
-        remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share  # as in _saturated
-        splits = [p for p in range(1, n) if colocated_now or p == current]
-        return [colocated_rate(cap, n, qs[0], live)] + [
-            split_rate(cap, n, p, qs[p], remote_share, live) if p in splits else 0.0 for p in range(1, n)
-        ]
+        rates = turnover_rates(demand, cap, n, arrangement_ratios(self.ratios, demand, cap, n, q))
+        return [rate if p == 0 or colocated_now or p == current else 0.0 for p, rate in enumerate(rates)]
 
     def _colocate_all(self, usable: list[EngineState]) -> list[RoleChange]:
         changes = [
@@ -305,13 +291,8 @@ class Split:
         # the history term prices a split before it is bought; once split, one q judges it, as
         # the hold and the way back were built on (docs/allocation.md, saturated fleets)
         qs = arrangement_ratios(self.ratios, demand, cap, n, q) if colocated_now else [q] * n
-        # at most the live trajectories decode at once (a step's tail leaves the pools part-empty)
-        live = demand.live_trajectories if demand.live_trajectories > 0 else None
-        coloc = colocated_rate(cap, n, qs[0], live)
-        # a split's decode engines run KV-full here: under lockstep the router sends them no
-        # appends (environment/router.py), so their prefill side computes every token
-        remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
-        rates = {p: split_rate(cap, n, p, qs[p], remote_share, live) for p in range(1, n)}
+        coloc, *split_rates = turnover_rates(demand, cap, n, qs)
+        rates = dict(enumerate(split_rates, start=1))
         best = max(rates, key=lambda p: (rates[p], -abs(p - current)))
         note = f"saturated: colocated {coloc:.0f} (q {qs[0]:.2f}) vs {best}:{n - best} {rates[best]:.0f} (q {qs[best]:.2f}) decode tokens/s ({demand.source})"
         if colocated_now:
@@ -345,6 +326,18 @@ class Split:
 
     def _changed(self, kind: str) -> None:
         self.damping.record(kind, self.now_s)
+
+    def _judged(self, demand: Demand, cap: Capacity, n: int, current: int, arrangement: str, settled: bool, split_now: bool) -> Demand:
+        """The demand an arrangement ("colocated", "pd", "": mixed) is judged by. Settled, as
+        measured, and its prefill work per new token is learned; right after a change, or while
+        a split (`split_now`) still recomputes the KV it relocated (a transient already paid
+        for), the turns recompute what the old arrangement held: its steady state instead."""
+        if split_now and self._recomputing(demand, cap, n, current):
+            settled = False
+        if settled:
+            self._learn_miss_ratio(demand, arrangement)
+            return demand
+        return self._steady(demand, arrangement or "pd")
 
     def _learn_miss_ratio(self, demand: Demand, arrangement: str) -> None:
         if not arrangement or demand.prefill_new_tokens_per_s <= 0:

@@ -117,6 +117,17 @@ def split_rate(cap: Capacity, n: int, prefill_engines: int, q: float, remote_sha
     return min(prefill_bound, decode_bound)
 
 
+def turnover_rates(demand: Demand, cap: Capacity, n: int, qs: list[float]) -> list[float]:
+    """Decode tokens per second a saturated fleet turns over colocated (index 0) and split
+    p:(n - p) (index p), at the prefill tokens each computes per decode token (`qs`)."""
+    # at most the live trajectories decode at once (a step's tail leaves the pools part-empty)
+    live = demand.live_trajectories if demand.live_trajectories > 0 else None
+    # a split's decode engines run KV-full here: under lockstep the router sends them no
+    # appends (environment/router.py), so their prefill side computes every token
+    remote_share = 1.0 if cap.decode_lockstep_ranks > 1 else demand.remote_share
+    return [colocated_rate(cap, n, qs[0], live)] + [split_rate(cap, n, p, qs[p], remote_share, live) for p in range(1, n)]
+
+
 def history_pools_tokens(cap: Capacity, n: int, prefill_engines: int) -> float:
     """KV an arrangement keeps the live histories in between turns (at `KV_HIGH_WATERMARK`,
     the pool occupancy loads are sized to): colocated, every engine's pool; a split with

@@ -109,8 +109,9 @@ class EngineWriteback:
     # --- decode side: a turn finished ------------------------------------------------------
     def _after_turn(self, seq: Seq, at_s: float) -> None:
         """Called once a decoded turn's result is built (its KV is in this engine's cache)."""
-        if self.kv_writeback == "to-prefill" and self._writeback_target(seq) not in ("", self.actor_id):
-            self._hold_writeback(seq, at_s)
+        target = self._writeback_target(seq)
+        if self.kv_writeback == "to-prefill" and target not in ("", self.actor_id):
+            self._hold_writeback(seq, target, at_s)
         elif self.kv_writeback == "store":
             self.spawn(self._write_to_store(seq), f"store-{seq.key}")
 
@@ -126,9 +127,9 @@ class EngineWriteback:
         everything but the last sampled token, which has no KV yet."""
         return max(0, seq.kv_tokens - 1), [], None
 
-    def _hold_writeback(self, seq: Seq, at_s: float) -> None:
+    def _hold_writeback(self, seq: Seq, target: str, at_s: float) -> None:
         tokens, token_ids, kv = self._writeback_source(seq)
-        w, target = seq.work, self._writeback_target(seq)
+        w = seq.work
         # what the target most likely holds: the turn's prompt, which it prefilled and handed
         # over; the context before the append, where this engine prefilled the append itself
         prefix = w.context_tokens + (w.new_tokens if target == seq.prefill_engine_id else 0)

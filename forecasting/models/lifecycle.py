@@ -54,7 +54,7 @@ from forecasting.empirical import Empirical
 from forecasting.live import DEC, ENGINE_COLUMN, MISS_COLUMN, POOLED, PRE, TOOL, FamilyStats, LiveState
 from forecasting.models.base import QUANTILES, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, ahead, shared, truncated
-from forecasting.models.prefill_work import Opening, next_prefill, opening, stat, waiting, waiting_prefills
+from forecasting.models.prefill_work import Opening, next_prefill, opening, stage_durations, stat, waiting, waiting_prefills
 from forecasting.models.slots import Block, Flows, SlotDemand
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV
@@ -77,11 +77,6 @@ def _pmf(stage: Empirical, step_s: float, slots: int) -> np.ndarray:
     """The stage's centred pmf on the slot grid, kept until the stage learns a new sample
     (none: a stage never seen to end, `Empirical.survival`)."""
     return stage.memo(("centred_pmf", step_s, slots), lambda: stage.centred_pmf(step_s, slots))
-
-
-def _stages(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
-    """The family's PRE, DEC and TOOL durations, pooled ones where it has none yet."""
-    return [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
 
 
 @register
@@ -138,8 +133,8 @@ class Lifecycle(Forecaster):
         self, demand: SlotDemand, live: LiveState, members: np.ndarray, stats: FamilyStats, step_s: float, now_s: float
     ) -> None:
         pooled = live.stats[POOLED]
-        stages = _stages(stats, pooled)
-        turns = stats.turns if stats.turns.n else pooled.turns
+        stages = stage_durations(stats, pooled)
+        turns = stat(stats, pooled, "turns")
         weights, finishing = ahead(turns.continue_prob(live.turn[members]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
         obs, gen = stat(stats, pooled, "obs_tokens"), stat(stats, pooled, "gen_tokens")
@@ -301,8 +296,8 @@ class Lifecycle(Forecaster):
     def _add_family_starts(
         self, demand: SlotDemand, stats: FamilyStats, pooled: FamilyStats, size: float, p: np.ndarray, step_s: float, wave: bool
     ) -> None:
-        stages = _stages(stats, pooled)
-        turns = stats.turns if stats.turns.n else pooled.turns
+        stages = stage_durations(stats, pooled)
+        turns = stat(stats, pooled, "turns")
         weights, finish = (w[:, 0] for w in ahead(turns.continue_prob(np.zeros(0, np.int64)), self.cycles))
         chain = PhaseChain(np.array([_pmf(st, step_s, demand.slots) for st in stages]), self.cycles)
         prompt_pre = stat(stats, pooled, "prompt_pre_s")
