@@ -7,20 +7,24 @@ P:D split (index P, 1 .. n-1). For the arrangement now, c, and each candidate a:
 
 * remaining_s: the live trajectories' mean model seconds of work left at the pace of now
   (`Demand.remaining_s`, the forecaster's; the horizon where it is not known yet);
-* pace(a): how long the work takes in a, relative to the workload's own pace:
-  - below saturation, max(1, utilisation of a's busiest stage) (the load model, loads.py,
-    at the measured capacities): an arrangement with headroom runs the work at the pace its
-    trajectories set (tool calls, their decodes), one past its capacity stretches it by its
-    utilisation. Utilisation below 1 is not a saving, so a split never buys headroom;
+* pace(a): how long a turn takes in a, relative to now:
   - a saturated fleet (throughput.py: its live KV past what the fleet holds, engines that
     queue what does not fit), 1 / the decode tokens per second a turns over;
+  - elsewhere, where a turn's stages have been timed (`Inputs.stage_s`: queued and prefilling,
+    decoding, in its tool call), each stage scaled from c to a: a prefill token's wait and
+    compute as a single-server queue, s / (1 - u) (`prefill_latency`); a decode token's step
+    at the batch a holds, stretched by DP-attention lockstep or vLLM's eager mixed step
+    (`tpot`); the tool call unchanged;
+  - before any turn is timed, max(1, utilisation of a's busiest stage) (loads.py, at the
+    measured capacities): headroom is no saving, so a split never buys it;
 * switch_engine_s: drains, reconfiguration and the KV a split relocates (loads.py), in
   engine-seconds, spread over the fleet's n engines.
 
-The best candidate is taken when it finishes sooner by at least `min_gain_s` engine-seconds
-over the fleet; ties keep the arrangement of now. A split whose decode side cannot hold
-what it must keep (without queueing admission) is no candidate: it would preempt and
-recompute without end. Every figure of a decision is in `Evaluation.note()`.
+`best` is the candidate that finishes first, the arrangement of now on a tie; whether to
+move there (the same best for several decisions, a gain of at least `min_gain_s`) is the
+policy's (`Split._evaluate`). A split whose decode side cannot hold what it must keep
+(without queueing admission) is no candidate: it would preempt and recompute without end.
+Every figure of a decision is in `Evaluation.note()`.
 """
 
 from __future__ import annotations
