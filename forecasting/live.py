@@ -79,6 +79,17 @@ class FamilyStats:
     prompt_delays: SizedDelays = field(default_factory=lambda: SizedDelays(2))  # turn 0
 
 
+def stat(stats: FamilyStats, pooled: FamilyStats, name: str):
+    """The family's learned statistic `name`, the pooled one where it has no sample yet."""
+    own = getattr(stats, name)
+    return own if own.n else getattr(pooled, name)
+
+
+def stage_durations(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
+    """The family's PRE, DEC and TOOL durations, pooled ones where it has none yet."""
+    return [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
+
+
 @dataclass(frozen=True, slots=True)
 class Cadence:
     """Trajectories still to start, as cycles (sync: RL steps; async: batch cycles): the

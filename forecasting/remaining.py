@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forecasting.live import DEC, POOLED, PRE, TOOL, LiveState
-from forecasting.models.prefill_work import stage_durations, stat
+from forecasting.live import DEC, POOLED, PRE, TOOL, LiveState, stage_durations, stat
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,10 +51,10 @@ import numpy as np
 
 from forecasting.compound import compound_poisson_quantiles
 from forecasting.empirical import Empirical
-from forecasting.live import DEC, ENGINE_COLUMN, MISS_COLUMN, POOLED, PRE, TOOL, FamilyStats, LiveState
+from forecasting.live import DEC, ENGINE_COLUMN, MISS_COLUMN, POOLED, PRE, TOOL, FamilyStats, LiveState, stage_durations, stat
 from forecasting.models.base import QUANTILES, FitError, Forecaster, History, Prediction, register
 from forecasting.models.chain import PhaseChain, ahead, shared, truncated
-from forecasting.models.prefill_work import Opening, next_prefill, opening, stage_durations, stat, waiting, waiting_prefills
+from forecasting.models.prefill_work import Opening, next_prefill, opening, waiting, waiting_prefills
 from forecasting.models.slots import Block, Flows, SlotDemand
 from forecasting.models.timeseries import Naive
 from forecasting.series import LIVE_KV

@@ -9,19 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forecasting.empirical import Empirical
-from forecasting.live import POOLED, PRE, FamilyStats, LiveState
-
-
-def stat(stats: FamilyStats, pooled: FamilyStats, name: str):
-    """The family's learned statistic `name`, the pooled one where it has no sample yet."""
-    own = getattr(stats, name)
-    return own if own.n else getattr(pooled, name)
-
-
-def stage_durations(stats: FamilyStats, pooled: FamilyStats) -> list[Empirical]:
-    """The family's PRE, DEC and TOOL durations, pooled ones where it has none yet."""
-    return [own if own.n else all_ for own, all_ in zip(stats.stage_s, pooled.stage_s)]
+from forecasting.live import POOLED, PRE, FamilyStats, LiveState, stat
 
 
 def next_prefill(
