@@ -109,11 +109,10 @@ class EngineWriteback:
     # --- decode side: a turn finished ------------------------------------------------------
     def _after_turn(self, seq: Seq, at_s: float) -> None:
         """Called once a decoded turn's result is built (its KV is in this engine's cache)."""
-        target = self._writeback_target(seq)
-        if self.kv_writeback == "to-prefill" and target not in ("", self.actor_id):
-            self._hold_writeback(seq, target, at_s)
-        elif self.kv_writeback == "store":
+        if self.kv_writeback == "store":
             self.spawn(self._write_to_store(seq), f"store-{seq.key}")
+        elif self.kv_writeback == "to-prefill" and (target := self._writeback_target(seq)) not in ("", self.actor_id):
+            self._hold_writeback(seq, target, at_s)
 
     def _writeback_target(self, seq: Seq) -> str:
         """The prefill-side engine a finished turn's KV goes back to: the one that prefilled it, or,
