@@ -134,7 +134,7 @@ class ForecastCore:
         history = History(self.config.bin_s, until_s, {t: s.view() for t, s in self.series.items()}, self.live)
         outcomes = {name: self._run(name, history) for name in self.models}
         return TickResult(
-            until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens(), remaining(self.live)
+            until_s, outcomes, self.live.live_count(), self.live.events, self.live.live_context_tokens(), remaining(self.live, until_s)
         )
 
     def _ingest_by_bin(self, events: pl.DataFrame, until_s: float) -> np.ndarray:

@@ -42,6 +42,11 @@ class Ring:
     def array(self) -> np.ndarray:
         return self._rows[: self.count]
 
+    @property
+    def full(self) -> bool:
+        """Whether rows may have been overwritten (it holds `capacity`)."""
+        return self.count == len(self._rows)
+
 
 class Empirical:
     def __init__(self, max_samples: int = 2000, tail_weight: float = 1.0) -> None:
@@ -78,6 +83,10 @@ class Empirical:
         if self._sorted is None:
             self._sorted = np.sort(self._samples.array())
         return self._sorted
+
+    def holds_every_sample(self) -> bool:
+        """Whether no sample added has been dropped yet."""
+        return not self._samples.full
 
     def mean(self) -> float:
         return self.memo("mean", lambda: float(self.values().mean()) if self.n else 0.0)

@@ -63,6 +63,7 @@ _ENDS = {DEC_STARTED: PRE, DEC_DONE: DEC, TOOL_DONE: TOOL}  # the phase whose du
 class FamilyStats:
     stage_s: tuple[Empirical, Empirical, Empirical] = field(default_factory=lambda: (Empirical(500), Empirical(), Empirical()))
     prompt_pre_s: Empirical = field(default_factory=lambda: Empirical(500))  # PRE of turn 0 (start bursts queue)
+    append_pre_s: Empirical = field(default_factory=lambda: Empirical(500))  # PRE of turns > 0
     obs_tokens: Empirical = field(default_factory=Empirical)
     gen_tokens: Empirical = field(default_factory=Empirical)
     decode_engine_s: Empirical = field(default_factory=Empirical)  # a decode's engine-seconds (decode TokenCost)
@@ -366,6 +367,8 @@ class LiveState:
             if kind == DEC_STARTED:
                 first = done & (turn == 0)
                 self._learn("prompt_pre_s", fam[first], np.maximum(at_s[first] - entered_before[first], 0.0))
+                later = done & (turn != 0)
+                self._learn("append_pre_s", fam[later], np.maximum(at_s[later] - entered_before[later], 0.0))
         miss = col["context_tokens"] - col["cached_prefix_tokens"] + col["new_tokens"]
         done = code == PREFILLED
         self._learn("prompt_miss_tokens", fam[done & (turn == 0)], miss[done & (turn == 0)])

@@ -13,10 +13,13 @@ from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import ORACLE_STAGE_WINDOW_S, RecordedDemand
 from actors.allocator.evaluator import Inputs, evaluate
 from actors.allocator.policy import CONFIRM_DECISIONS, Split
+from actors.allocator.side_share import SideShare
 from actors.allocator.state import Demand
 from actors.config import AllocatorSection, EngineSection, LayoutSection
 from bus_schemas.control import Role
-from forecasting.remaining import remaining, turns_after
+from forecasting.empirical import Empirical
+from forecasting.live import DEC, POOLED, stage_durations
+from forecasting.remaining import exposure_mean, remaining, turns_after
 from forecasting.synthetic import synthetic_log
 from tests.forecast_helpers import history_at
 from tests.test_allocator_policy import fleet
@@ -40,7 +43,7 @@ def test_remaining_work_matches_what_the_log_goes_on_to_do():
     about the time to their last event."""
     log = synthetic_log(trajectories=300, seed=3, spread_s=120.0, max_turns=6, min_turns=6)
     now_s = 90
-    left = remaining(history_at(log, now_s).live)
+    left = remaining(history_at(log, now_s).live, now_s)
     spans = log.group_by("trajectory_id").agg(pl.col("at_s").min().alias("first_s"), pl.col("at_s").max().alias("last_s"))
     live = spans.filter((pl.col("first_s") < now_s) & (pl.col("last_s") >= now_s))
     live_ids = live["trajectory_id"].implode()
@@ -54,14 +57,14 @@ def test_remaining_work_matches_what_the_log_goes_on_to_do():
 
 def test_no_remaining_seconds_before_a_decode_has_been_timed():
     log = synthetic_log(trajectories=20, seed=1, spread_s=1.0)
-    left = remaining(history_at(log, 1).live)  # prompts queued, nothing decoded yet
+    left = remaining(history_at(log, 1).live, 1)  # prompts queued, nothing decoded yet
     assert left.turns > 0 and left.mean_s == 0.0
 
 
 def inputs(demand: Demand, current: int = 0, remaining_s: float = 1000.0, **kw) -> Inputs:
     cap = CapacityModel(DEEPSEEK, AllocatorSection().decode_tpot_slack).at(CONTEXT_TOKENS)
     fields = dict(colocated_demand=demand, split_demand=demand, cap=cap, n=4, current=current, util=0.8, drain_s=5.0)
-    return Inputs(**fields, remaining_s=remaining_s, **kw)
+    return Inputs(**{**fields, **kw}, remaining_s=remaining_s)
 
 
 def busy_demand(prefill_share: float) -> Demand:
@@ -113,10 +116,10 @@ def test_a_saturated_fleet_takes_the_arrangement_that_turns_over_most_and_keeps_
     assert tie.best == 2  # no faster arrangement: no switch
 
 
-def test_the_allocator_changes_arrangement_only_once_the_same_best_holds_for_consecutive_decisions():
+def test_the_allocator_changes_arrangement_only_once_staying_loses_for_consecutive_decisions():
     """`allocator.decision = "evaluator"`: a split found best is bought on the CONFIRM_DECISIONS-th
-    decision in a row that finds it; a decision that finds staying best in between starts the
-    count again."""
+    decision in a row that finds staying not best; a decision that finds staying best in
+    between starts the count again."""
     split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
     long = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
     short = replace(long, remaining_s=5.0)
@@ -148,3 +151,114 @@ def test_the_oracle_reads_the_work_left_and_the_turn_stages_from_the_recorded_lo
     prefill_s, decode_s, tool_s = recorded.turn_stage_s(now_s)
     assert math.isclose(decode_s, float((window["e"] - window["s"]).mean()), rel_tol=1e-9)
     assert prefill_s > 0 and tool_s > 0
+
+
+def test_a_splits_prefill_side_share_is_read_from_its_engines_counters():
+    """Before a split has run, a lockstep decode side is priced as sending every prefill token
+    to the prefill side (the router's share elsewhere); once a split has run settled, the share
+    its prefill engines computed; colocated stretches and a restarted engine's reset counter
+    are not counted."""
+    share = SideShare()
+    assert share.share(lockstep_decode=True, router_share=0.1) == 1.0
+    assert share.share(lockstep_decode=False, router_share=0.1) == 0.1
+    colocated = [Role.COLOCATED] * 4
+    share.observe(list(fleet(colocated, prefilled_tokens_total=[0, 0, 0, 0]).engines), split_settled=False)
+    share.observe(list(fleet(colocated, prefilled_tokens_total=[100, 100, 100, 100]).engines), split_settled=False)
+    assert share.share(lockstep_decode=True, router_share=0.1) == 1.0  # colocated: nothing read
+    split_roles = [Role.PREFILL] + [Role.DECODE] * 3
+    share.observe(list(fleet(split_roles, prefilled_tokens_total=[400, 200, 200, 200]).engines), split_settled=True)
+    assert math.isclose(share.share(lockstep_decode=True, router_share=0.1), 300 / 600)
+    share.observe(list(fleet(split_roles, prefilled_tokens_total=[50, 200, 200, 200]).engines), split_settled=True)
+    assert math.isclose(share.share(lockstep_decode=True, router_share=0.1), 300 / 600)  # a restart: no tokens counted
+
+
+def test_the_evaluator_prices_a_split_at_the_share_its_prefill_side_computes():
+    """The router's own count falls towards 0 while the fleet is colocated; a lockstep split
+    priced at it prefills every append on its decode side and stalls, priced at its engines'
+    reading it does not."""
+    demand = replace(busy_demand(0.25), remote_share=0.0)
+    stage_s = (10.0, 60.0, 30.0)
+    stalled = evaluate(inputs(demand, stage_s=stage_s, split_demand=demand))
+    read = evaluate(inputs(demand, stage_s=stage_s, split_demand=replace(demand, remote_share=1.0)))
+    assert all(read.pace[a] < stalled.pace[a] for a in range(1, 4))
+    assert stalled.best == 0 and read.best != 0
+
+
+def test_the_evaluator_leaves_when_staying_loses_though_the_best_split_alternates():
+    """Splits within a few percent of each other trade places from one decision to the next;
+    the fleet still leaves colocation on the CONFIRM_DECISIONS-th decision, for the last best."""
+    split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
+    decode_heavy = replace(busy_demand(0.1), decode_seqs=1024.0, remaining_s=1000.0, turn_stage_s=(5.0, 90.0, 5.0))
+    even = replace(decode_heavy, turn_stage_s=(50.0, 50.0, 0.0))
+    bests = [evaluate(inputs(d, stage_s=d.turn_stage_s)).best for d in (decode_heavy, even)]
+    assert 0 not in bests and bests[0] != bests[1], bests
+    demands = [decode_heavy, even] * CONFIRM_DECISIONS
+    for i, demand in enumerate(demands[: CONFIRM_DECISIONS - 1]):
+        assert split.decide(demand, fleet([Role.COLOCATED] * 4, 100.0 + i)) == [], split.last_reason
+    changes = split.decide(demands[CONFIRM_DECISIONS - 1], fleet([Role.COLOCATED] * 4, 110.0))
+    assert sum(c.role is Role.PREFILL for c in changes) == bests[(CONFIRM_DECISIONS - 1) % 2], split.last_reason
+
+
+def test_the_roles_a_fleet_starts_in_have_no_dwell_under_the_evaluator():
+    """At a run's start (epoch 0, roles held since 0) the evaluator may act within the minimum
+    dwell; after a switch (epoch 1) the dwell holds it; the rules keep the dwell throughout."""
+    demand = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
+    evaluator = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", min_dwell_s=10.0), weigh_cost=True)
+    started = fleet([Role.COLOCATED] * 4, 3.0)
+    assert "dwell" not in (evaluator.decide(demand, started) and evaluator.last_reason)
+    assert "dwell" not in evaluator.last_reason
+    switched = fleet([Role.COLOCATED] * 4, 3.0, epoch=[1] * 4)
+    assert evaluator.decide(demand, switched) == [] and "dwell" in evaluator.last_reason
+    rules = Split("prorsa", DEEPSEEK, AllocatorSection(min_dwell_s=10.0), weigh_cost=True)
+    assert rules.decide(demand, started) == [] and "dwell" in rules.last_reason
+
+
+def test_a_stage_mean_counts_the_turns_still_in_it():
+    """Stages that start together and end first are the short ones: 5 s after 4,000 decodes of
+    exponential length (mean 10 s) started, those ended average about 2.3 s. Counting the live
+    ones' 5 s so far as exposure gives back the mean; once the samples kept are a window, the
+    ended ones' mean is taken as it is."""
+    rng = np.random.default_rng(7)
+    durations_s = rng.exponential(10.0, 4000)
+    ended = Empirical(5000)
+    ended.add_many(durations_s[durations_s < 5.0])
+    live_elapsed_s = np.full(int((durations_s >= 5.0).sum()), 5.0)
+    assert ended.mean() < 2.6
+    assert math.isclose(exposure_mean(ended, live_elapsed_s), 10.0, rel_tol=0.1)
+    window = Empirical(100)
+    window.add_many(durations_s[durations_s < 5.0])
+    assert exposure_mean(window, live_elapsed_s) == window.mean()
+    assert exposure_mean(Empirical(), live_elapsed_s) == 0.0  # nothing ended: no estimate
+
+
+def test_the_work_left_weighs_the_decodes_still_running_early_in_a_step():
+    """A step whose trajectories start together: a few seconds in, the turn the work left is
+    priced with decodes far longer than the decodes that have ended (uniform 1-16 s)."""
+    log = synthetic_log(trajectories=200, seed=5, spread_s=1.0)
+    live = history_at(log, 8).live
+    left = remaining(live, 8)
+    ended_mean_s = stage_durations(live.stats[POOLED], live.stats[POOLED])[DEC].mean()
+    assert 0 < 2 * ended_mean_s < left.stage_s[1], (ended_mean_s, left.stage_s)
+
+
+def test_a_move_must_save_at_least_its_switch_again_net_of_it():
+    """The finish times are forecasts: a move whose saving, net of its switch, is less than
+    the switch costs is not bought (a forecast that overstates the saving by up to half still
+    does not lose); with twice the work left it is."""
+    stalled = replace(busy_demand(0.25), turn_stage_s=(10.0, 60.0, 30.0))
+    probe = evaluate(inputs(stalled, stage_s=stalled.turn_stage_s, remaining_s=1000.0))
+    best = probe.best
+    saving_per_s = 4 * (1.0 - probe.pace[best] / probe.pace[0])  # engine-s saved per second of work left
+    cost_s = probe.cost_s[best]
+    assert best != 0 and saving_per_s > 0
+
+    def bought(remaining_s: float) -> bool:
+        split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
+        demand = replace(stalled, remaining_s=remaining_s)
+        changes = []
+        for i in range(CONFIRM_DECISIONS):
+            changes = split.decide(demand, fleet([Role.COLOCATED] * 4, 100.0 + i))
+        return bool(changes)
+
+    assert not bought(1.5 * cost_s / saving_per_s)  # saves 0.5x its cost net
+    assert bought(3.0 * cost_s / saving_per_s)  # saves 2x its cost net

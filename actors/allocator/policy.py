@@ -52,12 +52,13 @@ Colocation is one of the choices (`allocator.colocation`):
 
 `allocator.decision = "evaluator"` replaces the rules above for `prorsa` and `oracle` (with
 `weigh_cost`): every arrangement's time to finish the live trajectories' work left, switches
-included, and the best once it has been best `CONFIRM_DECISIONS` decisions in a row
-(`evaluator.py`, `Split._evaluate`).
+included, and the best once staying has not been best for `CONFIRM_DECISIONS` decisions in
+a row (`evaluator.py`, `Split._evaluate`); the roles a fleet starts in have no dwell.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,6 +77,7 @@ from actors.allocator.loads import (
     target_prefill_engines,
     working_set_tokens,
 )
+from actors.allocator.side_share import SideShare
 from actors.allocator.state import Demand, EngineState, Fleet, RoleChange
 from actors.allocator.throughput import RatioMeter, arrangement_ratios, fleet_saturated, saturated_ratio, turnover_rates
 from actors.config import AllocatorSection, EngineSection
@@ -86,8 +88,9 @@ MISS_RATIO_WEIGHT = 0.2  # EWMA weight of a new observation of prefill tokens pe
 # the miss ratio is learned once every engine has held its role this many horizons: right
 # after a change, the next turns recompute what the old arrangement held (a transient) [A]
 SETTLE_HORIZONS = 3.0
-# the evaluator changes the arrangement only to one it found best this many decisions in a
-# row (a tick's forecast can tip a comparison the next one undoes) [A]
+# the evaluator leaves the arrangement of now only once this many decisions in a row found
+# another best (a tick's forecast can tip a comparison the next one undoes); it moves to the
+# last one found, as the splits it weighs are often within a percent of each other [A]
 CONFIRM_DECISIONS = 3
 
 
@@ -140,8 +143,8 @@ class Split:
     relocated_at_s: float | None = None
     ratios: RatioMeter = field(default_factory=RatioMeter)  # prefill per decode token (throughput.py)
     q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
-    last_best: int = -1  # the evaluator's best arrangement at its last decision, and for how many in a row
-    best_streak: int = 0
+    leave_streak: int = 0  # the evaluator's decisions in a row that found another arrangement than now's best
+    side_share: SideShare = field(default_factory=SideShare)  # the prefill side's share of a split's prefill tokens
 
     def __post_init__(self) -> None:
         self.capacity = CapacityModel(self.engines, self.config.decode_tpot_slack, truth=self.config.capacity == "truth")
@@ -160,7 +163,8 @@ class Split:
         q_settled = settled and fleet.now_s >= self.q_settles_at_s and not any(e.switching for e in usable)
         prefill_engines = sum(e.role is Role.PREFILL for e in usable)
         self.ratios.observe(*fleet.token_totals, prefill_engines if q_settled and (colocated_now or pd_now) else None, fleet.turns_total)
-        if any(fleet.now_s - e.role_since_s < self.config.min_dwell_s or e.switching for e in usable):
+        self.side_share.observe(usable, q_settled and pd_now)
+        if any(self._dwelling(e) or e.switching for e in usable):
             self.last_reason = "a switch is under way or within its dwell"
             return []
         cap = self.capacity.at(demand.decode_context_tokens)
@@ -204,6 +208,12 @@ class Split:
             self._changed("split" if not pd_roles else "grow" if target > current else "shrink")
         return changes
 
+    def _dwelling(self, e: EngineState) -> bool:
+        """Within its minimum dwell. Under the evaluator, the roles a fleet starts in (epoch 0)
+        have none: nothing was paid to enter them, and a sync step's burst comes at once."""
+        started_in_it = self.config.decision == "evaluator" and self.weigh_cost and e.epoch == 0
+        return self.now_s - e.role_since_s < self.config.min_dwell_s and not started_in_it
+
     def _evaluate(
         self, demand: Demand, cap: Capacity, usable: list[EngineState], current: int, colocated_now: bool, settled: bool
     ) -> list[RoleChange]:
@@ -217,7 +227,9 @@ class Split:
         demand = self._judged(demand, cap, n, current, now, settled, split_now=not colocated_now)
         inputs = Inputs(
             colocated_demand=self._as_in(demand, "colocated", now),
-            split_demand=self._as_in(demand, "pd", now),
+            split_demand=dataclasses.replace(
+                self._as_in(demand, "pd", now), remote_share=self.side_share.share(cap.decode_lockstep_ranks > 1, demand.remote_share)
+            ),
             cap=cap,
             n=n,
             current=current,
@@ -229,18 +241,17 @@ class Split:
         )
         evaluation = evaluate(inputs)
         best, where = evaluation.best, f"{evaluation.note()} ({demand.source})"
-        self.best_streak = self.best_streak + 1 if best == self.last_best else 1
-        self.last_best = best
+        self.leave_streak = self.leave_streak + 1 if best != current else 0
         if best == current:
             self.last_reason = f"hold: {where}"
             return []
-        if self.best_streak < CONFIRM_DECISIONS:
-            self.last_reason = f"hold: {best} best {self.best_streak} of {CONFIRM_DECISIONS} decisions, {where}"
+        if self.leave_streak < CONFIRM_DECISIONS:
+            self.last_reason = f"hold: another best {self.leave_streak} of {CONFIRM_DECISIONS} decisions, {where}"
             return []
         kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
-        gain_s = evaluation.gain_engine_s(n)
-        if gain_s < self._required_gain_s(kind):
-            self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s, {where}"
+        gain_s, cost_s = evaluation.gain_engine_s(n), evaluation.cost_s[best]
+        if gain_s < max(self._required_gain_s(kind), cost_s):  # net of the switch, at least the switch again
+            self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s net of its {cost_s:.1f}, {where}"
             return []
         self.last_reason = f"{kind}, saves {gain_s:.1f} engine-s: {where}"
         if best == 0:
@@ -253,6 +264,7 @@ class Split:
         changes = self._pick(usable, best, self.now_s)
         if changes:
             self._changed(kind)
+            self.leave_streak = 0
         return changes
 
     def _saturated_rates(self, demand: Demand, cap: Capacity, n: int, current: int, colocated_now: bool) -> list[float] | None:
