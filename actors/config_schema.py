@@ -497,11 +497,11 @@ class AllocatorSection(_Section):
     # "model", the cost model alone; "truth", the cost model the emulated engines really run
     # (`engines.truth`; the oracle's, in the bench's mismatch table)
     capacity: Literal["measured", "model", "truth"] = "measured"
-    # How prorsa and oracle choose an arrangement (docs/allocation.md): "rules", the load and
-    # throughput rules of actors/allocator/policy.py, each change paid back within the
-    # horizon; "evaluator", one prediction per arrangement of the time to finish the live
-    # trajectories' work left, switches included, and the best (actors/allocator/evaluator.py)
-    decision: Literal["rules", "evaluator"] = "rules"
+    # How prorsa and oracle choose an arrangement (docs/allocation.md): "evaluator", one
+    # prediction per arrangement of the time to finish the live trajectories' work left,
+    # switches included, and the best (actors/allocator/evaluator.py); "rules", the load and
+    # throughput rules of actors/allocator/policy.py, each change paid back within the horizon
+    decision: Literal["rules", "evaluator"] = "evaluator"
 
     def __post_init__(self) -> None:
         if self.start_prefill_engines < 0:

@@ -36,7 +36,7 @@ def split(name="prorsa", weigh_cost=True, **allocator) -> Split:
         "disaggregate_above_engines": 0.5,
         "colocate_below_engines": 0.25,
     }  # the mechanism, not the defaults
-    return Split(name, ENGINES, AllocatorSection(**{**thresholds, **allocator}), weigh_cost=weigh_cost)
+    return Split(name, ENGINES, AllocatorSection(**{"decision": "rules", **thresholds, **allocator}), weigh_cost=weigh_cost)
 
 
 def demand_for(loads: tuple[float, float], context_tokens: float = 4096.0) -> Demand:
@@ -303,7 +303,7 @@ def test_a_short_append_leaving_a_busy_decode_engine_goes_to_its_prefix_holder()
 def cost_model_split(engines: EngineSection = ENGINES, weigh_cost: bool = True, regime: bool = False) -> Split:
     """The cost-model rule; the load rules alone unless `regime` (the saturated regime, on by
     default, has its tests in test_allocator_throughput.py)."""
-    return Split("prorsa", engines, AllocatorSection(saturated_regime=regime), weigh_cost=weigh_cost)
+    return Split("prorsa", engines, AllocatorSection(saturated_regime=regime, decision="rules"), weigh_cost=weigh_cost)
 
 
 def test_cost_model_colocated_load_charges_lockstep_prefill_on_dp_groups_only():

@@ -140,7 +140,7 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True))
     assert policy.decide(demand, _fleet([C] * 4, 100.0, 0, 0, held)) == []  # nothing measured yet
     assert policy.last_reason.startswith("colocated: colocated load")  # no reading of q: the load rules judge
     changes = _run_colocated(policy, demand, held)
@@ -148,14 +148,17 @@ def test_a_saturated_colocated_fleet_splits_where_the_split_turns_over_more():
     assert "saturated" in policy.last_reason
     # off, on a fleet whose decode side keeps the histories (no write-back): the veto stands
     # (with write-back there is no veto, and the load rules judge alone)
-    off = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(saturated_regime=False))
+    off = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(decision="rules", saturated_regime=False))
     assert _run_colocated(off, demand, held) == [] and "would not fit" in off.last_reason
     p = sum(c.role is P for c in changes)
     assert abs(saturated_ratio(policy.ratios, histories_follow=False) - 10.0) < 1e-9  # 95% recomputed: every arrangement's q
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
     assert rates[p] == max(rates.values()) > colocated_rate(cap, 4, 10.0)
     # greedy admission: a decode side past its KV preempts without end, the veto stands
-    assert _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection(saturated_regime=True)), demand, held) == []
+    assert (
+        _run_colocated(Split("prorsa", deepseek(admission="vllm"), AllocatorSection(decision="rules", saturated_regime=True)), demand, held)
+        == []
+    )
 
 
 def test_a_fleet_whose_caches_keep_its_histories_is_judged_by_the_saturated_model_only_with_write_back():
@@ -167,10 +170,10 @@ def test_a_fleet_whose_caches_keep_its_histories_is_judged_by_the_saturated_mode
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(saturated_regime=True))
+    policy = Split("prorsa", deepseek(kv_writeback="none"), AllocatorSection(decision="rules", saturated_regime=True))
     assert _run_colocated(policy, demand, held, q=0.6) == [] and "would not fit" in policy.last_reason
     assert abs(policy.ratios.reading()[1] - 0.6) < 1e-9 and saturated_ratio(policy.ratios, histories_follow=False) is None
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True))
     changes = _run_colocated(policy, demand, held, q=0.6, ticks=800)  # bought once colocation has lost its cost
     assert {c.role for c in changes} == {P, D} and "saturated" in policy.last_reason
 
@@ -184,7 +187,7 @@ def test_a_split_in_a_saturated_fleet_is_held_or_undone_by_the_rating_never_resi
     cap = CapacityModel(DEEPSEEK, 2.0).at(CONTEXT_TOKENS)
     held = int(1.5 * 4 * cap.colocated_kv_tokens)
     demand = Demand(2e5, 1000, CONTEXT_TOKENS, "test", kv_working_set_tokens=held, prefill_new_tokens_per_s=2e4)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True, min_dwell_s=0.0))
     roles = [P, D, D, D]  # 1:3; the rating's best is another split
     rates = {k: split_rate(cap, 4, k, 10.0, 1.0) for k in (1, 2, 3)}
     assert max(rates, key=rates.get) != 1
@@ -192,7 +195,7 @@ def test_a_split_in_a_saturated_fleet_is_held_or_undone_by_the_rating_never_resi
         changes = policy.decide(demand, _fleet(roles, 1000.0 + 2 * tick, 10_000_000 * tick, 1_000_000 * tick, held))
         assert changes == [], policy.last_reason
     assert policy.last_reason.startswith("hold 1:3, saturated")
-    fresh = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True, min_dwell_s=0.0))
+    fresh = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True, min_dwell_s=0.0))
     assert fresh.decide(demand, _fleet(roles, 1000.0, 0, 0, held)) == []
     assert "no prefill-per-decode reading" in fresh.last_reason
 
@@ -210,7 +213,7 @@ def test_a_saturated_fleet_prices_a_split_on_the_kv_its_live_trajectories_hold()
     assert relocation_s(some_live, cap, 2, 4) == relocation_s(all_live, cap, 2, 4)  # below saturation: what is held
 
     def split_tick(demand: Demand) -> int:
-        policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+        policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True))
         for tick in range(400):
             if policy.decide(demand, _fleet([C] * 4, 100.0 + 2 * tick, 10_000_000 * tick, 1_000_000 * tick, held)):
                 assert "saturated" in policy.last_reason
@@ -229,8 +232,8 @@ def test_a_saturated_fleets_tail_buys_no_split():
     live = {"kv_working_set_tokens": held, "live_context_tokens": 0.5 * held}  # the forecaster knows what the live ones hold
     busy = Demand(2e5, 1000, CONTEXT_TOKENS, "test", prefill_new_tokens_per_s=2e4, **live)
     tail = Demand(300.0, 0.5, CONTEXT_TOKENS, "test", prefill_new_tokens_per_s=30.0, **(live | {"live_context_tokens": 8 * CONTEXT_TOKENS}))
-    assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True)), busy, held)
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(saturated_regime=True))
+    assert _run_colocated(Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True)), busy, held)
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", saturated_regime=True))
     assert _run_colocated(policy, tail, held) == [], policy.last_reason
     assert "saturated" in policy.last_reason  # the regime judged it, and bought nothing
 
@@ -306,7 +309,7 @@ def test_a_saturated_fleet_rates_a_split_at_the_histories_its_prefill_side_canno
     cap = CapacityModel(engines, 2.0).at(demand.decode_context_tokens)
 
     def ratings(turns_counted: bool) -> list[float]:
-        policy = Split("prorsa", engines, AllocatorSection(saturated_regime=True))
+        policy = Split("prorsa", engines, AllocatorSection(decision="rules", saturated_regime=True))
         for tick in range(2 * RATIO_MIN_TICKS):  # a window of colocation's reading, then a few ticks
             decoded = 1_000_000 * tick
             fleet = _fleet([C] * 8, 400.0 + 2 * tick, int(2.1 * decoded), decoded, int(35.7e6))

@@ -209,7 +209,7 @@ def test_the_roles_a_fleet_starts_in_have_no_dwell_under_the_evaluator():
     assert "dwell" not in evaluator.last_reason
     switched = fleet([Role.COLOCATED] * 4, 3.0, epoch=[1] * 4)
     assert evaluator.decide(demand, switched) == [] and "dwell" in evaluator.last_reason
-    rules = Split("prorsa", DEEPSEEK, AllocatorSection(min_dwell_s=10.0), weigh_cost=True)
+    rules = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", min_dwell_s=10.0), weigh_cost=True)
     assert rules.decide(demand, started) == [] and "dwell" in rules.last_reason
 
 
@@ -262,3 +262,15 @@ def test_a_move_must_save_at_least_its_switch_again_net_of_it():
 
     assert not bought(1.5 * cost_s / saving_per_s)  # saves 0.5x its cost net
     assert bought(3.0 * cost_s / saving_per_s)  # saves 2x its cost net
+
+
+def test_colocation_never_splits_a_colocated_fleet_at_the_first_decision():
+    """`allocator.colocation = "never"` rules colocation out under the evaluator as under the
+    rules: a colocated fleet moves to the best split at its first decision, even where
+    staying colocated would be priced faster."""
+    idle = replace(busy_demand(0.0), remaining_s=5.0, turn_stage_s=(10.0, 60.0, 30.0))
+    assert evaluate(inputs(idle, stage_s=idle.turn_stage_s, remaining_s=5.0)).best == 0  # colocation's, if allowed
+    never = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", colocation="never"), weigh_cost=True)
+    changes = never.decide(idle, fleet([Role.COLOCATED] * 4, 100.0))
+    assert len(changes) == 4 and 0 < sum(c.role is Role.PREFILL for c in changes) < 4, never.last_reason
+    assert never.last_reason.startswith("split colocated -> ")  # the move, as role_switched events carry it

@@ -57,6 +57,7 @@ class Inputs:
     stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # saturated fleets: decode tokens per second per candidate (index as above), else None
     rates: list[float] | None = None
+    colocation: bool = True  # False: `allocator.colocation = "never"`, colocation is no candidate
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +160,11 @@ def switch_engine_s(inputs: Inputs, a: int) -> float:
 
 
 def holds(inputs: Inputs, a: int) -> bool:
-    """Whether candidate `a` can run: colocation always; a split whose decode side holds what it
+    """Whether candidate `a` can run: colocation unless the operator ruled it out; a split whose decode side holds what it
     must keep, or any split where engines queue what does not fit (the saturated model rates it)."""
-    if a == 0 or inputs.cap.admission_queues:
+    if a == 0:
+        return inputs.colocation
+    if inputs.cap.admission_queues:
         return True
     return decode_side_holds(inputs.split_demand, inputs.cap, inputs.n - a, entering=inputs.current == 0)
 
@@ -176,7 +179,8 @@ def evaluate(inputs: Inputs) -> Evaluation:
         inputs.remaining_s * paces[a] / now_pace + costs[a] / inputs.n if holds(inputs, a) and math.isfinite(paces[a]) else math.inf
         for a in candidates
     ]
-    if not math.isfinite(now_pace):  # the arrangement of now has no pace: the others against the fastest
+    ruled_out = inputs.current == 0 and not inputs.colocation
+    if not math.isfinite(now_pace) or ruled_out:  # the arrangement of now has no pace, or is ruled out: the others against the fastest
         fastest = min((paces[a] for a in candidates if math.isfinite(finish[a])), default=math.inf)
         finish = [
             inputs.remaining_s * paces[a] / fastest + costs[a] / inputs.n if math.isfinite(finish[a]) else math.inf for a in candidates

@@ -50,8 +50,8 @@ Colocation is one of the choices (`allocator.colocation`):
   (`DECODE_LOAD_FOR_PD` times that); back below `colocate_below_engines` (hysteresis).
 * "never": always a PD split.
 
-`allocator.decision = "evaluator"` replaces the rules above for `prorsa` and `oracle` (with
-`weigh_cost`): every arrangement's time to finish the live trajectories' work left, switches
+`allocator.decision = "evaluator"` (the default; "rules" keeps them) replaces the rules above
+for `prorsa` and `oracle` (with `weigh_cost`): every arrangement's time to finish the live trajectories' work left, switches
 included, and the best once staying has not been best for `CONFIRM_DECISIONS` decisions in
 a row (`evaluator.py`, `Split._evaluate`); the roles a fleet starts in have no dwell.
 """
@@ -238,6 +238,7 @@ class Split:
             remaining_s=demand.remaining_s if demand.remaining_s > 0 else self.config.horizon_s,
             stage_s=demand.turn_stage_s,
             rates=self._saturated_rates(demand, cap, n, current, colocated_now),
+            colocation=self.config.colocation != "never",
         )
         evaluation = evaluate(inputs)
         best, where = evaluation.best, f"{evaluation.note()} ({demand.source})"
@@ -245,7 +246,8 @@ class Split:
         if best == current:
             self.last_reason = f"hold: {where}"
             return []
-        if self.leave_streak < CONFIRM_DECISIONS:
+        ruled_out = current == 0 and self.config.colocation == "never"  # leaves at once
+        if self.leave_streak < CONFIRM_DECISIONS and not ruled_out:
             self.last_reason = f"hold: another best {self.leave_streak} of {CONFIRM_DECISIONS} decisions, {where}"
             return []
         kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
@@ -253,7 +255,8 @@ class Split:
         if gain_s < max(self._required_gain_s(kind), cost_s):  # net of the switch, at least the switch again
             self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s net of its {cost_s:.1f}, {where}"
             return []
-        self.last_reason = f"{kind}, saves {gain_s:.1f} engine-s: {where}"
+        move = " -> ".join("colocated" if a == 0 else f"{a}:{n - a}" for a in (current, best))
+        self.last_reason = f"{kind} {move}, saves {gain_s:.1f} engine-s: {where}"
         if best == 0:
             return self._colocate_all(usable)
         if current == 0:
