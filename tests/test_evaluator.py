@@ -274,3 +274,27 @@ def test_colocation_never_splits_a_colocated_fleet_at_the_first_decision():
     changes = never.decide(idle, fleet([Role.COLOCATED] * 4, 100.0))
     assert len(changes) == 4 and 0 < sum(c.role is Role.PREFILL for c in changes) < 4, never.last_reason
     assert never.last_reason.startswith("split colocated -> ")  # the move, as role_switched events carry it
+
+
+def test_a_move_that_was_undone_must_save_twice_as_much_the_next_time():
+    """A split the evaluator bought and then undid overstated its saving once: the next split
+    must save, net of its switch, twice its cost; a fleet that never undid one needs once."""
+    stalled = replace(busy_demand(0.25), turn_stage_s=(10.0, 60.0, 30.0))
+    probe = evaluate(inputs(stalled, stage_s=stalled.turn_stage_s, remaining_s=1000.0))
+    saving_per_s, cost_s = 4 * (1.0 - probe.pace[probe.best] / probe.pace[0]), probe.cost_s[probe.best]
+    again = replace(stalled, remaining_s=2.5 * cost_s / saving_per_s)  # saves 1.5x its cost net
+    calm = replace(busy_demand(0.0), decode_seqs=8.0, remaining_s=1000.0, turn_stage_s=(60.0, 10.0, 30.0))
+
+    def decisions(policy: Split, demand: Demand, roles: list[Role], at_s: float, epoch: int) -> list:
+        changes = []
+        for i in range(CONFIRM_DECISIONS):
+            changes = policy.decide(demand, fleet(roles, at_s + i, epoch=[epoch] * 4, role_since_s=[at_s - 100.0] * 4))
+        return changes
+
+    undid = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
+    split_roles = [c.role for c in decisions(undid, replace(stalled, remaining_s=1000.0), [Role.COLOCATED] * 4, 200.0, 0)]
+    assert Role.PREFILL in split_roles
+    assert decisions(undid, calm, split_roles, 400.0, 1), undid.last_reason  # back to colocation: the split undone
+    assert decisions(undid, again, [Role.COLOCATED] * 4, 1000.0, 2) == [] and "less than" in undid.last_reason
+    fresh = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
+    assert decisions(fresh, again, [Role.COLOCATED] * 4, 1000.0, 0)
