@@ -298,3 +298,20 @@ def test_a_move_that_was_undone_must_save_twice_as_much_the_next_time():
     assert decisions(undid, again, [Role.COLOCATED] * 4, 1000.0, 2) == [] and "less than" in undid.last_reason
     fresh = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
     assert decisions(fresh, again, [Role.COLOCATED] * 4, 1000.0, 0)
+
+
+def test_after_a_change_the_evaluator_counts_its_decisions_again():
+    """Decisions that found another best before a change do not count towards leaving the
+    arrangement the change made: right after going back to colocation, a split found best
+    waits for CONFIRM_DECISIONS decisions again."""
+    stalled = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
+    calm = replace(busy_demand(0.0), decode_seqs=8.0, remaining_s=1000.0, turn_stage_s=(60.0, 10.0, 30.0))
+    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", min_dwell_s=0.0), weigh_cost=True)
+    for i in range(CONFIRM_DECISIONS):
+        roles = [c.role for c in policy.decide(stalled, fleet([Role.COLOCATED] * 4, 100.0 + i))]
+    assert Role.PREFILL in roles
+    for i in range(CONFIRM_DECISIONS):
+        back = policy.decide(calm, fleet(roles, 200.0 + i, epoch=[1] * 4))
+    assert back and all(c.role is Role.COLOCATED for c in back), policy.last_reason
+    assert policy.decide(stalled, fleet([Role.COLOCATED] * 4, 300.0, epoch=[2] * 4)) == []
+    assert f"1 of {CONFIRM_DECISIONS}" in policy.last_reason

@@ -51,9 +51,10 @@ Colocation is one of the choices (`allocator.colocation`):
 * "never": always a PD split.
 
 `allocator.decision = "evaluator"` (the default; "rules" keeps them) replaces the rules above
-for `prorsa` and `oracle` (with `weigh_cost`): every arrangement's time to finish the live trajectories' work left, switches
-included, and the best once staying has not been best for `CONFIRM_DECISIONS` decisions in
-a row (`evaluator.py`, `Split._evaluate`); the roles a fleet starts in have no dwell.
+for `prorsa` and `oracle` (with `weigh_cost`): every arrangement's time to finish the live
+trajectories' work left, switches included, and the best once staying has not been best for
+`CONFIRM_DECISIONS` decisions in a row (`evaluator.py`, `Split._evaluate`); the roles a fleet
+starts in have no dwell.
 """
 
 from __future__ import annotations
@@ -270,7 +271,6 @@ class Split:
         changes = self._pick(usable, best, self.now_s)
         if changes:
             self._changed(kind)
-            self.leave_streak = 0
         return changes
 
     def _saturated_rates(self, demand: Demand, cap: Capacity, n: int, current: int, colocated_now: bool) -> list[float] | None:
@@ -343,6 +343,7 @@ class Split:
         return math.inf if self.damping.refuses(kind, self.now_s) else self.config.min_gain_s
 
     def _changed(self, kind: str) -> None:
+        self.leave_streak = 0  # the evaluator counts its decisions again from the new arrangement
         undone = self.damping.last_change[0]
         if REVERSES.get(kind) == undone:  # the evaluator's next move of the undone kind must save more
             self.margin[undone] = 2.0 * self.margin.get(undone, 1.0)
