@@ -59,6 +59,11 @@ class Inputs:
     rates: list[float] | None = None
     colocation: bool = True  # False: `allocator.colocation = "never"`, colocation is no candidate
 
+    @property
+    def now_ruled_out(self) -> bool:
+        """The fleet is colocated where the operator ruled colocation out: it leaves at once."""
+        return self.current == 0 and not self.colocation
+
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
@@ -160,8 +165,9 @@ def switch_engine_s(inputs: Inputs, a: int) -> float:
 
 
 def holds(inputs: Inputs, a: int) -> bool:
-    """Whether candidate `a` can run: colocation unless the operator ruled it out; a split whose decode side holds what it
-    must keep, or any split where engines queue what does not fit (the saturated model rates it)."""
+    """Whether candidate `a` can run: colocation unless the operator ruled it out; a split whose
+    decode side holds what it must keep, or any split where engines queue what does not fit
+    (the saturated model rates it)."""
     if a == 0:
         return inputs.colocation
     if inputs.cap.admission_queues:
@@ -179,8 +185,7 @@ def evaluate(inputs: Inputs) -> Evaluation:
         inputs.remaining_s * paces[a] / now_pace + costs[a] / inputs.n if holds(inputs, a) and math.isfinite(paces[a]) else math.inf
         for a in candidates
     ]
-    ruled_out = inputs.current == 0 and not inputs.colocation
-    if not math.isfinite(now_pace) or ruled_out:  # the arrangement of now has no pace, or is ruled out: the others against the fastest
+    if not math.isfinite(now_pace) or inputs.now_ruled_out:  # now has no pace, or is ruled out: the others against the fastest
         fastest = min((paces[a] for a in candidates if math.isfinite(finish[a])), default=math.inf)
         finish = [
             inputs.remaining_s * paces[a] / fastest + costs[a] / inputs.n if math.isfinite(finish[a]) else math.inf for a in candidates

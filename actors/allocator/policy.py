@@ -250,8 +250,7 @@ class Split:
         if best == current:
             self.last_reason = f"hold: {where}"
             return []
-        ruled_out = current == 0 and self.config.colocation == "never"  # leaves at once
-        if self.leave_streak < CONFIRM_DECISIONS and not ruled_out:
+        if self.leave_streak < CONFIRM_DECISIONS and not inputs.now_ruled_out:
             self.last_reason = f"hold: another best {self.leave_streak} of {CONFIRM_DECISIONS} decisions, {where}"
             return []
         kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
