@@ -74,6 +74,29 @@ def busy_demand(prefill_share: float) -> Demand:
     return Demand(tokens_s, 256.0, CONTEXT_TOKENS, "test", kv_working_set_tokens=2e6, live_trajectories=300.0)
 
 
+STALLED = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))  # a split pays
+CALM = replace(busy_demand(0.0), decode_seqs=8.0, remaining_s=1000.0, turn_stage_s=(60.0, 10.0, 30.0))  # colocation pays
+
+
+def evaluator_policy(**allocator) -> Split:
+    return Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", **allocator), weigh_cost=True)
+
+
+def decide_confirmed(policy: Split, demand: Demand, roles: list[Role], at_s: float, **per_engine) -> list:
+    """CONFIRM_DECISIONS decisions in a row, a second apart; the last one's changes."""
+    changes = []
+    for i in range(CONFIRM_DECISIONS):
+        changes = policy.decide(demand, fleet(roles, at_s + i, **per_engine))
+    return changes
+
+
+def saving_and_cost(demand: Demand) -> tuple[float, float]:
+    """The best split's engine-seconds saved per second of work left, and its switch's cost."""
+    probe = evaluate(inputs(demand, stage_s=demand.turn_stage_s, remaining_s=1000.0))
+    assert probe.best != 0
+    return 4 * (1.0 - probe.pace[probe.best] / probe.pace[0]), probe.cost_s[probe.best]
+
+
 def test_a_lockstep_stalled_fleet_splits_when_enough_work_is_left_to_pay_for_it():
     """DP8 lockstep: with a quarter of each colocated engine prefilling, decodes run (3/4)^8 of
     the time; a split's decode engines never stall. Over a long remainder the split finishes
@@ -120,8 +143,7 @@ def test_the_allocator_changes_arrangement_only_once_staying_loses_for_consecuti
     """`allocator.decision = "evaluator"`: a split found best is bought on the CONFIRM_DECISIONS-th
     decision in a row that finds staying not best; a decision that finds staying best in
     between starts the count again."""
-    split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
-    long = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
+    split, long = evaluator_policy(), STALLED
     short = replace(long, remaining_s=5.0)
     now_s = 100.0
     for demand in [long] * (CONFIRM_DECISIONS - 1) + [short] + [long] * (CONFIRM_DECISIONS - 1):
@@ -187,7 +209,7 @@ def test_the_evaluator_prices_a_split_at_the_share_its_prefill_side_computes():
 def test_the_evaluator_leaves_when_staying_loses_though_the_best_split_alternates():
     """Splits within a few percent of each other trade places from one decision to the next;
     the fleet still leaves colocation on the CONFIRM_DECISIONS-th decision, for the last best."""
-    split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
+    split = evaluator_policy()
     decode_heavy = replace(busy_demand(0.1), decode_seqs=1024.0, remaining_s=1000.0, turn_stage_s=(5.0, 90.0, 5.0))
     even = replace(decode_heavy, turn_stage_s=(50.0, 50.0, 0.0))
     bests = [evaluate(inputs(d, stage_s=d.turn_stage_s)).best for d in (decode_heavy, even)]
@@ -202,15 +224,14 @@ def test_the_evaluator_leaves_when_staying_loses_though_the_best_split_alternate
 def test_the_roles_a_fleet_starts_in_have_no_dwell_under_the_evaluator():
     """At a run's start (epoch 0, roles held since 0) the evaluator may act within the minimum
     dwell; after a switch (epoch 1) the dwell holds it; the rules keep the dwell throughout."""
-    demand = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
-    evaluator = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", min_dwell_s=10.0), weigh_cost=True)
+    evaluator = evaluator_policy(min_dwell_s=10.0)
     started = fleet([Role.COLOCATED] * 4, 3.0)
-    assert "dwell" not in (evaluator.decide(demand, started) and evaluator.last_reason)
+    evaluator.decide(STALLED, started)
     assert "dwell" not in evaluator.last_reason
     switched = fleet([Role.COLOCATED] * 4, 3.0, epoch=[1] * 4)
-    assert evaluator.decide(demand, switched) == [] and "dwell" in evaluator.last_reason
+    assert evaluator.decide(STALLED, switched) == [] and "dwell" in evaluator.last_reason
     rules = Split("prorsa", DEEPSEEK, AllocatorSection(decision="rules", min_dwell_s=10.0), weigh_cost=True)
-    assert rules.decide(demand, started) == [] and "dwell" in rules.last_reason
+    assert rules.decide(STALLED, started) == [] and "dwell" in rules.last_reason
 
 
 def test_a_stage_mean_counts_the_turns_still_in_it():
@@ -245,20 +266,11 @@ def test_a_move_must_save_at_least_its_switch_again_net_of_it():
     """The finish times are forecasts: a move whose saving, net of its switch, is less than
     the switch costs is not bought (a forecast that overstates the saving by up to half still
     does not lose); with twice the work left it is."""
-    stalled = replace(busy_demand(0.25), turn_stage_s=(10.0, 60.0, 30.0))
-    probe = evaluate(inputs(stalled, stage_s=stalled.turn_stage_s, remaining_s=1000.0))
-    best = probe.best
-    saving_per_s = 4 * (1.0 - probe.pace[best] / probe.pace[0])  # engine-s saved per second of work left
-    cost_s = probe.cost_s[best]
-    assert best != 0 and saving_per_s > 0
+    saving_per_s, cost_s = saving_and_cost(STALLED)
+    assert saving_per_s > 0
 
     def bought(remaining_s: float) -> bool:
-        split = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
-        demand = replace(stalled, remaining_s=remaining_s)
-        changes = []
-        for i in range(CONFIRM_DECISIONS):
-            changes = split.decide(demand, fleet([Role.COLOCATED] * 4, 100.0 + i))
-        return bool(changes)
+        return bool(decide_confirmed(evaluator_policy(), replace(STALLED, remaining_s=remaining_s), [Role.COLOCATED] * 4, 100.0))
 
     assert not bought(1.5 * cost_s / saving_per_s)  # saves 0.5x its cost net
     assert bought(3.0 * cost_s / saving_per_s)  # saves 2x its cost net
@@ -270,7 +282,7 @@ def test_colocation_never_splits_a_colocated_fleet_at_the_first_decision():
     staying colocated would be priced faster."""
     idle = replace(busy_demand(0.0), remaining_s=5.0, turn_stage_s=(10.0, 60.0, 30.0))
     assert evaluate(inputs(idle, stage_s=idle.turn_stage_s, remaining_s=5.0)).best == 0  # colocation's, if allowed
-    never = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", colocation="never"), weigh_cost=True)
+    never = evaluator_policy(colocation="never")
     changes = never.decide(idle, fleet([Role.COLOCATED] * 4, 100.0))
     assert len(changes) == 4 and 0 < sum(c.role is Role.PREFILL for c in changes) < 4, never.last_reason
     assert never.last_reason.startswith("split colocated -> ")  # the move, as role_switched events carry it
@@ -279,39 +291,28 @@ def test_colocation_never_splits_a_colocated_fleet_at_the_first_decision():
 def test_a_move_that_was_undone_must_save_twice_as_much_the_next_time():
     """A split the evaluator bought and then undid overstated its saving once: the next split
     must save, net of its switch, twice its cost; a fleet that never undid one needs once."""
-    stalled = replace(busy_demand(0.25), turn_stage_s=(10.0, 60.0, 30.0))
-    probe = evaluate(inputs(stalled, stage_s=stalled.turn_stage_s, remaining_s=1000.0))
-    saving_per_s, cost_s = 4 * (1.0 - probe.pace[probe.best] / probe.pace[0]), probe.cost_s[probe.best]
-    again = replace(stalled, remaining_s=2.5 * cost_s / saving_per_s)  # saves 1.5x its cost net
-    calm = replace(busy_demand(0.0), decode_seqs=8.0, remaining_s=1000.0, turn_stage_s=(60.0, 10.0, 30.0))
+    saving_per_s, cost_s = saving_and_cost(STALLED)
+    again = replace(STALLED, remaining_s=2.5 * cost_s / saving_per_s)  # saves 1.5x its cost net
 
     def decisions(policy: Split, demand: Demand, roles: list[Role], at_s: float, epoch: int) -> list:
-        changes = []
-        for i in range(CONFIRM_DECISIONS):
-            changes = policy.decide(demand, fleet(roles, at_s + i, epoch=[epoch] * 4, role_since_s=[at_s - 100.0] * 4))
-        return changes
+        return decide_confirmed(policy, demand, roles, at_s, epoch=[epoch] * 4, role_since_s=[at_s - 100.0] * 4)
 
-    undid = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
-    split_roles = [c.role for c in decisions(undid, replace(stalled, remaining_s=1000.0), [Role.COLOCATED] * 4, 200.0, 0)]
+    undid = evaluator_policy()
+    split_roles = [c.role for c in decisions(undid, STALLED, [Role.COLOCATED] * 4, 200.0, 0)]
     assert Role.PREFILL in split_roles
-    assert decisions(undid, calm, split_roles, 400.0, 1), undid.last_reason  # back to colocation: the split undone
+    assert decisions(undid, CALM, split_roles, 400.0, 1), undid.last_reason  # back to colocation: the split undone
     assert decisions(undid, again, [Role.COLOCATED] * 4, 1000.0, 2) == [] and "less than" in undid.last_reason
-    fresh = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator"), weigh_cost=True)
-    assert decisions(fresh, again, [Role.COLOCATED] * 4, 1000.0, 0)
+    assert decisions(evaluator_policy(), again, [Role.COLOCATED] * 4, 1000.0, 0)
 
 
 def test_after_a_change_the_evaluator_counts_its_decisions_again():
     """Decisions that found another best before a change do not count towards leaving the
     arrangement the change made: right after going back to colocation, a split found best
     waits for CONFIRM_DECISIONS decisions again."""
-    stalled = replace(busy_demand(0.25), remaining_s=1000.0, turn_stage_s=(10.0, 60.0, 30.0))
-    calm = replace(busy_demand(0.0), decode_seqs=8.0, remaining_s=1000.0, turn_stage_s=(60.0, 10.0, 30.0))
-    policy = Split("prorsa", DEEPSEEK, AllocatorSection(decision="evaluator", min_dwell_s=0.0), weigh_cost=True)
-    for i in range(CONFIRM_DECISIONS):
-        roles = [c.role for c in policy.decide(stalled, fleet([Role.COLOCATED] * 4, 100.0 + i))]
+    policy = evaluator_policy(min_dwell_s=0.0)
+    roles = [c.role for c in decide_confirmed(policy, STALLED, [Role.COLOCATED] * 4, 100.0)]
     assert Role.PREFILL in roles
-    for i in range(CONFIRM_DECISIONS):
-        back = policy.decide(calm, fleet(roles, 200.0 + i, epoch=[1] * 4))
+    back = decide_confirmed(policy, CALM, roles, 200.0, epoch=[1] * 4)
     assert back and all(c.role is Role.COLOCATED for c in back), policy.last_reason
-    assert policy.decide(stalled, fleet([Role.COLOCATED] * 4, 300.0, epoch=[2] * 4)) == []
+    assert policy.decide(STALLED, fleet([Role.COLOCATED] * 4, 300.0, epoch=[2] * 4)) == []
     assert f"1 of {CONFIRM_DECISIONS}" in policy.last_reason
