@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
-from actors.allocator.damping import REVERSES, FlapDamping
+from actors.allocator.damping import FlapDamping
 from actors.allocator.evaluator import Inputs, evaluate
 from actors.allocator.loads import (
     bottleneck,
@@ -145,9 +145,6 @@ class Split:
     ratios: RatioMeter = field(default_factory=RatioMeter)  # prefill per decode token (throughput.py)
     q_settles_at_s: float = 0.0  # a new split's q is not learned before its relocated KV could be recomputed
     leave_streak: int = 0  # the evaluator's decisions in a row that found another arrangement than now's best
-    # the evaluator's least net saving per engine-second of a switch, by kind of move: a move
-    # that was undone doubles it for moves of its kind (its saving was overstated once)
-    margin: dict[str, float] = field(default_factory=dict)
     side_share: SideShare = field(default_factory=SideShare)  # the prefill side's share of a split's prefill tokens
 
     def __post_init__(self) -> None:
@@ -254,7 +251,7 @@ class Split:
             self.last_reason = f"hold: another best {self.leave_streak} of {CONFIRM_DECISIONS} decisions, {where}"
             return []
         kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
-        gain_s, cost_s = evaluation.gain_engine_s(n), evaluation.cost_s[best] * self.margin.get(kind, 1.0)
+        gain_s, cost_s = evaluation.gain_engine_s(n), evaluation.cost_s[best] * self.damping.margin.get(kind, 1.0)
         if gain_s < max(self._required_gain_s(kind), cost_s):  # net of the switch, at least the switch again
             self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s net, less than {cost_s:.1f}, {where}"
             return []
@@ -343,9 +340,6 @@ class Split:
 
     def _changed(self, kind: str) -> None:
         self.leave_streak = 0  # the evaluator counts its decisions again from the new arrangement
-        undone = self.damping.last_change[0]
-        if REVERSES.get(kind) == undone:  # the evaluator's next move of the undone kind must save more
-            self.margin[undone] = 2.0 * self.margin.get(undone, 1.0)
         self.damping.record(kind, self.now_s)
 
     def _judged(self, demand: Demand, cap: Capacity, n: int, current: int, arrangement: str, settled: bool, split_now: bool) -> Demand:
