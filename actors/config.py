@@ -153,11 +153,18 @@ class WorkloadSection(schema.WorkloadSection):
 
 
 class ForecasterSection(schema.ForecasterSection):
-    """The schema's forecaster section, its model checked against the registry."""
+    """The schema's forecaster section, its model checked against the registry and its prior
+    log found (a run's folder stands for its events.parquet; the path made absolute)."""
 
     def __post_init__(self) -> None:
         if self.model not in REGISTRY:
             raise ValueError(f"unknown forecaster.model {self.model!r} (known: {_known(REGISTRY)})")
+        if self.prior_log:
+            path = Path(self.prior_log).expanduser().absolute()
+            path = path / "events.parquet" if path.is_dir() else path
+            if not path.is_file():
+                raise ValueError(f"forecaster.prior_log = {self.prior_log!r}: no event log there (a run's folder or its events.parquet)")
+            self.prior_log = str(path)
         super().__post_init__()
 
 

@@ -448,6 +448,9 @@ class ForecasterSection(_Section):
     tick_s: float = 1.0  # forecast period, a multiple of bin_s
     horizons_s: list[float] = msgspec.field(default_factory=lambda: [1.0, 5.0, 10.0, 20.0, 30.0])
     watermark_s: float = 2.0  # wait this long past a tick for its late events, model seconds
+    # an earlier run's lifecycle log (its folder or events.parquet): the forecaster starts from
+    # the per-family statistics learned there, and this run's own displace them as they come
+    prior_log: str = ""
 
     def __post_init__(self) -> None:
         if self.bin_s <= 0 or self.watermark_s < 0 or not self.horizons_s:

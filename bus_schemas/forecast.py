@@ -44,6 +44,7 @@ class DemandForecast(msgspec.Struct, frozen=True, kw_only=True):
     turn_prefill_s: float = 0.0
     turn_decode_s: float = 0.0
     turn_tool_s: float = 0.0
+    turn_prefill_tokens: float = 0.0  # ... and an append's mean cache-missed prefill tokens (0: not known)
     # the costs prefill_engine_s is priced at (forecasting.series.TokenCost: seconds per
     # cache-missed token, and per token x context token it attends over); 0, 0: not stated
     prefill_cost_per_token_s: float = 0.0

@@ -267,6 +267,18 @@ class LiveState:
         return max(expected - self.started_per_step.get(self.step, 0), 0)
 
     # --- ingesting -------------------------------------------------------------------------
+    def learn_from(self, events: pl.DataFrame) -> None:
+        """Start from what an earlier run's lifecycle log (`forecaster.prior_log`) teaches of
+        each family: its turn counts, token sizes and stage times, learned as `ingest` would
+        learn them. None of that run's trajectories or cadence is kept, and this run's own
+        samples displace the prior's as they come (each statistic keeps its latest). Call it
+        before the first event."""
+        if self.events or self.families:
+            raise ValueError("a prior is learned before any event of the run")
+        prior = LiveState(cost=self.cost, decode_cost=self.decode_cost)
+        prior.ingest(events)
+        self.families, self._family_index, self.stats = prior.families, prior._family_index, prior.stats
+
     def ingest(self, events: pl.DataFrame) -> None:
         """Apply events in the frame's order (the caller sorts by (at_s, event_id))."""
         self.events += events.height

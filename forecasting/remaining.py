@@ -38,6 +38,9 @@ class Remaining:
     # a turn's mean seconds queued and prefilling, decoding, and in its tool call, over the
     # live trajectories' families (each family's mean, weighted by its live trajectories)
     stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # an append's mean cache-missed prefill tokens, over the live trajectories' families as
+    # stage_s (0: none measured)
+    prefill_tokens: float = 0.0
 
 
 def turns_after(continue_prob: np.ndarray) -> np.ndarray:
@@ -67,7 +70,7 @@ def remaining(live: LiveState, now_s: float) -> Remaining:
     if len(alive) == 0:
         return Remaining()
     pooled = live.stats[POOLED]
-    turns_total, seconds_total, timed = 0.0, 0.0, True
+    turns_total, seconds_total, timed, prefill_total = 0.0, 0.0, True, 0.0
     stage_total = np.zeros(3)
     family_of = live.family[alive]
     for family in np.flatnonzero(np.bincount(family_of)):
@@ -84,10 +87,12 @@ def remaining(live: LiveState, now_s: float) -> Remaining:
         turns_total += float(left.sum())
         seconds_total += float(left.sum()) * float(means.sum())
         stage_total += len(members) * means
+        prefill_total += len(members) * stat(stats, pooled, "miss_tokens").mean()
     if not timed:
         return Remaining(turns_total)
     stage_s = stage_total / len(alive)
-    return Remaining(turns_total, seconds_total / len(alive), (float(stage_s[0]), float(stage_s[1]), float(stage_s[2])))
+    stages = (float(stage_s[0]), float(stage_s[1]), float(stage_s[2]))
+    return Remaining(turns_total, seconds_total / len(alive), stages, prefill_total / len(alive))
 
 
 def stage_means(live: LiveState, members: np.ndarray, durations: list[Empirical], append_pre: Empirical, now_s: float) -> np.ndarray:

@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only these policies (comma-separated, e.g. colocated-sticky,static-3:1; any static-P:D that fits a fleet runs on it; oracle without prorsa needs prorsa's runs in --out)",
     )
     roll.add_argument(
+        "--no-prior",
+        action="store_true",
+        help="prorsa's forecaster starts from nothing, instead of from an earlier run of each case (another workload seed, colocated-sticky)",
+    )
+    roll.add_argument(
         "--seeds",
         default="",
         help="run every case once per workload seed (comma-separated, e.g. 2026,2,3; 'published': the seeds of the docs' tables); the tables then add each row's spread across seeds",
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"error: --seeds {args.seeds!r}: expected integers, e.g. 2026,2,3, or 'published'", file=sys.stderr)
             return 2
-        return rollout(args.suite, out, args.live, 1 if args.live else args.jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
+        jobs = 1 if args.live else args.jobs
+        return rollout(args.suite, out, args.live, jobs, tables, per_gpu, modes, only, policies, overrides, seeds, not args.no_prior)
     return 2
 
 
@@ -204,6 +210,7 @@ def rollout(
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
     seeds: tuple[int, ...] = (),
+    prior: bool = True,
 ) -> int:
     from runners.rollout import SUITES, TABLES, run_suite
 
@@ -245,7 +252,7 @@ def rollout(
             print(f"error: --set: {err}", file=sys.stderr)
             return 2
     try:
-        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies, overrides, seeds)
+        results = run_suite(suite, out, live, jobs, tables, per_gpu, modes, only, policies, overrides, seeds, prior)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -264,6 +264,11 @@ _GENERALIZATION = (
         "drift", {"swe": 0.5, "math": 0.5}, (), _SWE_SHORT, steps=3, structure={"drift": {"turns_per_step": 0.1, "gen_per_step": 0.15}}
     ),
 )
+# The earlier run prorsa's forecaster starts from (`forecaster.prior_log`), as an operator's
+# earlier run of the same task mix on the same fleet: another workload seed (none of the
+# tables': fresh generalization seeds are drawn below it), under the plain colocated fleet
+PRIOR_SEED = 1_000_000
+PRIOR_POLICY = "colocated-sticky"
 GENERALIZATION_SEEDS = 5  # fresh workload seeds per bench run, printed, where --seeds gives none
 # Each mechanism's rows where it acts: lockstep and the DP chunk on the DP-attention fleets
 # (deepseek, moe; on moe-stage colocated engines run TP4), the host KV tier on every MoE fleet,
@@ -357,9 +362,12 @@ SUITES = {
 }
 
 
-def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = None, overrides: dict | None = None) -> Config:
-    """The case's config under `policy`; `overrides` ({section: {key: value}}, the bench's
-    --set) replace the suite's values in every run, for variants of the code's defaults."""
+def run_config(
+    suite: Suite, case: Case, policy: str, oracle_log: Path | None = None, overrides: dict | None = None, prior_log: Path | None = None
+) -> Config:
+    """The case's config under `policy` (its forecaster starting from `prior_log`, where
+    given); `overrides` ({section: {key: value}}, the bench's --set) replace the suite's
+    values in every run, for variants of the code's defaults."""
     fleet, workload = case.fleet, case.workload
     engines = {**fleet.engines, **case.engines, "prefill_engines": max(1, fleet.engines["count"] // 4)}
     engines = {k: v for k, v in engines.items() if v is not None}
@@ -392,6 +400,7 @@ def run_config(suite: Suite, case: Case, policy: str, oracle_log: Path | None = 
         },
         "workload": {"mix": workload.mix, "phases": list(workload.phases), "overrides": workload.overrides, **workload.structure},
         "allocator": {"oracle_log": str(oracle_log) if oracle_log else "", **capacity},
+        "forecaster": {"prior_log": str(prior_log) if prior_log else ""},
     }
     for section, values in [*case.sections.items(), *(overrides or {}).items()]:  # the row's, then --set's
         raw[section] = {**raw.get(section, {}), **values}
@@ -566,19 +575,35 @@ def learned_capacity(config: Config, events: pl.DataFrame, out: Path) -> dict | 
 
 
 # --- the suite ---------------------------------------------------------------------------
+def prior_case(case: Case) -> Case:
+    """The earlier run of `case` whose log `prorsa`'s forecaster starts from
+    (`forecaster.prior_log`): the same fleet, workload, engines and mode at workload seed
+    PRIOR_SEED, under PRIOR_POLICY."""
+    return replace(case, seed=PRIOR_SEED)
+
+
+def learns_prior(policy: str) -> bool:
+    """Whether a policy's allocator reads the forecaster (prorsa and its variants)."""
+    return policy.startswith("prorsa")
+
+
 def _run_dir(out: Path, case: Case, policy: str) -> Path:
     """The folder of one case's run under one policy."""
     return out / "runs" / f"{case.key}-{policy.replace(':', '-')}".replace(" ", "_").replace("=", "-")
 
 
-def _run_in_order(plan: list[tuple[Case, str]], jobs: int, start: Callable[[int], Future], done: Callable[[int, Future], None]) -> None:
+def _run_in_order(
+    plan: list[tuple[Case, str]], jobs: int, start: Callable[[int], Future], done: Callable[[int, Future], None], after: dict[int, int]
+) -> None:
     """Run every (case, policy) of `plan` (`start(i)`; `done(i, future)` once it ends), `jobs`
-    at a time: the runs of the allocator's own policies first (their forecaster makes them
-    the longest: started last, one would run alone at the end), and each oracle as soon as
-    the prorsa run of its case is done (it replays that run's log). The order changes the
-    bench's wall time only: each run is its own process, on its own config."""
-    after_prorsa = {i for i, (case, policy) in enumerate(plan) if policy == "oracle" and (case, "prorsa") in plan}
-    todo = sorted((i for i in range(len(plan)) if i not in after_prorsa), key=lambda i: not plan[i][1].startswith("prorsa"))
+    at a time, each run i of `after` once run after[i] is done (an oracle after the prorsa run
+    whose log it replays, a prorsa run after the earlier run its forecaster learns from); of
+    the others, the earlier runs first, then the allocator's own policies (their forecaster
+    makes them the longest: started last, one would run alone at the end). The order changes
+    the bench's wall time only: each run is its own process, on its own config."""
+    todo = sorted(
+        (i for i in range(len(plan)) if i not in after), key=lambda i: (plan[i][0].seed != PRIOR_SEED, not plan[i][1].startswith("prorsa"))
+    )
     unlocked: list[int] = []
     running: dict[Future, int] = {}
     while todo or unlocked or running:
@@ -589,9 +614,7 @@ def _run_in_order(plan: list[tuple[Case, str]], jobs: int, start: Callable[[int]
         for future in sorted(finished, key=running.__getitem__):
             i = running.pop(future)
             done(i, future)
-            case, policy = plan[i]
-            if policy == "prorsa":
-                unlocked += [j for j in sorted(after_prorsa) if plan[j][0] == case]
+            unlocked += sorted(j for j, first in after.items() if first == i)
 
 
 def run_suite(
@@ -606,19 +629,22 @@ def run_suite(
     policies: tuple[str, ...] = (),
     overrides: dict | None = None,
     seeds: tuple[int, ...] = (),
+    prior: bool = True,
 ) -> list[dict]:
     """Run the suite's cases (of `tables`, in `modes`; only those at `per_gpu` trajectories per
     GPU, of the fleets, workloads and variants in `only`, and the `policies`, where given), each once per
     workload seed in `seeds` (default: the suite's seed). `oracle` replays `prorsa`'s log of
     the same case: run without `prorsa`, it needs that log in `out` from an earlier run
-    (ValueError, before anything runs, where one is missing)."""
+    (ValueError, before anything runs, where one is missing). With `prior`, `prorsa`'s
+    forecaster starts from the log of an earlier run of its case (`prior_case`), run first
+    and not shown in the results."""
     if seeds and "seed" in (overrides or {}).get("run", {}):
         raise ValueError("give the workload seeds once: --seeds or --set run.seed, not both")
     out.mkdir(parents=True, exist_ok=True)
     fleets, workloads, variants = only
     fresh = ()
     if "generalization" in tables and not seeds:  # seeds nobody tuned on: drawn now, and said
-        fresh = tuple(secrets.randbelow(1_000_000) for _ in range(GENERALIZATION_SEEDS))
+        fresh = tuple(secrets.randbelow(PRIOR_SEED) for _ in range(GENERALIZATION_SEEDS))
         console.print(f"generalization table: workload seeds {', '.join(map(str, fresh))} (drawn for this run)")
     cases = [
         c
@@ -639,6 +665,12 @@ def run_suite(
             f"oracle replays prorsa's log of the same case, and {out} has none for {', '.join(missing)}: add prorsa to the policies"
         )
     plan = [x for x in plan if x[1] != "oracle"] + [x for x in plan if x[1] == "oracle"]  # the results' order
+    shown = len(plan)  # the earlier runs the forecaster learns from are appended, and not shown
+    if prior:
+        plan += list({prior_case(c).key: (prior_case(c), PRIOR_POLICY) for c, p in plan if learns_prior(p)}.values())
+    index = {(c.key, p): i for i, (c, p) in enumerate(plan)}
+    after = {i: index[(c.key, "prorsa")] for i, (c, p) in enumerate(plan) if p == "oracle" and (c.key, "prorsa") in index}
+    after |= {i: index[(prior_case(c).key, PRIOR_POLICY)] for i, (c, p) in enumerate(plan[:shown]) if prior and learns_prior(p)}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with (
         Progress(*columns, console=console) as progress,
@@ -651,17 +683,18 @@ def run_suite(
             case, policy = plan[i]
             run_dir = _run_dir(out, case, policy)
             oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
-            config = run_config(suite, case, policy, oracle_log, overrides)
+            prior_log = _run_dir(out, prior_case(case), PRIOR_POLICY) if prior and learns_prior(policy) and i < shown else None
+            config = run_config(suite, case, policy, oracle_log, overrides, prior_log)
             return pool.submit(_run_one, (case, policy, msgspec.json.encode(config), str(run_dir), live))
 
         def done(i: int, future: Future) -> None:
             case, policy = plan[i]
-            records[i] = future.result()
+            records[i] = {**future.result(), "prior_seed": PRIOR_SEED if prior and learns_prior(policy) else None}
             progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
-            (out / "results.partial.json").write_text(json.dumps([records[j] for j in sorted(records)], indent=2) + "\n")
+            (out / "results.partial.json").write_text(json.dumps([records[j] for j in sorted(records) if j < shown], indent=2) + "\n")
 
-        _run_in_order(plan, max(1, jobs), start, done)
-    results = [records[i] for i in range(len(plan))]
+        _run_in_order(plan, max(1, jobs), start, done, after)
+    results = [records[i] for i in range(shown)]
     add_speedups(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(results_markdown(results))

@@ -153,3 +153,18 @@ def test_the_registry_checks_are_added_to_the_schema_by_actors_config(tmp_path: 
             load_config(bad)
         shape = config_schema.parse_config(bad, config_schema.Config)  # the schema alone takes it
         assert type(shape) is config_schema.Config and not hasattr(shape.engines, "cost_preset")
+
+
+def test_a_prior_log_is_found_before_the_run_starts(tmp_path: Path):
+    """`forecaster.prior_log`: a run's folder stands for its events.parquet, and a path with
+    no log there is named when the config loads."""
+    run_dir = tmp_path / "earlier"
+    run_dir.mkdir()
+    (run_dir / "events.parquet").write_bytes(b"")
+    path = write_tiny_config(tmp_path / "c.toml")
+    text = path.read_text()
+    path.write_text(text + f'\n[forecaster]\nprior_log = "{run_dir}"\n')
+    assert load_config(path).forecaster.prior_log == str(run_dir / "events.parquet")
+    path.write_text(text + f'\n[forecaster]\nprior_log = "{tmp_path / "missing"}"\n')
+    with pytest.raises(ConfigError, match="forecaster.prior_log"):
+        load_config(path)

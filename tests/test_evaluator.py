@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import numpy as np
 import polars as pl
+import pytest
 
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import ORACLE_STAGE_WINDOW_S, RecordedDemand
-from actors.allocator.evaluator import Inputs, evaluate
+from actors.allocator.evaluator import Inputs, evaluate, return_engine_s
 from actors.allocator.policy import CONFIRM_DECISIONS, Split
 from actors.allocator.side_share import SideShare
 from actors.allocator.state import Demand
@@ -59,6 +60,23 @@ def test_no_remaining_seconds_before_a_decode_has_been_timed():
     log = synthetic_log(trajectories=20, seed=1, spread_s=1.0)
     left = remaining(history_at(log, 1).live, 1)  # prompts queued, nothing decoded yet
     assert left.turns > 0 and left.mean_s == 0.0
+
+
+def test_a_prior_log_times_the_work_left_before_the_run_has_timed_a_turn():
+    """Learned from an earlier run's log, the forecaster prices the prompts of a step's start
+    at once (turns left and their stage times), and holds none of that run's trajectories."""
+    prior = synthetic_log(trajectories=300, seed=3, spread_s=120.0, max_turns=6, min_turns=6)
+    log = synthetic_log(trajectories=20, seed=1, spread_s=1.0)
+    live = history_at(log, 1, prior=prior).live
+    left = remaining(live, 1)
+    assert remaining(history_at(log, 1).live, 1).mean_s == 0.0  # without it: nothing timed yet
+    assert left.mean_s > 0 and all(s > 0 for s in left.stage_s[:2])
+    assert live.live_count() == int(log.filter(pl.col("at_s") < 1)["trajectory_id"].n_unique())
+    assert 5.0 < left.turns / live.live_count() <= 6.5  # the prior's 6 turns each, none done yet
+    appends = [live.stats[f].miss_tokens.mean() for f in live.families]  # an append's, learned from the prior
+    assert min(appends) <= left.prefill_tokens <= max(appends) and min(appends) > 0
+    with pytest.raises(ValueError, match="before any event"):
+        live.learn_from(prior)
 
 
 def inputs(demand: Demand, current: int = 0, remaining_s: float = 1000.0, **kw) -> Inputs:
@@ -316,3 +334,57 @@ def test_after_a_change_the_evaluator_counts_its_decisions_again():
     assert back and all(c.role is Role.COLOCATED for c in back), policy.last_reason
     assert policy.decide(STALLED, fleet([Role.COLOCATED] * 4, 300.0, epoch=[2] * 4)) == []
     assert f"1 of {CONFIRM_DECISIONS}" in policy.last_reason
+
+
+def test_a_cheap_move_with_a_dear_way_back_must_save_the_way_back():
+    """Growing a 1:3 split to 2:2 costs a drain, shrinking it back recomputes what the leaving
+    prefill engine held: a grow whose net saving covers its own switch but not the way back
+    is not bought; with enough work left it is."""
+    split_roles = [Role.PREFILL, Role.DECODE, Role.DECODE, Role.DECODE]
+    probe_inputs = inputs(STALLED, current=1, stage_s=STALLED.turn_stage_s, remaining_s=1000.0)
+    probe = evaluate(probe_inputs)
+    assert probe.best == 2
+    forward_s, back_s = probe.cost_s[2], return_engine_s(probe_inputs, 2)
+    assert back_s > 4 * forward_s  # a shrink recomputes, a grow drains
+    saving_per_s = probe.gain_engine_s(4) / 1000.0
+
+    def bought(remaining_s: float) -> bool:
+        demand = replace(STALLED, remaining_s=remaining_s)
+        since = {"role_since_s": [0.0] * 4, "epoch": [1] * 4}
+        return bool(decide_confirmed(evaluator_policy(), demand, split_roles, 500.0, **since))
+
+    assert not bought(0.5 * (forward_s + back_s) / saving_per_s)  # pays its switch, not the way back
+    assert bought(1.5 * back_s / saving_per_s)
+
+
+def test_the_work_left_is_its_live_trajectories_mean_demand_by_littles_law():
+    """Each of 100 live trajectories spends 60 of its 100 s turn decoding and sends 2,000
+    prefill tokens a turn: 60 decode at once, 2,000 prefill tokens a second, no backlog."""
+    demand = replace(
+        busy_demand(0.5),
+        live_trajectories=100.0,
+        turn_stage_s=(10.0, 60.0, 30.0),
+        turn_prefill_tokens=2000.0,
+        prefill_backlog_tokens_per_s=5e4,
+    )
+    later = demand.over_work_left()
+    assert later is not None
+    assert math.isclose(later.decode_seqs, 60.0) and math.isclose(later.prefill_tokens_per_s, 2000.0)
+    assert later.prefill_backlog_tokens_per_s == 0.0
+    assert replace(demand, turn_prefill_tokens=0.0).over_work_left() is None  # a prefill's size not known
+    assert replace(demand, turn_stage_s=(0.0, 0.0, 0.0)).over_work_left() is None  # a turn not timed
+
+
+def test_the_horizon_prices_its_own_seconds_and_the_work_after_it_its_mean_demand():
+    """A step's opening: the horizon's demand (CALM) pays for colocation, the work after it
+    (STALLED) for a split. With 1,000 s left the split finishes first; with no more work than
+    the horizon, colocation does."""
+    calm, stalled = replace(CALM, turn_stage_s=STALLED.turn_stage_s), STALLED
+
+    def best(remaining_s: float) -> int:
+        probe = inputs(calm, stage_s=stalled.turn_stage_s, remaining_s=remaining_s, later=(stalled, stalled), horizon_s=10.0)
+        return evaluate(probe).best
+
+    assert evaluate(inputs(calm, stage_s=stalled.turn_stage_s, remaining_s=1000.0)).best == 0  # the horizon alone
+    assert best(1000.0) != 0
+    assert best(10.0) == 0

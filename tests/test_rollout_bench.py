@@ -628,7 +628,8 @@ def test_the_published_seeds_are_five_listed_in_the_bench_and_named_by_one_word(
 def test_the_bench_starts_prorsa_runs_first_and_each_oracle_once_its_prorsa_is_done():
     """One at a time, the order is fixed: both prorsa runs first, each case's oracle right after
     the prorsa run whose log it replays, then the rest in the plan's order; each runs once."""
-    plan = [("a", "colocated"), ("a", "static-1:3"), ("a", "prorsa"), ("b", "colocated"), ("b", "prorsa"), ("a", "oracle"), ("b", "oracle")]
+    a, b = (replace(SUITES["smoke"].cases(("main",))[0], variant=v) for v in "ab")
+    plan = [(a, "colocated"), (a, "static-1:3"), (a, "prorsa"), (b, "colocated"), (b, "prorsa"), (a, "oracle"), (b, "oracle")]
     started, finished = [], []
     with ThreadPoolExecutor(1) as pool:
 
@@ -636,6 +637,26 @@ def test_the_bench_starts_prorsa_runs_first_and_each_oracle_once_its_prorsa_is_d
             started.append(i)
             return pool.submit(lambda: i)
 
-        _run_in_order(plan, 1, start, lambda i, future: finished.append((i, future.result())))
+        _run_in_order(plan, 1, start, lambda i, future: finished.append((i, future.result())), after={5: 2, 6: 4})
     assert started == [2, 5, 4, 6, 0, 1, 3]
     assert sorted(finished) == [(i, i) for i in range(len(plan))]
+
+
+def test_prorsa_learns_from_an_earlier_run_of_its_case_run_first_and_not_shown(tmp_path: Path):
+    """By default the bench runs each prorsa case's earlier run (another workload seed,
+    colocated-sticky) before it, and prorsa's forecaster starts from that run's log; the earlier
+    run is no row of the results. `prior=False` runs none."""
+    from runners.rollout import PRIOR_POLICY, PRIOR_SEED, _run_dir, prior_case
+
+    suite = SUITES["smoke"]
+    (case,) = suite.cases(("main",), ("sync",))
+    results = run_suite(suite, tmp_path / "on", jobs=1, modes=("sync",), policies=("colocated-sticky", "prorsa"))
+    assert [(r["policy"], r["prior_seed"]) for r in results] == [("colocated-sticky", None), ("prorsa", PRIOR_SEED)]
+    assert all(r["status"] == "completed" and not r["trajectories_lost"] for r in results)
+    earlier = _run_dir(tmp_path / "on", prior_case(case), PRIOR_POLICY)
+    assert (earlier / "events.parquet").exists() and str(earlier) not in {r["run_dir"] for r in results}
+    config = run_config(suite, case, "prorsa", prior_log=earlier)
+    assert config.forecaster.prior_log == str(earlier / "events.parquet")
+    assert run_config(suite, case, "prorsa").forecaster.prior_log == ""
+    off = run_suite(suite, tmp_path / "off", jobs=1, modes=("sync",), policies=("prorsa",), prior=False)
+    assert off[0]["prior_seed"] is None and not _run_dir(tmp_path / "off", prior_case(case), PRIOR_POLICY).exists()

@@ -93,6 +93,7 @@ def from_forecast(forecast: DemandForecast, fleet: Fleet, horizon_s: float, quan
         prefill_backlog_tokens_per_s=backlog,
         remaining_s=forecast.remaining_s,
         turn_stage_s=(forecast.turn_prefill_s, forecast.turn_decode_s, forecast.turn_tool_s),
+        turn_prefill_tokens=forecast.turn_prefill_tokens,
     )
 
 

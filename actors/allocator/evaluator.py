@@ -3,10 +3,15 @@
 `allocator.decision = "evaluator"`. Candidates: every engine colocated (index 0) and every
 P:D split (index P, 1 .. n-1). For the arrangement now, c, and each candidate a:
 
-    finish_s(a) = remaining_s x pace(a) / pace(c)  +  switch_engine_s(c -> a) / n
+    finish_s(a) = h x pace(a) / pace(c)  +  (remaining_s - h) x pace'(a) / pace'(c)  +  switch_engine_s(c -> a) / n
 
 * remaining_s: the live trajectories' mean model seconds of work left at the pace of now
   (`Demand.remaining_s`, the forecaster's; the horizon where it is not known yet);
+* h: the forecast horizon's seconds of it (at most remaining_s), paced at the horizon's
+  demand; pace': the rest, paced at the live trajectories' mean demand while their work
+  lasts (`Demand.over_work_left`, Little's law: a step's opening burst is the horizon's, not
+  the step's). Where that mean is not known (a turn not timed, an append's size not
+  measured) or the fleet is saturated, pace' = pace;
 * pace(a): how long a turn takes in a, relative to now:
   - a saturated fleet (throughput.py: its live KV past what the fleet holds, engines that
     queue what does not fit), 1 / the decode tokens per second a turns over;
@@ -21,14 +26,15 @@ P:D split (index P, 1 .. n-1). For the arrangement now, c, and each candidate a:
   engine-seconds, spread over the fleet's n engines.
 
 `best` is the candidate that finishes first, the arrangement of now on a tie; whether to
-move there (the same best for several decisions, a gain of at least `min_gain_s`) is the
-policy's (`Split._evaluate`). A split whose decode side cannot hold what it must keep
+move there (another best for several decisions, a net gain of at least the switch's cost,
+and a resize's way back, `return_engine_s`) is the policy's (`Split._evaluate`). A split whose decode side cannot hold what it must keep
 (without queueing admission) is no candidate: it would preempt and recompute without end.
 Every figure of a decision is in `Evaluation.note()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -58,11 +64,23 @@ class Inputs:
     # saturated fleets: decode tokens per second per candidate (index as above), else None
     rates: list[float] | None = None
     colocation: bool = True  # False: `allocator.colocation = "never"`, colocation is no candidate
+    # the demand after the horizon, as each arrangement would see it (colocated, split): the
+    # live trajectories' mean while their work left lasts (`Demand.over_work_left`); None:
+    # the horizon's demand stands for all of it
+    later: tuple[Demand, Demand] | None = None
+    horizon_s: float = 0.0  # the forecast horizon `colocated_demand` and `split_demand` are of
 
     @property
     def now_ruled_out(self) -> bool:
         """The fleet is colocated where the operator ruled colocation out: it leaves at once."""
         return self.current == 0 and not self.colocation
+
+    def after_horizon(self) -> Inputs | None:
+        """These inputs at the demand after the horizon; None where the horizon's stands for
+        all the work left (no later demand, a saturated fleet's rates, no work past the horizon)."""
+        if self.later is None or self.rates is not None or self.remaining_s <= self.horizon_s:
+            return None
+        return dataclasses.replace(self, colocated_demand=self.later[0], split_demand=self.later[1], later=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +182,13 @@ def switch_engine_s(inputs: Inputs, a: int) -> float:
     return resize_cost_s(inputs.split_demand, cap, c, a, n, inputs.drain_s)
 
 
+def return_engine_s(inputs: Inputs, a: int) -> float:
+    """Engine-seconds the way back from `a` to the arrangement now would cost, priced as `a`
+    would see it: a grow is cheap and its shrink recomputes what the leaving prefill engines
+    held, a colocation is cheap and the split after it relocates the working set."""
+    return switch_engine_s(dataclasses.replace(inputs, current=a), inputs.current)
+
+
 def holds(inputs: Inputs, a: int) -> bool:
     """Whether candidate `a` can run: colocation unless the operator ruled it out; a split whose
     decode side holds what it must keep, or any split where engines queue what does not fit
@@ -178,16 +203,22 @@ def holds(inputs: Inputs, a: int) -> bool:
 def evaluate(inputs: Inputs) -> Evaluation:
     """finish_s for every candidate (module docstring)."""
     candidates = range(inputs.n)
-    paces = [pace(inputs, a) for a in candidates]
     costs = [switch_engine_s(inputs, a) for a in candidates]
-    now_pace = paces[inputs.current]
-    finish = [
-        inputs.remaining_s * paces[a] / now_pace + costs[a] / inputs.n if holds(inputs, a) and math.isfinite(paces[a]) else math.inf
-        for a in candidates
-    ]
-    if not math.isfinite(now_pace) or inputs.now_ruled_out:  # now has no pace, or is ruled out: the others against the fastest
-        fastest = min((paces[a] for a in candidates if math.isfinite(finish[a])), default=math.inf)
-        finish = [
-            inputs.remaining_s * paces[a] / fastest + costs[a] / inputs.n if math.isfinite(finish[a]) else math.inf for a in candidates
-        ]
-    return Evaluation(finish, paces, costs, inputs.current, inputs.remaining_s)
+    later = inputs.after_horizon()
+    near = [pace(inputs, a) for a in candidates]
+    far = [pace(later, a) for a in candidates] if later else near
+    runs = [holds(inputs, a) and math.isfinite(near[a]) and math.isfinite(far[a]) for a in candidates]
+
+    def against_now(paces: list[float]) -> list[float]:
+        """Each pace over now's; where now has none or is ruled out, over the fastest that runs."""
+        reference = paces[inputs.current]
+        if not math.isfinite(reference) or inputs.now_ruled_out:
+            reference = min((paces[a] for a in candidates if runs[a]), default=math.inf)
+        return [p / reference for p in paces]
+
+    left_s = inputs.remaining_s
+    near_s = min(inputs.horizon_s, left_s) if later else left_s
+    relative = [near_s * n + (left_s - near_s) * f for n, f in zip(against_now(near), against_now(far))]
+    relative = [r / left_s if left_s > 0 else r for r in relative]
+    finish = [left_s * relative[a] + costs[a] / inputs.n if runs[a] else math.inf for a in candidates]
+    return Evaluation(finish, relative, costs, inputs.current, inputs.remaining_s)

@@ -53,8 +53,9 @@ Colocation is one of the choices (`allocator.colocation`):
 `allocator.decision = "evaluator"` (the default; "rules" keeps them) replaces the rules above
 for `prorsa` and `oracle` (with `weigh_cost`): every arrangement's time to finish the live
 trajectories' work left, switches included, and the best once staying has not been best for
-`CONFIRM_DECISIONS` decisions in a row (`evaluator.py`, `Split._evaluate`); the roles a fleet
-starts in have no dwell.
+`CONFIRM_DECISIONS` decisions in a row, where it saves, net of the switch, the switch again
+(and a resize its way back) (`evaluator.py`, `Split._evaluate`); the roles a fleet starts in
+have no dwell.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from typing import Protocol
 
 from actors.allocator.capacity import Capacity, CapacityModel
 from actors.allocator.damping import FlapDamping
-from actors.allocator.evaluator import Inputs, evaluate
+from actors.allocator.evaluator import Inputs, evaluate, return_engine_s
 from actors.allocator.loads import (
     bottleneck,
     colocated_load,
@@ -226,11 +227,12 @@ class Split:
             return self._colocate_all(usable)
         now = "colocated" if colocated_now else "pd"
         demand = self._judged(demand, cap, n, current, now, settled, split_now=not colocated_now)
+        later = demand.over_work_left()
         inputs = Inputs(
             colocated_demand=self._as_in(demand, "colocated", now),
-            split_demand=dataclasses.replace(
-                self._as_in(demand, "pd", now), remote_share=self.side_share.share(cap.decode_lockstep_ranks > 1, demand.remote_share)
-            ),
+            split_demand=self._split_view(demand, cap, now),
+            later=(self._as_in(later, "colocated", now), self._split_view(later, cap, now)) if later else None,
+            horizon_s=self.config.horizon_s,
             cap=cap,
             n=n,
             current=current,
@@ -251,9 +253,12 @@ class Split:
             self.last_reason = f"hold: another best {self.leave_streak} of {CONFIRM_DECISIONS} decisions, {where}"
             return []
         kind = "colocate" if best == 0 else "split" if current == 0 else "grow" if best > current else "shrink"
-        gain_s, cost_s = evaluation.gain_engine_s(n), evaluation.cost_s[best] * self.damping.margin.get(kind, 1.0)
-        if gain_s < max(self._required_gain_s(kind), cost_s):  # net of the switch, at least the switch again
-            self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s net, less than {cost_s:.1f}, {where}"
+        # net of the switch, at least the switch again; a resize, at least its way back too
+        back_s = return_engine_s(inputs, best) if kind in ("grow", "shrink") else 0.0
+        least_s = max(evaluation.cost_s[best], back_s) * self.damping.margin.get(kind, 1.0)
+        gain_s = evaluation.gain_engine_s(n)
+        if gain_s < max(self._required_gain_s(kind), least_s):
+            self.last_reason = f"keep: {kind} saves {gain_s:.1f} engine-s net, less than {least_s:.1f}, {where}"
             return []
         move = " -> ".join("colocated" if a == 0 else f"{a}:{n - a}" for a in (current, best))
         self.last_reason = f"{kind} {move}, saves {gain_s:.1f} engine-s: {where}"
@@ -268,6 +273,12 @@ class Split:
         if changes:
             self._changed(kind)
         return changes
+
+    def _split_view(self, demand: Demand, cap: Capacity, now: str) -> Demand:
+        """The demand as a split would see it: its prefill work per new token, and the share of
+        its prefill tokens its prefill side computes (side_share.py)."""
+        share = self.side_share.share(cap.decode_lockstep_ranks > 1, demand.remote_share)
+        return dataclasses.replace(self._as_in(demand, "pd", now), remote_share=share)
 
     def _saturated_rates(self, demand: Demand, cap: Capacity, n: int, current: int, colocated_now: bool) -> list[float] | None:
         """Decode tokens per second of every candidate (0: colocated, p: p prefill engines) where

@@ -103,6 +103,7 @@ class Demand:
     # a live turn's mean seconds queued and prefilling, decoding, and in its tool call, at the
     # pace of now (the forecaster's; 0s: not known)
     turn_stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    turn_prefill_tokens: float = 0.0  # an append's mean cache-missed prefill tokens (the forecaster's; 0: not known)
 
     @property
     def prefill_flow_tokens_per_s(self) -> float:
@@ -119,6 +120,24 @@ class Demand:
     def decoding_kv_tokens(self) -> float:
         """KV of the sequences decoding at once, at their mean context."""
         return self.decode_seqs * self.decode_context_tokens
+
+    def over_work_left(self) -> Demand | None:
+        """The live trajectories' mean demand while their work left lasts, by Little's law:
+        each spends the decode stage's share of its turn decoding and sends an append's
+        prefill tokens once a turn; no backlog (what is queued now is in the horizon's
+        demand). None where the turn's stages or its prefill size are not known."""
+        turn_s = sum(self.turn_stage_s)
+        if turn_s <= 0 or self.turn_prefill_tokens <= 0 or self.live_trajectories <= 0:
+            return None
+        flow = self.live_trajectories * self.turn_prefill_tokens / turn_s
+        new_share = self.prefill_new_tokens_per_s / self.prefill_flow_tokens_per_s if self.prefill_flow_tokens_per_s > 0 else 0.0
+        return replace(
+            self,
+            prefill_tokens_per_s=flow,
+            prefill_backlog_tokens_per_s=0.0,
+            prefill_new_tokens_per_s=flow * new_share,
+            decode_seqs=self.live_trajectories * self.turn_stage_s[1] / turn_s,
+        )
 
     def with_prefill_flow(self, flow_tokens_per_s: float) -> Demand:
         """This demand with another prefill flow; the backlog of now stays."""

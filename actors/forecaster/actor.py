@@ -4,7 +4,8 @@
     every tick_s:  wait until now >= tick + watermark_s, take the buffered events before
                    the tick ──▶ forecasting.core.ForecastCore.tick ──▶ prorsa.forecast
 
-The tick is the same code the replay runner drives (runners.replay), so on the same log
+With `forecaster.prior_log`, the per-family statistics start from an earlier run's log
+(`LiveState.learn_from`). The tick is the same code the replay runner drives (runners.replay), so on the same log
 the forecasts are the same numbers. An event that arrives after its tick was computed
 (later than the watermark) is counted as late and goes into the next tick.
 
@@ -27,7 +28,7 @@ from actors.base import Actor
 from bus_schemas import streams, subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Role
-from bus_schemas.eventlog import events_frame
+from bus_schemas.eventlog import events_frame, load_events
 from bus_schemas.forecast import DemandForecast, TargetForecast
 from bus_schemas.lifecycle import LifecycleEvent
 from forecasting.core import CoreConfig, ForecastCore, TickResult
@@ -73,6 +74,8 @@ class ForecasterActor(Actor):
                 decode_cost=decode_cost(config),
             )
         )
+        if fc.prior_log:  # an earlier run's per-family statistics to start from (checked when the config loaded)
+            self.core.live.learn_from(load_events(fc.prior_log))
         self.buffer: list[LifecycleEvent] = []
         self.ticks = 0  # ticks computed
         self.next_index = 1  # the next tick to compute is at next_index * tick_s
@@ -195,6 +198,7 @@ class ForecasterActor(Actor):
             turn_prefill_s=result.remaining.stage_s[0],
             turn_decode_s=result.remaining.stage_s[1],
             turn_tool_s=result.remaining.stage_s[2],
+            turn_prefill_tokens=result.remaining.prefill_tokens,
             prefill_cost_per_token_s=self.core.config.prefill_cost.per_token_s,
             prefill_cost_per_token_pair_s=self.core.config.prefill_cost.per_token_pair_s,
             decode_cost_per_token_s=self.core.config.decode_cost.per_token_s,
