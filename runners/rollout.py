@@ -617,6 +617,17 @@ def _run_in_order(
             unlocked += sorted(j for j, first in after.items() if first == i)
 
 
+def _dependencies(plan: list[tuple[Case, str]], shown: int, prior: bool) -> dict[int, int]:
+    """The run each run of `plan` waits for: an oracle for the prorsa run of its case (whose
+    log it replays); with `prior`, each of the first `shown` runs that learns a prior for the
+    earlier run of its case."""
+    index = {(c.key, p): i for i, (c, p) in enumerate(plan)}
+    after = {i: index[(c.key, "prorsa")] for i, (c, p) in enumerate(plan) if p == "oracle" and (c.key, "prorsa") in index}
+    if prior:
+        after |= {i: index[(prior_case(c).key, PRIOR_POLICY)] for i, (c, p) in enumerate(plan[:shown]) if learns_prior(p)}
+    return after
+
+
 def run_suite(
     suite: Suite,
     out: Path,
@@ -668,9 +679,7 @@ def run_suite(
     shown = len(plan)  # the earlier runs the forecaster learns from are appended, and not shown
     if prior:
         plan += list({prior_case(c).key: (prior_case(c), PRIOR_POLICY) for c, p in plan if learns_prior(p)}.values())
-    index = {(c.key, p): i for i, (c, p) in enumerate(plan)}
-    after = {i: index[(c.key, "prorsa")] for i, (c, p) in enumerate(plan) if p == "oracle" and (c.key, "prorsa") in index}
-    after |= {i: index[(prior_case(c).key, PRIOR_POLICY)] for i, (c, p) in enumerate(plan[:shown]) if prior and learns_prior(p)}
+    after = _dependencies(plan, shown, prior)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with (
         Progress(*columns, console=console) as progress,

@@ -177,7 +177,8 @@ def test_the_allocator_changes_arrangement_only_once_staying_loses_for_consecuti
 def test_the_oracle_reads_the_work_left_and_the_turn_stages_from_the_recorded_log():
     """The oracle's remaining_s is the true mean time to the live trajectories' last event; its
     stage times are the means of the stages that start within the window, one turn's decode
-    from its decode_started to its decode_done."""
+    from its decode_started to its decode_done, and an append's size the mean of the appends
+    prefilled within it."""
     log = synthetic_log(trajectories=300, seed=3, spread_s=120.0, max_turns=6, min_turns=6)
     recorded, now_s = RecordedDemand(log), 90.0
     spans = log.group_by("trajectory_id").agg(pl.col("at_s").min().alias("first_s"), pl.col("at_s").max().alias("last_s"))
@@ -191,6 +192,10 @@ def test_the_oracle_reads_the_work_left_and_the_turn_stages_from_the_recorded_lo
     prefill_s, decode_s, tool_s = recorded.turn_stage_s(now_s)
     assert math.isclose(decode_s, float((window["e"] - window["s"]).mean()), rel_tol=1e-9)
     assert prefill_s > 0 and tool_s > 0
+    in_window = (pl.col("at_s") >= now_s) & (pl.col("at_s") < now_s + ORACLE_STAGE_WINDOW_S)
+    appends = log.filter((pl.col("kind") == "prefill_done") & (pl.col("turn") > 0) & in_window)
+    missed = appends["context_tokens"] - appends["cached_prefix_tokens"] + appends["new_tokens"]
+    assert math.isclose(recorded.turn_prefill_tokens(now_s), float(missed.mean()), rel_tol=1e-9) and missed.mean() > 0
 
 
 def test_a_splits_prefill_side_share_is_read_from_its_engines_counters():

@@ -136,6 +136,9 @@ class RecordedDemand:
         )
         self.first_s, self.last_s = spans["first_s"].to_numpy(), spans["last_s"].to_numpy()
         self.stages = [stage_spans(events, start, end) for start, end in STAGE_BOUNDS]
+        appends = events.filter((pl.col("kind") == "prefill_done") & (pl.col("turn") > 0))
+        self.append_s = appends["at_s"].to_numpy()
+        self.append_tokens = (appends["context_tokens"] - appends["cached_prefix_tokens"] + appends["new_tokens"]).to_numpy()
 
     def turn_stage_s(self, now_s: float) -> tuple[float, float, float]:
         """A turn's mean seconds queued and prefilling, decoding, and in its tool call, over
@@ -145,6 +148,12 @@ class RecordedDemand:
             inside = (start_s >= now_s) & (start_s < now_s + ORACLE_STAGE_WINDOW_S)
             means.append(float(duration_s[inside].mean()) if inside.any() else 0.0)
         return means[0], means[1], means[2]
+
+    def turn_prefill_tokens(self, now_s: float) -> float:
+        """An append's mean cache-missed prefill tokens, over those prefilled within
+        `ORACLE_STAGE_WINDOW_S` from `now_s` (0: none)."""
+        inside = (self.append_s >= now_s) & (self.append_s < now_s + ORACLE_STAGE_WINDOW_S)
+        return float(self.append_tokens[inside].mean()) if inside.any() else 0.0
 
     def remaining_s(self, now_s: float) -> float:
         """The mean over the trajectories live at `now_s` of the model seconds until their last
@@ -173,4 +182,5 @@ class RecordedDemand:
             prefill_backlog_tokens_per_s=backlog,
             remaining_s=self.remaining_s(fleet.now_s),
             turn_stage_s=self.turn_stage_s(fleet.now_s),
+            turn_prefill_tokens=self.turn_prefill_tokens(fleet.now_s),
         )
