@@ -101,8 +101,14 @@ def _kind(name: str) -> pl.Expr:
     return pl.col("kind") == name
 
 
+def missed_tokens() -> pl.Expr:
+    """A prefill_done's cache-missed tokens, the prefill it computed: its context not cached,
+    and its new tokens."""
+    return pl.col("context_tokens") - pl.col("cached_prefix_tokens") + pl.col("new_tokens")
+
+
 def _flow_exprs(cost: TokenCost, decode_cost: TokenCost) -> list[pl.Expr]:
-    miss = pl.col("context_tokens") - pl.col("cached_prefix_tokens") + pl.col("new_tokens")
+    miss = missed_tokens()
     engine_s = cost.engine_s(miss.cast(pl.Float64), pl.col("cached_prefix_tokens").cast(pl.Float64))
     decode_s = decode_cost.engine_s(
         pl.col("generated_tokens").cast(pl.Float64), (pl.col("context_tokens") + pl.col("new_tokens")).cast(pl.Float64)

@@ -598,12 +598,11 @@ def _run_in_order(
     """Run every (case, policy) of `plan` (`start(i)`; `done(i, future)` once it ends), `jobs`
     at a time, each run i of `after` once run after[i] is done (an oracle after the prorsa run
     whose log it replays, a prorsa run after the earlier run its forecaster learns from); of
-    the others, the earlier runs first, then the allocator's own policies (their forecaster
-    makes them the longest: started last, one would run alone at the end). The order changes
-    the bench's wall time only: each run is its own process, on its own config."""
-    todo = sorted(
-        (i for i in range(len(plan)) if i not in after), key=lambda i: (plan[i][0].seed != PRIOR_SEED, not plan[i][1].startswith("prorsa"))
-    )
+    the others, the runs another waits for first, then the allocator's own policies (their
+    forecaster makes them the longest: started last, one would run alone at the end). The
+    order changes the bench's wall time only: each run is its own process, on its own config."""
+    waited_for = set(after.values())
+    todo = sorted((i for i in range(len(plan)) if i not in after), key=lambda i: (i not in waited_for, not plan[i][1].startswith("prorsa")))
     unlocked: list[int] = []
     running: dict[Future, int] = {}
     while todo or unlocked or running:
@@ -617,15 +616,14 @@ def _run_in_order(
             unlocked += sorted(j for j, first in after.items() if first == i)
 
 
-def _dependencies(plan: list[tuple[Case, str]], shown: int, prior: bool) -> dict[int, int]:
-    """The run each run of `plan` waits for: an oracle for the prorsa run of its case (whose
-    log it replays); with `prior`, each of the first `shown` runs that learns a prior for the
-    earlier run of its case."""
+def _dependencies(plan: list[tuple[Case, str]], shown: int, prior: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """The run each run of `plan` waits for, and of those the earlier runs: an oracle waits for
+    the prorsa run of its case (whose log it replays); with `prior`, each of the first `shown`
+    runs that learns a prior for the earlier run of its case (and starts from its log)."""
     index = {(c.key, p): i for i, (c, p) in enumerate(plan)}
-    after = {i: index[(c.key, "prorsa")] for i, (c, p) in enumerate(plan) if p == "oracle" and (c.key, "prorsa") in index}
-    if prior:
-        after |= {i: index[(prior_case(c).key, PRIOR_POLICY)] for i, (c, p) in enumerate(plan[:shown]) if learns_prior(p)}
-    return after
+    replays = {i: index[(c.key, "prorsa")] for i, (c, p) in enumerate(plan) if p == "oracle" and (c.key, "prorsa") in index}
+    priors = {i: index[(prior_case(c).key, PRIOR_POLICY)] for i, (c, p) in enumerate(plan[:shown]) if prior and learns_prior(p)}
+    return replays | priors, priors
 
 
 def run_suite(
@@ -679,7 +677,7 @@ def run_suite(
     shown = len(plan)  # the earlier runs the forecaster learns from are appended, and not shown
     if prior:
         plan += list({prior_case(c).key: (prior_case(c), PRIOR_POLICY) for c, p in plan if learns_prior(p)}.values())
-    after = _dependencies(plan, shown, prior)
+    after, priors = _dependencies(plan, shown, prior)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with (
         Progress(*columns, console=console) as progress,
@@ -692,13 +690,13 @@ def run_suite(
             case, policy = plan[i]
             run_dir = _run_dir(out, case, policy)
             oracle_log = _run_dir(out, case, "prorsa") / "events.parquet" if policy == "oracle" else None
-            prior_log = _run_dir(out, prior_case(case), PRIOR_POLICY) if prior and learns_prior(policy) and i < shown else None
+            prior_log = _run_dir(out, *plan[priors[i]]) if i in priors else None
             config = run_config(suite, case, policy, oracle_log, overrides, prior_log)
             return pool.submit(_run_one, (case, policy, msgspec.json.encode(config), str(run_dir), live))
 
         def done(i: int, future: Future) -> None:
             case, policy = plan[i]
-            records[i] = {**future.result(), "prior_seed": PRIOR_SEED if prior and learns_prior(policy) else None}
+            records[i] = {**future.result(), "prior_seed": plan[priors[i]][0].seed if i in priors else None}
             progress.update(bar, advance=1, description=f"{case.key}/{policy}")  # the key ends in the mode (and seed)
             (out / "results.partial.json").write_text(json.dumps([records[j] for j in sorted(records) if j < shown], indent=2) + "\n")
 

@@ -22,7 +22,7 @@ import polars as pl
 
 from actors.allocator.state import Demand, Fleet
 from bus_schemas.forecast import DemandForecast, TargetForecast
-from forecasting.series import UNIT_COST, TokenCost, bin_events, live_context_by_bin, totals
+from forecasting.series import UNIT_COST, TokenCost, bin_events, live_context_by_bin, missed_tokens, totals
 
 ORACLE_BIN_S = 1.0
 # the oracle's turn stages: those that start within this of now (a minute of the recorded run) [A]
@@ -138,7 +138,7 @@ class RecordedDemand:
         self.stages = [stage_spans(events, start, end) for start, end in STAGE_BOUNDS]
         appends = events.filter((pl.col("kind") == "prefill_done") & (pl.col("turn") > 0))
         self.append_s = appends["at_s"].to_numpy()
-        self.append_tokens = (appends["context_tokens"] - appends["cached_prefix_tokens"] + appends["new_tokens"]).to_numpy()
+        self.append_tokens = appends.select(missed_tokens())[:, 0].to_numpy()
 
     def turn_stage_s(self, now_s: float) -> tuple[float, float, float]:
         """A turn's mean seconds queued and prefilling, decoding, and in its tool call, over
