@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
 from actors.base.clock import ScaledClock
 from actors.base.publish import _RETRY_WALL_S, ACK_TIMEOUT_WALL_S, GIVE_UP_WALL_S, PublishFailed, publish_durable, pull_one
@@ -131,14 +131,18 @@ async def test_a_dead_lettered_turn_reruns_its_trajectory_from_the_start(bus, ti
         await asyncio.wait_for(running, timeout=20)
 
 
-async def test_a_rerun_of_a_trajectory_already_reported_is_not_reported_twice(bus, tiny_config):
-    """The environment's ack of a finished task was lost (a server restart, say): the task is
-    redelivered and rerun, and the stream says its FinishedTrajectory is a duplicate; the
-    rerun must not log a second `finished`."""
+@pytest.mark.parametrize("first_logged", [True, False])
+async def test_a_rerun_of_a_trajectory_already_reported_is_reported_and_logged_once(bus, tiny_config, first_logged: bool):
+    """The environment died, or its ack of a finished task was lost, after it reported the
+    trajectory: the task is redelivered and rerun, and the stream says its FinishedTrajectory
+    is a duplicate. The log holds one `finished` for it, whether or not the first run's was
+    stored before it died: the rerun's has the same id."""
     from actors.engine.actor import EngineActor
     from actors.environment.actor import EnvironmentActor
     from bus_schemas.control import Role
+    from bus_schemas.lifecycle import EventKind, LifecycleEvent
     from bus_schemas.train import TaskAssignment
+    from ops.export import read_stream
     from tests.actor_helpers import build, clock_for
     from tests.test_switch_protocol import until
 
@@ -147,6 +151,11 @@ async def test_a_rerun_of_a_trajectory_already_reported_is_not_reported_twice(bu
     env = build(EnvironmentActor, "env0", tiny_config, bus, clock=clock)
     engine = build(EngineActor, "e0", tiny_config, bus, Role.COLOCATED, clock=clock)
     await js.publish(subjects.train_finished(), b"reported before", headers={"Nats-Msg-Id": f"{env.run_tag}/s0-k0-g0"})
+    if first_logged:
+        first = LifecycleEvent(
+            event_id=f"{env.run_tag}/s0-k0-g0/finished", kind=EventKind.FINISHED, at_s=1.0, actor_id="env0", trajectory_id="s0-k0-g0"
+        )
+        await js.publish(subjects.lifecycle("finished"), encode(first), headers={"Nats-Msg-Id": first.event_id})
     task = TaskAssignment(
         trajectory_id="s0-k0-g0", task_id="s0-k0", task_family="math", sample_index=0, step=0, policy_version=0, seed=1, assigned_at_s=0.0
     )
@@ -157,8 +166,10 @@ async def test_a_rerun_of_a_trajectory_already_reported_is_not_reported_twice(bu
         await env.lifecycle.flush()
         assert (await js.stream_info(streams.TRAIN.name)).state.messages == 1  # stored once
         assert env.counters["finished"] == 1 and not env.live  # the task is done (acked)
-        with pytest.raises(NotFoundError):  # no `finished` event for it in the log
-            await js.get_last_msg(streams.LIFECYCLE.name, subjects.lifecycle("finished"))
+        events = await read_stream(js, streams.LIFECYCLE, subjects.lifecycle_all(), LifecycleEvent)
+        finished = [e for e in events if e.kind == EventKind.FINISHED]
+        assert [(e.trajectory_id, e.actor_id) for e in finished] == [("s0-k0-g0", "env0")]
+        assert (finished[0].at_s == 1.0) == first_logged  # the first run's, where it was stored
     finally:
         for a in (env, engine):
             a.request_stop("test over")

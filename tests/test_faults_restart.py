@@ -144,7 +144,7 @@ def test_kill_9_an_actor_mid_run_loses_and_duplicates_nothing(tmp_path: Path, ki
     assert summary["restarts"] == {f"{kind} {victim}": 1}
     assert [(d["actor"], d["exit_code"]) for d in summary["actor_deaths"]] == [(f"{kind} {victim}", -9)]
     assert summary["trajectories_expected"] == summary["trajectories_finished"] == len(ASSIGNED)
-    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0
+    assert summary["trajectories_lost"] == 0 and summary["incomplete_trajectories"] == 0, output  # it names what is missing
 
     events = pl.read_parquet(out / "events.parquet")
     finished = events.filter(pl.col("kind") == "finished")["trajectory_id"].to_list()

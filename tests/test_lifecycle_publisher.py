@@ -199,3 +199,35 @@ async def test_a_nats_server_killed_mid_burst_loses_and_duplicates_no_lifecycle_
     finally:
         await close(nc)
         server.stop()
+
+
+@pytest.mark.bus
+async def test_settled_waits_for_the_events_emitted_before_it_and_not_for_later_ones(tmp_path: Path):
+    """An actor reports work done only once its log is stored: `settled` returns when every
+    event emitted before the call is stored, not before (here the stream appears late), and
+    events emitted while it waits do not hold it (a window of 8 keeps most of them queued)."""
+    with EmbeddedNats(tmp_path / "nats") as server:  # no streams yet: every try is retried
+        nc = await connect(server.url, "test", LOG)
+        try:
+            js = nc.jetstream()
+            publisher = LifecyclePublisher(js, Counter(), LOG, ScaledClock(1.0), window=8)
+            publisher.start()
+            for i in range(20):
+                publisher.emit(event(f"before{i}"))
+            settled = asyncio.create_task(publisher.settled())
+            owed_then: list[int] = []
+            settled.add_done_callback(lambda _: owed_then.append(publisher.owed))
+            await until(lambda: publisher.in_flight > 0)
+            for i in range(2000):
+                publisher.emit(event(f"after{i}"))
+            await asyncio.wait({settled}, timeout=2 * ACK_TIMEOUT_WALL_S)
+            assert not settled.done()  # nothing is stored yet
+            await streams.ensure_streams(js)
+            await asyncio.wait_for(settled, timeout=30)
+            assert 1000 < owed_then[0] <= 2000  # the 20 before it were stored; it did not wait for the later ones
+            await asyncio.wait_for(publisher.flush(), timeout=60)
+            stored = await stored_ids(js)
+            assert stored == Counter([f"before{i}" for i in range(20)] + [f"after{i}" for i in range(2000)])
+            await publisher.close()
+        finally:
+            await close(nc)

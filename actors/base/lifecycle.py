@@ -19,7 +19,10 @@
    one, so every try ends inside the stream's duplicate window: past that an event is given
    up, counted (`lifecycle_publish_failures`) and logged; ``flush`` then raises PublishFailed.
 5. ``flush`` returns once every emitted event is acked; ``close`` flushes (counting, not
-   raising) and stops the sender.
+   raising) and stops the sender. ``settled`` returns once every event emitted before the
+   call is acked or given up, whatever is emitted meanwhile: an actor reports a piece of
+   work done only after its log is stored (a kill -9 between the two would otherwise lose
+   events of work the rest of the system counts as done).
 
 Owed events are checked every ``_TICK_WALL_S`` (a loop timer, armed only while any is owed)
 for a lost ack or a retry that is due.
@@ -191,6 +194,8 @@ class LifecyclePublisher:
         self._next_token = 0
         self._owed = 0  # emitted, neither acked nor given up
         self._given_up = 0  # since the last flush
+        self._emitted = 0  # events emitted so far: the n-th is sent under token n
+        self._waiters: list[tuple[int, asyncio.Future]] = []  # (token, settled): `settled` calls waiting
         self._idle = asyncio.Event()
         self._idle.set()
         self._wake = asyncio.Event()
@@ -208,6 +213,11 @@ class LifecyclePublisher:
         return self._owed
 
     @property
+    def stores_on_the_spot(self) -> bool:
+        """The in-process bus: it stores an event in this process, and dies with it."""
+        return self._direct
+
+    @property
     def in_flight(self) -> int:
         return len(self._awaiting) + len(self._retrying)
 
@@ -218,6 +228,7 @@ class LifecyclePublisher:
 
     def emit(self, event: LifecycleEvent) -> None:
         self._queue.append(event)
+        self._emitted += 1
         self._owed += 1
         self._idle.clear()
         self._counters["lifecycle_events"] += 1
@@ -233,6 +244,28 @@ class LifecyclePublisher:
         given_up, self._given_up = self._given_up, 0
         if given_up:
             raise PublishFailed(f"{given_up} lifecycle events not acked inside the duplicate window: given up")
+
+    async def settled(self) -> None:
+        """Return once every event emitted before this call is stored in the stream or given up
+        (counted); events emitted meanwhile do not hold it. The in-process bus returns at once:
+        it lives and dies with the actor, so no crash can separate an event from the work it
+        logs (and the simulation's order of loop turns stays the same)."""
+        if self._direct or self._settled_through(self._emitted):
+            return
+        if self._task is None:
+            raise RuntimeError("settled before start: nothing would ever be sent")
+        settled = asyncio.get_running_loop().create_future()
+        self._waiters.append((self._emitted, settled))
+        await asyncio.wait({settled, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if not settled.done():
+            self._task.result()  # the sender crashed: say why
+            raise RuntimeError("lifecycle publisher stopped with events owed")
+
+    def _settled_through(self, token: int) -> bool:
+        """Is every event up to the `token`-th sent and acked or given up?"""
+        if self._next_token < token:
+            return False
+        return all(t > token for t in self._awaiting) and all(t > token for t in self._retrying)
 
     async def close(self) -> None:
         """Flush (events given up are counted and logged, not raised) and stop."""
@@ -406,8 +439,21 @@ class LifecyclePublisher:
         self._owed -= 1
         if self._owed == 0:
             self._idle.set()
+        if self._waiters:
+            self._wake_settled()
         if not self._direct or self._retrying:
             self._wake.set()  # room in the window (stored on the spot, an event never waits for it)
+
+    def _wake_settled(self) -> None:
+        waiting = []
+        for token, settled in self._waiters:
+            if settled.done():
+                continue
+            if self._settled_through(token):
+                settled.set_result(None)
+            else:
+                waiting.append((token, settled))
+        self._waiters = waiting
 
     def _tick(self) -> None:
         self._timer = None

@@ -171,10 +171,11 @@ class Actor:
             await msg.term()
         return item
 
-    def event(self, kind, **fields: Any) -> LifecycleEvent:
-        """Build, emit and return a lifecycle event stamped with now."""
+    def event(self, kind, event_id: str = "", **fields: Any) -> LifecycleEvent:
+        """Build, emit and return a lifecycle event stamped with now (`event_id`: an id that
+        a rerun of the same work gives again, so the stream stores the event once)."""
         fields.setdefault("at_s", self.clock.now_s())
-        event = LifecycleEvent(event_id=self.new_id(), kind=kind, actor_id=self.actor_id, **fields)
+        event = LifecycleEvent(event_id=event_id or self.new_id(), kind=kind, actor_id=self.actor_id, **fields)
         self.lifecycle.emit(event)
         return event
 

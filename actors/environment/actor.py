@@ -335,6 +335,13 @@ class EnvironmentActor(Actor):
             finished_at_s=now_s,
             **self._outcome(t),
         )
+        # logged first, and the trainer hears of it only once the whole trajectory's log is
+        # stored. A kill -9 in between reruns it; on a bus that outlives this process, the
+        # rerun's `finished` has the same id and the stream stores it once (the in-process bus
+        # dies with the process; its drawn ids keep a simulation's order of simultaneous events)
+        rerun_id = "" if self.lifecycle.stores_on_the_spot else f"{self.run_tag}/{a.trajectory_id}/finished"
+        self._event(t, EventKind.FINISHED, event_id=rerun_id, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
+        await self.lifecycle.settled()
         stored = await publish_durable(
             self.js,
             subjects.train_finished(),
@@ -348,8 +355,6 @@ class EnvironmentActor(Actor):
         if getattr(stored, "duplicate", False):  # a rerun of one already reported (its task's ack was lost)
             self.counters["finished_again"] += 1
             self.log.warning("trajectory %s was already reported finished; not reporting it twice", a.trajectory_id)
-        else:
-            self._event(t, EventKind.FINISHED, generated_tokens=t.generated_tokens, reward=done.reward, at_s=now_s)
         with self.counting_bus_errors("ack_failures"):  # a lost ack reruns the task: the line above keeps that from counting twice
             await t.task_msg.ack()
         del self.live[a.trajectory_id]
