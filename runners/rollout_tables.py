@@ -309,6 +309,62 @@ def mismatch_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def _mismatch_ratios(rows: list[dict]) -> dict[str, float] | None:
+    """One seed of a mismatch row: prorsa's ratios (`MISMATCH_SPREAD`) from the seconds, and
+    its capacity errors at the first step's end; None without a prorsa run."""
+    by = {r["policy"]: r for r in rows}
+    measured, model, oracle, fixed = by.get("prorsa"), by.get("prorsa+model"), by.get("oracle"), best_fixed(rows)
+    if measured is None or fixed is None or model is None or oracle is None:
+        return None
+    p = measured["rollout_s"]
+    out = {"vs best fixed": fixed["rollout_s"] / p, "+model vs best fixed": fixed["rollout_s"] / model["rollout_s"]}
+    out |= {"measured over model": model["rollout_s"] / p, "of oracle": oracle["rollout_s"] / p}
+    errors = _learned_errors(measured)
+    return out | {f"{label} error": errors[name] for name, label in MISMATCH_FIGURES if name in errors}
+
+
+MISMATCH_SPREAD = ("vs best fixed", "+model vs best fixed", "measured over model", "of oracle")
+
+
+def mismatch_spread_lines(results: list[dict]) -> list[str]:
+    """The mismatch table across workload seeds: per row and mode run at more than one seed,
+    each of prorsa's ratios as median [lowest-highest] over the seeds, on how many seeds it
+    is at least 0.98x the seed's best fixed arrangement, and each capacity error at the first
+    step's end (measured) as median [lowest-highest]."""
+    keys = [k for k in dict.fromkeys(_case_key(r) for r in results) if k[0] == "mismatch"]
+    rows: dict[tuple, list[tuple[int, dict]]] = {}
+    for key in keys:
+        ratios = _mismatch_ratios([r for r in results if _case_key(r) == key])
+        if ratios is not None:
+            rows.setdefault((*key[:5], key[6]), []).append((key[5], ratios))
+    rows = {k: v for k, v in rows.items() if len(v) > 1}
+    if not rows:
+        return []
+    errors = [f"{label} error" for _, label in MISMATCH_FIGURES]
+    lines = _section(
+        "engines unlike their prior, across workload seeds: each ratio's median over the seeds [lowest-highest] (ratio > 1: prorsa faster); "
+        "at least 0.98x: seeds where prorsa is at least 0.98x that seed's best fixed arrangement; capacity errors measured, at the first step's end:",
+        "mode | seeds | " + " | ".join(MISMATCH_SPREAD) + " | at least 0.98x | " + " | ".join(errors) + " |",
+        "--- | --- | " + " | ".join("---:" for _ in MISMATCH_SPREAD) + " | ---: | " + " | ".join("---:" for _ in errors) + " |",
+    )
+    for (*row, mode), seeded in rows.items():
+        seeds, runs = [s for s, _ in seeded], [r for _, r in seeded]
+        cells = [_spread(_median_range([r[name] for r in runs])) for name in MISMATCH_SPREAD]
+        at_least = sum(1 for r in runs if r["vs best fixed"] >= 0.98)
+        spreads = [_median_range([r[e] for r in runs]) if all(e in r for r in runs) else None for e in errors]
+        error_cells = [f"{x[0]:+.1%} [{x[1]:+.1%}–{x[2]:+.1%}]" if x else "-" for x in spreads]
+        lines.append(
+            "| "
+            + " | ".join(map(str, row))
+            + f" | {mode} | {', '.join(map(str, seeds))} | "
+            + " | ".join(cells)
+            + f" | {at_least} of {len(runs)} | "
+            + " | ".join(error_cells)
+            + " |"
+        )
+    return lines
+
+
 def fleet_lines(compared: list[dict]) -> list[str]:
     """The per-fleet table of the main table's rows (`fleet_summary`), the README's results."""
     summary = fleet_summary(compared)
@@ -387,6 +443,7 @@ def results_markdown(results: list[dict]) -> str:
             )
     lines += fleet_lines(compared)
     lines += mismatch_lines(results)
+    lines += mismatch_spread_lines(results)
     lines += critical_path_lines(results, mode)
     modes = mode_comparisons(results)
     if modes:

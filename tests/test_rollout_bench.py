@@ -615,6 +615,44 @@ def test_the_mismatch_table_rates_prorsa_both_ways_against_the_best_fixed_arrang
     assert cells[12] == "+10.0% / -20.0%" and cells[14] == "+0.0% / +0.0%" and cells[13] == "-"
 
 
+def test_the_mismatch_table_across_seeds_gives_each_ratio_and_error_as_median_and_range():
+    from runners.rollout_tables import mismatch_spread_lines
+
+    def rec(seed: int, policy: str, rollout_s: float, prefill_error: float = 0.0) -> dict:
+        figures = {"prefill_s_per_token": [1.0 + prefill_error, 1.0]}
+        return {
+            "table": "mismatch",
+            "fleet": "moe",
+            "workload": "swe",
+            "trajectories_per_gpu": 32,
+            "variant": "truth kv x0.8",
+            "seed": seed,
+            "mode": "sync",
+            "policy": policy,
+            "rollout_s": rollout_s,
+            "learned": {"figures": figures} if policy.startswith("prorsa") else None,
+        }
+
+    results = []
+    # seed 1: prorsa 1000 against a best fixed 990 (static-2:6); seed 2: 1000 against 1100 (colocated-sticky)
+    for seed, fixed, model, oracle, error in (
+        (1, ("static-2:6", 990.0), 1010.0, 950.0, 0.05),
+        (2, ("colocated-sticky", 1100.0), 1000.0, 1000.0, -0.03),
+    ):
+        results += [rec(seed, fixed[0], fixed[1]), rec(seed, "static-4:4", 1500.0), rec(seed, "prorsa", 1000.0, error)]
+        results += [rec(seed, "prorsa+model", model), rec(seed, "oracle", oracle)]
+    results += [rec(3, "static-2:6", 900.0)]  # a seed without prorsa: no ratios, left out
+    (line,) = [ln for ln in mismatch_spread_lines(results) if ln.startswith("| mismatch")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5:7] == ["sync", "1, 2"]
+    assert cells[7] == "1.04x [0.99–1.10]"  # vs best fixed: 0.990 and 1.100
+    assert cells[8] == "1.04x [0.98–1.10]"  # +model vs best fixed: 990/1010 and 1100/1000
+    assert cells[9] == "1.00x [1.00–1.01]" and cells[10] == "0.97x [0.95–1.00]"
+    assert cells[11] == "2 of 2"
+    assert cells[12] == "+1.0% [-3.0%–+5.0%]" and cells[13:15] == ["-", "-"]
+    assert mismatch_spread_lines([r for r in results if r["seed"] == 1]) == []  # one seed: no spread
+
+
 def test_the_published_seeds_are_five_listed_in_the_bench_and_named_by_one_word():
     from runners.bench import parse_seeds
 
