@@ -12,7 +12,7 @@ import pytest
 
 from actors.allocator.capacity import CapacityModel
 from actors.allocator.demand import ORACLE_STAGE_WINDOW_S, RecordedDemand
-from actors.allocator.evaluator import Inputs, evaluate, return_engine_s
+from actors.allocator.evaluator import Inputs, evaluate, prefill_latency, return_engine_s, tpot
 from actors.allocator.policy import CONFIRM_DECISIONS, Split
 from actors.allocator.side_share import SideShare
 from actors.allocator.state import Demand
@@ -196,6 +196,60 @@ def test_the_oracle_reads_the_work_left_and_the_turn_stages_from_the_recorded_lo
     appends = log.filter((pl.col("kind") == "prefill_done") & (pl.col("turn") > 0) & in_window)
     missed = appends["context_tokens"] - appends["cached_prefix_tokens"] + appends["new_tokens"]
     assert math.isclose(recorded.turn_prefill_tokens(now_s), float(missed.mean()), rel_tol=1e-9) and missed.mean() > 0
+
+
+def role_switches(log: pl.DataFrame, switches: list[tuple[float, str, str]]) -> pl.DataFrame:
+    """`log` with role_switched events (at_s, engine, new role) added."""
+    rows = pl.DataFrame(
+        {
+            "event_id": [f"rs{i}" for i in range(len(switches))],
+            "kind": ["role_switched"] * len(switches),
+            "at_s": [at_s for at_s, _, _ in switches],
+            "actor_id": [engine for _, engine, _ in switches],
+            "role": [role for _, _, role in switches],
+        }
+    )
+    return pl.concat([log, rows], how="diagonal_relaxed")
+
+
+def test_the_oracle_knows_the_arrangement_the_recorded_run_timed_its_stages_in():
+    """The recorded run starts colocated, splits 1:3 at 100 s (its engines switching over two
+    seconds) and colocates again at 300 s: the stage window from now reads the arrangement it
+    held longest in the window, the earlier on a tie."""
+    log = synthetic_log(trajectories=50, seed=3, spread_s=60.0, max_turns=3, min_turns=3)
+    split = [(100.0, "e0", "prefill"), (101.0, "e1", "decode"), (101.0, "e2", "decode"), (102.0, "e3", "decode")]
+    back = [(300.0, f"e{i}", "colocated") for i in range(4)]
+    recorded = RecordedDemand(role_switches(log, split + back), initial={f"e{i}": "colocated" for i in range(4)})
+    assert [recorded.arrangement_at(t) for t in (0.0, 99.0, 100.0, 101.5, 150.0, 300.0)] == [0, 0, 1, 1, 1, 0]
+    assert recorded.stages_timed_in(10.0) == 0 and recorded.stages_timed_in(80.0) == 1  # 80 s: 40 s of the window split
+    assert recorded.stages_timed_in(200.0) == 1 and recorded.stages_timed_in(280.0) == 0  # 280 s: 40 s back colocated
+    assert recorded.stages_timed_in(70.0) == 0  # a tie (30 s each): the earlier
+    static = RecordedDemand(log, initial={"e0": "prefill", "e1": "decode", "e2": "decode", "e3": "decode"})
+    assert static.stages_timed_in(0.0) == 1  # no switch: the roles it started in
+
+
+def test_stage_times_timed_in_another_arrangement_are_scaled_from_it():
+    """The oracle is colocated while the recorded run it reads was in the best split: the
+    recorded stage times are that split's, so they are scaled from it, and the finish times are
+    those of the same turns timed in colocation: the arrangement of now moves only the switch
+    costs. Read as colocation's own (as if timed there), colocation would look as fast as the
+    split."""
+    stage_s, left_s = STALLED.turn_stage_s, 1000.0
+    timed_colocated = evaluate(inputs(STALLED, current=0, stage_s=stage_s, remaining_s=left_s))
+    b = timed_colocated.best
+    assert b != 0
+    # the same turns timed in b: each stage as the evaluator scales it there, the tool call unchanged
+    at = inputs(STALLED, current=0, stage_s=stage_s)
+    prefill_s, decode_s, tool_s = stage_s
+    split_stage_s = (prefill_s * prefill_latency(at, b) / prefill_latency(at, 0), decode_s * tpot(at, b) / tpot(at, 0), tool_s)
+    ratio = sum(split_stage_s) / sum(stage_s)
+    assert ratio < 0.9
+    timed_split = evaluate(inputs(STALLED, current=0, stage_s=split_stage_s, remaining_s=left_s * ratio, timed_in=b))
+    for a in range(4):
+        assert math.isclose(timed_split.finish_s[a], timed_colocated.finish_s[a], rel_tol=1e-9), a
+    assert timed_split.cost_s == timed_colocated.cost_s  # switches are from the fleet's arrangement
+    naive = evaluate(inputs(STALLED, current=0, stage_s=split_stage_s, remaining_s=left_s * ratio))
+    assert math.isclose(naive.finish_s[0], left_s * ratio) and naive.finish_s[0] < 0.9 * timed_split.finish_s[0]
 
 
 def test_a_splits_prefill_side_share_is_read_from_its_engines_counters():

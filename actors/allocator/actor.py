@@ -79,7 +79,11 @@ class AllocatorActor(Actor):
         self.epoch = 0
         self.forecast: DemandForecast | None = None
         self.recorded = (
-            RecordedDemand(load_events(config.allocator.oracle_log), TokenCost.prefill_of(config.engines.cost_preset(Role.PREFILL)))
+            RecordedDemand(
+                load_events(config.allocator.oracle_log),
+                TokenCost.prefill_of(config.engines.cost_preset(Role.PREFILL)),
+                {engine_id: role.value for engine_id, role in initial_roles(config).items()},
+            )
             if config.run.policy == "oracle"
             else None
         )

@@ -7,7 +7,9 @@
   (forecast flows count work done, which under-states demand while a stage is the
   bottleneck);
 * `RecordedDemand` (`oracle`): the true demand over the horizon, read from the lifecycle log
-  of a recorded run of the same workload, plus the backlog of now.
+  of a recorded run of the same workload, plus the backlog of now. The log's stage times and
+  work left were timed in the recorded run's arrangement, which its role switches tell
+  (`Demand.stages_timed_in`), not in the oracle's own.
 
 The forecast and the log also give the prefill engine-seconds of the cache-missed tokens
 (`prefill_engine_s`: each prefill priced by its context); the demand carries them as the
@@ -16,6 +18,9 @@ the prefill tokens in the load model.
 """
 
 from __future__ import annotations
+
+import bisect
+from collections import Counter
 
 import numpy as np
 import polars as pl
@@ -29,6 +34,25 @@ ORACLE_BIN_S = 1.0
 ORACLE_STAGE_WINDOW_S = 60.0
 # a turn's stages in the log: queued and prefilling, decoding, in its tool call
 STAGE_BOUNDS = (("prefill_queued", "decode_started"), ("decode_started", "decode_done"), ("tool_started", "tool_done"))
+
+
+def arrangements(events: pl.DataFrame, initial: dict[str, str]) -> tuple[list[float], list[int]]:
+    """A run's arrangement over time from its role switches: (the model times it changed,
+    the arrangement before the first and after each), an arrangement being its prefill
+    engines, 0 where none prefills or decodes. Engines start in their `initial` role."""
+    roles = dict(initial)
+    switches = events.filter(pl.col("kind") == "role_switched").sort("at_s", "event_id")
+
+    def arrangement() -> int:
+        split = any(role != "colocated" for role in roles.values())
+        return sum(role == "prefill" for role in roles.values()) if split else 0
+
+    times, held = [], [arrangement()]
+    for at_s, engine_id, role in switches.select("at_s", "actor_id", "role").iter_rows():
+        roles[engine_id] = role
+        times.append(at_s)
+        held.append(arrangement())
+    return times, held
 
 
 def backlog_tokens_per_s(fleet: Fleet, horizon_s: float) -> float:
@@ -119,7 +143,9 @@ def stage_spans(events: pl.DataFrame, start_kind: str, end_kind: str) -> tuple[n
 class RecordedDemand:
     """The true per-second demand of a recorded run (its lifecycle frame), by model time."""
 
-    def __init__(self, events: pl.DataFrame, cost: TokenCost = UNIT_COST) -> None:
+    def __init__(self, events: pl.DataFrame, cost: TokenCost = UNIT_COST, initial: dict[str, str] | None = None) -> None:
+        """`initial`: each engine's role at the recorded run's start (it started as this run
+        does; none given: colocated)."""
         series = bin_events(events, ORACLE_BIN_S, cost=cost)
         self.cost = cost
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
@@ -139,6 +165,17 @@ class RecordedDemand:
         appends = events.filter((pl.col("kind") == "prefill_done") & (pl.col("turn") > 0))
         self.append_s = appends["at_s"].to_numpy()
         self.append_tokens = appends.select(missed_tokens())[:, 0].to_numpy()
+        self.switch_s, self.arrangements = arrangements(events, initial or {})
+
+    def arrangement_at(self, at_s: float) -> int:
+        """The recorded run's arrangement at `at_s` (prefill engines, 0: colocated)."""
+        return self.arrangements[bisect.bisect_right(self.switch_s, at_s)]
+
+    def stages_timed_in(self, now_s: float) -> int:
+        """The arrangement the recorded run held longest over `ORACLE_STAGE_WINDOW_S` from
+        `now_s`, the window `turn_stage_s` reads (the earliest, on a tie)."""
+        held = Counter(self.arrangement_at(now_s + k * ORACLE_BIN_S) for k in range(int(ORACLE_STAGE_WINDOW_S / ORACLE_BIN_S)))
+        return max(held, key=held.__getitem__)
 
     def turn_stage_s(self, now_s: float) -> tuple[float, float, float]:
         """A turn's mean seconds queued and prefilling, decoding, and in its tool call, over
@@ -183,4 +220,5 @@ class RecordedDemand:
             remaining_s=self.remaining_s(fleet.now_s),
             turn_stage_s=self.turn_stage_s(fleet.now_s),
             turn_prefill_tokens=self.turn_prefill_tokens(fleet.now_s),
+            stages_timed_in=self.stages_timed_in(fleet.now_s),
         )

@@ -6,7 +6,9 @@ P:D split (index P, 1 .. n-1). For the arrangement now, c, and each candidate a:
     finish_s(a) = h x pace(a) / pace(c)  +  (remaining_s - h) x pace'(a) / pace'(c)  +  switch_engine_s(c -> a) / n
 
 * remaining_s: the live trajectories' mean model seconds of work left at the pace of now
-  (`Demand.remaining_s`, the forecaster's; the horizon where it is not known yet);
+  (`Demand.remaining_s`, the forecaster's; the horizon where it is not known yet). The
+  oracle's are a recorded run's, timed in that run's arrangement: c is then that arrangement
+  in the paces (`Inputs.timed_in`), and stays the fleet's in the switch costs;
 * h: the forecast horizon's seconds of it (at most remaining_s), paced at the horizon's
   demand; pace': the rest, paced at the live trajectories' mean demand while their work
   lasts (`Demand.over_work_left`, Little's law: a step's opening burst is the horizon's, not
@@ -69,11 +71,21 @@ class Inputs:
     # the horizon's demand stands for all of it
     later: tuple[Demand, Demand] | None = None
     horizon_s: float = 0.0  # the forecast horizon `colocated_demand` and `split_demand` are of
+    # the arrangement `stage_s` and `remaining_s` were timed in (-1: `current`; the oracle's are
+    # a recorded run's, `Demand.stages_timed_in`)
+    timed_in: int = -1
 
     @property
     def now_ruled_out(self) -> bool:
         """The fleet is colocated where the operator ruled colocation out: it leaves at once."""
         return self.current == 0 and not self.colocation
+
+    @property
+    def timed(self) -> int:
+        """The arrangement the paces are scaled from and the work left is timed in: where the
+        stages were timed (the arrangement of now, unless given), or now's for a saturated
+        fleet's rates, which are not scaled from a timing."""
+        return self.current if self.timed_in < 0 or self.rates is not None else self.timed_in
 
     def after_horizon(self) -> Inputs | None:
         """These inputs at the demand after the horizon; None where the horizon's stands for
@@ -116,8 +128,8 @@ def pace(inputs: Inputs, a: int) -> float:
         rate = inputs.rates[a]
         return 1.0 / rate if rate > 0 else math.inf
     prefill_s, decode_s, tool_s = inputs.stage_s
-    if prefill_s + decode_s > 0:  # a turn's stages as measured now, each scaled from now to `a`
-        c = inputs.current
+    if prefill_s + decode_s > 0:  # a turn's stages as measured, each scaled from where they were timed to `a`
+        c = inputs.timed
         return prefill_s * prefill_latency(inputs, a) / prefill_latency(inputs, c) + decode_s * tpot(inputs, a) / tpot(inputs, c) + tool_s
     if a == 0:
         return max(1.0, colocated_load(inputs.colocated_demand, inputs.cap, inputs.util, inputs.n) / inputs.n)
@@ -210,8 +222,9 @@ def evaluate(inputs: Inputs) -> Evaluation:
     runs = [holds(inputs, a) and math.isfinite(near[a]) and math.isfinite(far[a]) for a in candidates]
 
     def against_now(paces: list[float]) -> list[float]:
-        """Each pace over now's; where now has none or is ruled out, over the fastest that runs."""
-        reference = paces[inputs.current]
+        """Each pace over the pace the work left was timed at (now's, `Inputs.timed`); where
+        that has none or now is ruled out, over the fastest that runs."""
+        reference = paces[inputs.timed]
         if not math.isfinite(reference) or inputs.now_ruled_out:
             reference = min((paces[a] for a in candidates if runs[a]), default=math.inf)
         return [p / reference for p in paces]

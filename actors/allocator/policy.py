@@ -242,6 +242,7 @@ class Split:
             stage_s=demand.turn_stage_s,
             rates=self._saturated_rates(demand, cap, n, current, colocated_now),
             colocation=self.config.colocation != "never",
+            timed_in=demand.stages_timed_in,
         )
         evaluation = evaluate(inputs)
         best, where = evaluation.best, f"{evaluation.note()} ({demand.source})"

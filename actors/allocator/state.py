@@ -104,6 +104,9 @@ class Demand:
     # pace of now (the forecaster's; 0s: not known)
     turn_stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     turn_prefill_tokens: float = 0.0  # an append's mean cache-missed prefill tokens (the forecaster's; 0: not known)
+    # the arrangement `turn_stage_s` and `remaining_s` were timed in (prefill engines, 0: colocated;
+    # -1: the fleet's of now). The oracle's are a recorded run's, timed in that run's arrangement
+    stages_timed_in: int = -1
 
     @property
     def prefill_flow_tokens_per_s(self) -> float:
