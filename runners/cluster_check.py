@@ -98,11 +98,15 @@ def write_config(path: Path, cluster: LocalCluster, stamp: str, time_scale: floa
 
 def control_summary(out: Path) -> dict:
     """The control host's summary.json under `out`, with `lifecycle_events_emitted` (what the
-    actors acked) and `lifecycle_events_missing` (acked but absent from the exported log)."""
+    actors acked) and `lifecycle_events_missing` (acked but absent from the exported log). A
+    rerun of a trajectory already reported (its task's ack lost with a server) logs its
+    `finished` again under the first one's id, and the stream keeps one (`finished_again`)."""
     path = out / "control" / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {"status": "no summary"}
-    emitted = sum(c.get("lifecycle_events", 0) for c in summary.get("actors", {}).values())
-    return summary | {"lifecycle_events_emitted": emitted, "lifecycle_events_missing": max(0, emitted - summary.get("events", 0))}
+    actors = summary.get("actors", {}).values()
+    emitted = sum(c.get("lifecycle_events", 0) for c in actors)
+    stored_once = emitted - sum(c.get("finished_again", 0) for c in actors)
+    return summary | {"lifecycle_events_emitted": emitted, "lifecycle_events_missing": max(0, stored_once - summary.get("events", 0))}
 
 
 def start_launcher(config: Path, out: Path, url: str, groups: list[str]) -> subprocess.Popen:
