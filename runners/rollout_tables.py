@@ -275,6 +275,33 @@ def _error_cell(measured: float | None, model: float | None) -> str:
     return f"{measured:+.1%}" + (f" / {model:+.1%}" if model is not None else "")
 
 
+MISMATCH_SPREAD = ("vs best fixed", "+model vs best fixed", "measured over model", "of oracle")
+
+
+def _mismatch_case(rows: list[dict]) -> dict | None:
+    """One mismatch row at one seed: prorsa's run (measured), prorsa+model's, the best fixed
+    arrangement, prorsa's ratios `MISMATCH_SPREAD` from the seconds (None where a run is
+    missing), and the capacity errors each pricing had at the first step's end; None without
+    a prorsa run."""
+    by = {r["policy"]: r for r in rows}
+    measured, model, oracle, fixed = by.get("prorsa"), by.get("prorsa+model"), by.get("oracle"), best_fixed(rows)
+    if measured is None:
+        return None
+
+    def over(base: dict | None, run: dict | None) -> float | None:
+        return base["rollout_s"] / run["rollout_s"] if base and run and base["rollout_s"] and run["rollout_s"] > 0 else None
+
+    ratios = (over(fixed, measured), over(fixed, model), over(model, measured), over(oracle, measured))
+    return {"measured": measured, "fixed": fixed, **dict(zip(MISMATCH_SPREAD, ratios))} | {
+        "errors": _learned_errors(measured),
+        "model errors": _learned_errors(model),
+    }
+
+
+def _x3(ratio: float | None) -> str:
+    return _x(round(ratio, 3) if ratio is not None else None)
+
+
 def mismatch_lines(results: list[dict]) -> list[str]:
     """The mismatch table: per row (engines whose truth differs from their prior), prorsa priced
     by measurement and by the cost model alone against the best fixed arrangement in hindsight
@@ -292,66 +319,54 @@ def mismatch_lines(results: list[dict]) -> list[str]:
         "--- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in MISMATCH_FIGURES) + " |",
     )
     for key in keys:
-        rows = [r for r in results if _case_key(r) == key]
-        by = {r["policy"]: r for r in rows}
-        measured, model, oracle, fixed = by.get("prorsa"), by.get("prorsa+model"), by.get("oracle"), best_fixed(rows)
-        if measured is None:
+        case = _mismatch_case([r for r in results if _case_key(r) == key])
+        if case is None:
             continue
-        p = measured["rollout_s"]
-        fixed_s = fixed["rollout_s"] if fixed else None
-        errors = [_error_cell(_learned_errors(measured).get(n), _learned_errors(model).get(n)) for n, _ in MISMATCH_FIGURES]
+        fixed = case["fixed"]
+        errors = [_error_cell(case["errors"].get(n), case["model errors"].get(n)) for n, _ in MISMATCH_FIGURES]
         seed = f", seed {key[5]}" if key[5] is not None else ""
         lines.append(
-            _row(measured) + f"{key[6]}{seed} | {_s(fixed_s)} ({fixed['policy'] if fixed else '-'}) | {p:.1f} | {_x(_ratio(fixed_s, p))} | "
-            f"{_x(_ratio(fixed_s, model['rollout_s'])) if model else '-'} | {_x(_ratio(model['rollout_s'], p)) if model else '-'} | "
-            f"{_x(_ratio(oracle['rollout_s'], p)) if oracle else '-'} | " + " | ".join(errors) + " |"
+            _row(case["measured"])
+            + f"{key[6]}{seed} | {_s(fixed['rollout_s'] if fixed else None)} ({fixed['policy'] if fixed else '-'}) | {case['measured']['rollout_s']:.1f} | "
+            + " | ".join(_x3(case[name]) for name in MISMATCH_SPREAD)
+            + " | "
+            + " | ".join(errors)
+            + " |"
         )
     return lines
 
 
-def _mismatch_ratios(rows: list[dict]) -> dict[str, float] | None:
-    """One seed of a mismatch row: prorsa's ratios (`MISMATCH_SPREAD`) from the seconds, and
-    its capacity errors at the first step's end; None without a prorsa run."""
-    by = {r["policy"]: r for r in rows}
-    measured, model, oracle, fixed = by.get("prorsa"), by.get("prorsa+model"), by.get("oracle"), best_fixed(rows)
-    if measured is None or fixed is None or model is None or oracle is None:
-        return None
-    p = measured["rollout_s"]
-    out = {"vs best fixed": fixed["rollout_s"] / p, "+model vs best fixed": fixed["rollout_s"] / model["rollout_s"]}
-    out |= {"measured over model": model["rollout_s"] / p, "of oracle": oracle["rollout_s"] / p}
-    errors = _learned_errors(measured)
-    return out | {f"{label} error": errors[name] for name, label in MISMATCH_FIGURES if name in errors}
-
-
-MISMATCH_SPREAD = ("vs best fixed", "+model vs best fixed", "measured over model", "of oracle")
-
-
 def mismatch_spread_lines(results: list[dict]) -> list[str]:
     """The mismatch table across workload seeds: per row and mode run at more than one seed,
-    each of prorsa's ratios as median [lowest-highest] over the seeds, on how many seeds it
-    is at least 0.98x the seed's best fixed arrangement, and each capacity error at the first
-    step's end (measured) as median [lowest-highest]."""
+    each of prorsa's ratios as median [lowest-highest] over the seeds (those with every run),
+    on how many seeds it is at least 0.98x the seed's best fixed arrangement, and each
+    capacity error at the first step's end (measured) as median [lowest-highest]."""
     keys = [k for k in dict.fromkeys(_case_key(r) for r in results) if k[0] == "mismatch"]
     rows: dict[tuple, list[tuple[int, dict]]] = {}
     for key in keys:
-        ratios = _mismatch_ratios([r for r in results if _case_key(r) == key])
-        if ratios is not None:
-            rows.setdefault((*key[:5], key[6]), []).append((key[5], ratios))
+        case = _mismatch_case([r for r in results if _case_key(r) == key])
+        if case is not None and all(case[name] is not None for name in MISMATCH_SPREAD):
+            rows.setdefault((*key[:5], key[6]), []).append((key[5], case))
     rows = {k: v for k, v in rows.items() if len(v) > 1}
     if not rows:
         return []
-    errors = [f"{label} error" for _, label in MISMATCH_FIGURES]
     lines = _section(
         "engines unlike their prior, across workload seeds: each ratio's median over the seeds [lowest-highest] (ratio > 1: prorsa faster); "
         "at least 0.98x: seeds where prorsa is at least 0.98x that seed's best fixed arrangement; capacity errors measured, at the first step's end:",
-        "mode | seeds | " + " | ".join(MISMATCH_SPREAD) + " | at least 0.98x | " + " | ".join(errors) + " |",
-        "--- | --- | " + " | ".join("---:" for _ in MISMATCH_SPREAD) + " | ---: | " + " | ".join("---:" for _ in errors) + " |",
+        "mode | seeds | "
+        + " | ".join(MISMATCH_SPREAD)
+        + " | at least 0.98x | "
+        + " | ".join(f"{label} error" for _, label in MISMATCH_FIGURES)
+        + " |",
+        "--- | --- | " + " | ".join("---:" for _ in MISMATCH_SPREAD) + " | ---: | " + " | ".join("---:" for _ in MISMATCH_FIGURES) + " |",
     )
     for (*row, mode), seeded in rows.items():
         seeds, runs = [s for s, _ in seeded], [r for _, r in seeded]
         cells = [_spread(_median_range([r[name] for r in runs])) for name in MISMATCH_SPREAD]
         at_least = sum(1 for r in runs if r["vs best fixed"] >= 0.98)
-        spreads = [_median_range([r[e] for r in runs]) if all(e in r for r in runs) else None for e in errors]
+        spreads = [
+            _median_range([r["errors"][n] for r in runs]) if all(n in r["errors"] for r in runs) else None for n, _ in MISMATCH_FIGURES
+        ]
         error_cells = [f"{x[0]:+.1%} [{x[1]:+.1%}–{x[2]:+.1%}]" if x else "-" for x in spreads]
         lines.append(
             "| "

@@ -210,7 +210,8 @@ async def test_settled_waits_for_the_events_emitted_before_it_and_not_for_later_
         nc = await connect(server.url, "test", LOG)
         try:
             js = nc.jetstream()
-            publisher = LifecyclePublisher(js, Counter(), LOG, ScaledClock(1.0), window=8)
+            counters: Counter = Counter()
+            publisher = LifecyclePublisher(js, counters, LOG, ScaledClock(1.0), window=8)
             publisher.start()
             for i in range(20):
                 publisher.emit(event(f"before{i}"))
@@ -220,7 +221,7 @@ async def test_settled_waits_for_the_events_emitted_before_it_and_not_for_later_
             await until(lambda: publisher.in_flight > 0)
             for i in range(2000):
                 publisher.emit(event(f"after{i}"))
-            await asyncio.wait({settled}, timeout=2 * ACK_TIMEOUT_WALL_S)
+            await until(lambda: counters["lifecycle_publish_retries"] >= 16)  # every one of the window's tries refused, twice
             assert not settled.done()  # nothing is stored yet
             await streams.ensure_streams(js)
             await asyncio.wait_for(settled, timeout=30)

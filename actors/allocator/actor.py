@@ -82,7 +82,7 @@ class AllocatorActor(Actor):
             RecordedDemand(
                 load_events(config.allocator.oracle_log),
                 TokenCost.prefill_of(config.engines.cost_preset(Role.PREFILL)),
-                {engine_id: role.value for engine_id, role in initial_roles(config).items()},
+                initial_roles(config),
             )
             if config.run.policy == "oracle"
             else None

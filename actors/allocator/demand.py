@@ -144,8 +144,8 @@ class RecordedDemand:
     """The true per-second demand of a recorded run (its lifecycle frame), by model time."""
 
     def __init__(self, events: pl.DataFrame, cost: TokenCost = UNIT_COST, initial: dict[str, str] | None = None) -> None:
-        """`initial`: each engine's role at the recorded run's start (it started as this run
-        does; none given: colocated)."""
+        """`initial`: each engine's role (a `Role` or its name) at the recorded run's start (it
+        started as this run does; none given: colocated)."""
         series = bin_events(events, ORACLE_BIN_S, cost=cost)
         self.cost = cost
         self.prefill_tokens = np.asarray(totals(series, "prefill_miss_tokens"), dtype=float)
